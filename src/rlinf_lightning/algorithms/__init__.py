@@ -1,0 +1,9 @@
+"""Algorithms: advantage estimators and policy losses, looked up by name in :data:`ALGORITHMS`."""
+
+from rlinf_lightning.algorithms.grpo import GRPO
+from rlinf_lightning.registry import Registry
+
+ALGORITHMS: Registry[type] = Registry("algorithm")
+ALGORITHMS.register("grpo", GRPO)
+
+__all__ = ["ALGORITHMS", "GRPO"]

@@ -1,0 +1,64 @@
+"""Policy losses as pure functions: per-token terms, then one aggregation.
+
+Every loss here returns a **sum** and the **count** it should be divided by. The actor sums these
+over all micro-batches of a global batch and divides the accumulated gradient by the total count
+once before the optimizer step, so the update is the same whatever the micro-batch size (up to
+float summation order). That is what lets a pipelined plan compute the same update as a
+collocated one.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+
+
+def ppo_clip_per_token(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate ``-min(rA, clip(r, 1-lo, 1+hi)A)`` per token; also whether it clipped.
+
+    ``advantages`` broadcasts against ``logprobs`` (e.g. ``[B, 1]`` sequence-level advantages).
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    return loss, (clipped < unclipped).to(logprobs.dtype)
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi || ref): ``exp(ref - logp) - (ref - logp) - 1`` (>= 0)."""
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1.0
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: LossAgg) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduce per-token ``values`` under ``mask`` to ``(sum, count)`` for the chosen aggregation.
+
+    * ``token-mean``: every valid token weighs the same (sum of tokens / number of tokens).
+    * ``seq-mean-token-mean``: mean per sequence, then mean over sequences (GRPO paper).
+    * ``seq-mean-token-sum``: sum per sequence, then mean over sequences (Dr. GRPO style).
+    """
+    mask = mask.to(values.dtype)
+    if mode == "token-mean":
+        return (values * mask).sum(), mask.sum()
+    per_seq = (values * mask).sum(-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / mask.sum(-1).clamp_min(1.0)
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"unknown loss aggregation {mode!r}")
+    return per_seq.sum(), torch.tensor(float(values.shape[0]), dtype=values.dtype)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp_min(1.0)

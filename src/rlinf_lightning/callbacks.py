@@ -1,0 +1,60 @@
+"""Lightning-style callbacks: hooks named as in Lightning, called by :class:`RLTrainer`."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlinf_lightning.trainer import RLTrainer
+
+
+class Callback:
+    """Override any hook. ``metrics`` are flat ``{"stage/name": value}`` dicts as logged."""
+
+    def on_fit_start(self, trainer: RLTrainer, policy: Any) -> None: ...
+
+    def on_iteration_start(self, trainer: RLTrainer, iteration: int) -> None: ...
+
+    def on_iteration_end(self, trainer: RLTrainer, iteration: int, metrics: dict[str, float]) -> None: ...
+
+    def on_evaluation_end(self, trainer: RLTrainer, iteration: int, accuracy: float) -> None: ...
+
+    def on_save_checkpoint(self, trainer: RLTrainer, path: str) -> None: ...
+
+    def on_fit_end(self, trainer: RLTrainer, summary: dict[str, Any]) -> None: ...
+
+    def on_exception(self, trainer: RLTrainer, exception: BaseException) -> None: ...
+
+
+class ProgressBar(Callback):
+    """One live line per iteration: reward, accuracy, seconds per stage, throughput.
+
+    Uses ``rich`` for colour on a terminal and plain text elsewhere (CI logs, files).
+    """
+
+    def __init__(self, refresh_every: int = 1) -> None:
+        self.refresh_every = max(1, refresh_every)
+
+    def on_fit_start(self, trainer, policy) -> None:
+        from rich.console import Console
+
+        self.console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
+        self.t0 = time.perf_counter()
+
+    def on_iteration_end(self, trainer, iteration, metrics) -> None:
+        if iteration % self.refresh_every and iteration != trainer.max_iterations:
+            return
+        stage_s = " ".join(
+            f"{k.split('/')[1]} {v:.2f}s" for k, v in metrics.items() if k.startswith("time/") and k != "time/iteration"
+        )
+        self.console.print(
+            f"[bold]it {iteration:>4}/{trainer.max_iterations}[/bold]"
+            f"  reward [green]{metrics.get('reward/reward', float('nan')):.3f}[/green]"
+            f"  acc [green]{metrics.get('reward/accuracy', float('nan')):.3f}[/green]"
+            f"  | {stage_s} | {metrics.get('perf/samples_per_s', 0):.0f} samples/s"
+        )
+
+    def on_evaluation_end(self, trainer, iteration, accuracy) -> None:
+        self.console.print(f"[cyan]eval @ it {iteration}: held-out accuracy {accuracy:.3f}[/cyan]")

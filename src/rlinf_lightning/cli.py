@@ -1,0 +1,142 @@
+"""``rlinf`` command line (jsonargparse / LightningCLI conventions).
+
+    rlinf prepare                                   # build the tiny model and the arithmetic data
+    rlinf sft --config configs/math_sft_tiny.yaml   # warm start (cached)
+    rlinf fit --config configs/math_grpo_tiny.yaml --trainer.max_iterations=3
+    rlinf fit --config configs/math_grpo_tiny.yaml --print_config
+    rlinf plugins                                   # what is registered, built-in and from plugins
+
+Every constructor argument of ``RLTrainer``, ``LMPolicy`` and ``MathTask`` is a config key under
+``trainer.``, ``policy.`` and ``task.``; unknown keys and wrong types are rejected by name.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from jsonargparse import ActionConfigFile, ArgumentParser
+
+from rlinf_lightning.errors import ConfigError
+
+
+def prepare(
+    model_dir: str = "artifacts/tiny-qwen2",
+    data_dir: str = "data/arithmetic",
+    n_train: int = 20000,
+    n_test: int = 500,
+    operands: int = 2,
+    max_value: int = 49,
+    ops: str = "+",
+    seed: int = 0,
+) -> None:
+    """Build the tiny model (if absent) and write arithmetic train/test JSONL (if absent).
+
+    Args:
+        model_dir: where the tiny Qwen2 and its character tokenizer are saved.
+        data_dir: where ``train.jsonl`` and ``test.jsonl`` are written.
+        n_train: training problems.
+        n_test: held-out problems (never in the training split).
+        operands: numbers per problem (difficulty).
+        max_value: largest operand (difficulty).
+        ops: operators drawn from, e.g. ``+`` or ``+-*``.
+        seed: generator seed.
+    """
+    from rlinf_lightning.assets import build_tiny_qwen2, is_model_dir
+    from rlinf_lightning.tasks.data import make_arithmetic_splits
+
+    if is_model_dir(model_dir):
+        print(f"prepare: model exists at {model_dir}")
+    else:
+        build_tiny_qwen2(model_dir)
+        print(f"prepare: built tiny Qwen2 at {model_dir}")
+    if (Path(data_dir) / "train.jsonl").is_file() and (Path(data_dir) / "test.jsonl").is_file():
+        print(f"prepare: data exists in {data_dir}")
+    else:
+        make_arithmetic_splits(
+            data_dir, n_train=n_train, n_test=n_test, operands=operands, max_value=max_value, ops=ops, seed=seed
+        )
+        print(f"prepare: wrote {n_train} train / {n_test} test problems to {data_dir}")
+
+
+def _fit_parser() -> ArgumentParser:
+    from rlinf_lightning.policies.lm import LMPolicy
+    from rlinf_lightning.tasks.math import MathTask
+    from rlinf_lightning.trainer import RLTrainer
+
+    p = ArgumentParser(description="Train a policy with RL.", exit_on_error=True)
+    p.add_argument("--config", action=ActionConfigFile, help="YAML config file")
+    p.add_class_arguments(RLTrainer, "trainer")
+    p.add_class_arguments(LMPolicy, "policy")
+    p.add_class_arguments(MathTask, "task")
+    p.add_argument("--ckpt_path", type=str | None, default=None, help='checkpoint directory or "last" to resume')
+    return p
+
+
+def _function_parser(fn, description: str) -> ArgumentParser:
+    p = ArgumentParser(description=description)
+    p.add_argument("--config", action=ActionConfigFile, help="YAML config file")
+    p.add_function_arguments(fn)
+    return p
+
+
+def build_parser() -> ArgumentParser:
+    from rlinf_lightning.sft import run_sft
+
+    parser = ArgumentParser(prog="rlinf", description="rlinf-lightning: RL post-training")
+    sub = parser.add_subcommands(dest="command")
+    sub.add_subcommand("fit", _fit_parser(), help="RL training (GRPO, ...)")
+    sub.add_subcommand("sft", _function_parser(run_sft, "Supervised warm start."), help="supervised warm start")
+    sub.add_subcommand("prepare", _function_parser(prepare, "Build tiny assets."), help="build model + data")
+    sub.add_subcommand("plugins", ArgumentParser(), help="list registered components")
+    return parser
+
+
+def list_plugins() -> None:
+    from rlinf_lightning.algorithms import ALGORITHMS
+    from rlinf_lightning.engines import ROLLOUT_ENGINES, TRAIN_ENGINES
+    from rlinf_lightning.launchers import LAUNCHERS
+    from rlinf_lightning.registry import installed_plugins, plugin_errors
+    from rlinf_lightning.rewards import REWARDS
+    from rlinf_lightning.strategies import STRATEGIES
+
+    plugins = installed_plugins()
+    print("installed plugins:", ", ".join(f"{n} ({d})" for n, d in plugins) or "none")
+    for name, err in plugin_errors().items():
+        print(f"  plugin {name} failed to load: {err}")
+    for reg in (STRATEGIES, LAUNCHERS, ROLLOUT_ENGINES, TRAIN_ENGINES, ALGORITHMS, REWARDS):
+        print(f"{reg.kind}:")
+        for name, origin, desc in reg.describe():
+            print(f"  {name:<16} {origin:<22} {desc}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    cfg = parser.parse_args(argv)
+    cmd = cfg.command
+    if cmd == "plugins":
+        list_plugins()
+        return 0
+    sub = cfg[cmd]
+    sub.pop("config", None)
+    if cmd == "prepare":
+        prepare(**sub.as_dict())
+        return 0
+    if cmd == "sft":
+        from rlinf_lightning.sft import run_sft
+
+        run_sft(**sub.as_dict())
+        return 0
+    init = parser._subcommands_action._name_parser_map["fit"].instantiate_classes(sub)
+    trainer, policy, task = init.trainer, init.policy, init.task
+    try:
+        trainer.validate(policy, task)
+    except ConfigError as exc:
+        print(f"rlinf fit: {exc}", file=sys.stderr)
+        return 2
+    trainer.fit(policy, task, ckpt_path=init.ckpt_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

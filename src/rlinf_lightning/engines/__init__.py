@@ -1,0 +1,21 @@
+"""Rollout engines (generation) and train engines (how the actor trains)."""
+
+from rlinf_lightning.engines.rollout import (
+    ROLLOUT_ENGINES,
+    Completion,
+    HFRolloutEngine,
+    RolloutEngine,
+    SamplingParams,
+)
+from rlinf_lightning.engines.train import TRAIN_ENGINES, SingleTrainEngine, TrainEngine
+
+__all__ = [
+    "ROLLOUT_ENGINES",
+    "TRAIN_ENGINES",
+    "Completion",
+    "HFRolloutEngine",
+    "RolloutEngine",
+    "SamplingParams",
+    "SingleTrainEngine",
+    "TrainEngine",
+]

@@ -1,0 +1,181 @@
+"""Rollout engines: generate n completions per prompt with the sampled tokens' log-probs.
+
+Built-in: ``hf``, a KV-cached sampling loop over a ``transformers`` model. Plugins (e.g. ``vllm``)
+register more engines in :data:`ROLLOUT_ENGINES` with the same interface.
+
+Sampling is reproducible per prompt, not per batch: sample ``j`` of prompt group ``g`` draws its
+noise from its own generator seeded by ``(seed, g, j)``. So the completions do not depend on how
+prompts were grouped into micro-batches, which is what lets different execution plans produce the
+same samples.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from rlinf_lightning.registry import Registry
+
+
+@dataclass
+class SamplingParams:
+    """How completions are drawn. ``temperature=0`` is greedy (used for evaluation)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]  # log-prob of each sampled token under softmax(logits / temperature)
+
+
+def row_seed(seed: int, group: int, sample: int) -> int:
+    """A deterministic 63-bit seed for sample ``sample`` of prompt group ``group``."""
+    x = (seed * 1_000_003 + group) * 1_000_033 + sample
+    return (x * 0x9E3779B97F4A7C15) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class RolloutEngine(ABC):
+    """Interface every rollout engine implements.
+
+    Args:
+        model_path: a ``from_pretrained`` directory (weights, config, tokenizer).
+        device: ``"cpu"`` or ``"cuda[:i]"``.
+        dtype: parameter dtype name (``float32``; ``bfloat16`` on GPU).
+    """
+
+    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32") -> None:
+        self.model_path = model_path
+        self.device = device
+        self.dtype = dtype
+
+    @abstractmethod
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        groups: list[int],
+        n: int,
+        params: SamplingParams,
+        seed: int,
+        eos_token_id: int,
+    ) -> list[list[Completion]]:
+        """``n`` completions per prompt; ``groups[i]`` names prompt ``i`` for per-sample seeding."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights (HF parameter names) into the running engine, in place."""
+
+    def onload(self) -> None:
+        """Re-acquire device memory (weights, cache) before generating."""
+
+    def offload(self) -> None:
+        """Release device memory while other stages use the device."""
+
+
+ROLLOUT_ENGINES: Registry[type[RolloutEngine]] = Registry("rollout engine")
+
+
+def top_k_top_p_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask logits outside the top-k and the top-p nucleus with -inf (rows independent)."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+    return logits
+
+
+@ROLLOUT_ENGINES.register("hf")
+class HFRolloutEngine(RolloutEngine):
+    """``transformers`` model with a KV-cached sampling loop (the CPU-friendly fallback)."""
+
+    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32") -> None:
+        super().__init__(model_path, device=device, dtype=dtype)
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model.to(device).eval()
+        self.model.requires_grad_(False)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, groups, n, params, seed, eos_token_id):
+        pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else eos_token_id
+        rows = [(p, g, j) for p, g in zip(prompt_ids, groups) for j in range(n)]
+        width = max(len(p) for p, _, _ in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (p, _, _) in enumerate(rows):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        gens = [torch.Generator().manual_seed(row_seed(seed, g, j)) for _, g, j in rows]
+        tokens, logps = self._sample(ids.to(self.device), mask.to(self.device), gens, params, eos_token_id, pad)
+        out: list[list[Completion]] = []
+        for i in range(len(rows)):
+            toks, lps = [], []
+            for t, lp in zip(tokens[i].tolist(), logps[i].tolist()):
+                toks.append(t)
+                lps.append(lp)
+                if t == eos_token_id:
+                    break
+            if i % n == 0:
+                out.append([])
+            out[-1].append(Completion(toks, lps))
+        return out
+
+    def _sample(self, ids, mask, gens, params, eos, pad):
+        greedy = params.temperature <= 0
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        res = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        past, logits = res.past_key_values, res.logits[:, -1]
+        pos = pos[:, -1:]
+        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        tokens, logps = [], []
+        for _ in range(params.max_new_tokens):
+            scaled = logits.float() if greedy else logits.float() / params.temperature
+            logp = torch.log_softmax(scaled, dim=-1)
+            if greedy:
+                nxt = scaled.argmax(-1)
+            else:
+                noise = torch.stack([torch.rand(scaled.shape[-1], generator=g) for g in gens])
+                gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))  # Gumbel-max = exact sampling
+                nxt = (top_k_top_p_filter(scaled, params.top_k, params.top_p) + gumbel.to(scaled.device)).argmax(-1)
+            tokens.append(torch.where(done, pad, nxt))
+            logps.append(torch.where(done, 0.0, logp.gather(-1, nxt[:, None]).squeeze(-1)))
+            done = done | (nxt == eos)
+            if bool(done.all()):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            pos = pos + 1
+            res = self.model(
+                input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True
+            )
+            past, logits = res.past_key_values, res.logits[:, -1]
+        return torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()
+
+    def update_weights(self, named_tensors):
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name in params:
+                    params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+                elif not name.endswith("lm_head.weight"):  # tied to the embedding in small models
+                    raise KeyError(f"rollout engine has no parameter {name!r}")
+
+    def offload(self) -> None:
+        if self.device != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if self.device != "cpu":
+            self.model.to(self.device)

@@ -1,0 +1,10 @@
+"""Launchers start a plan's workers; looked up by name in :data:`LAUNCHERS`."""
+
+from rlinf_lightning.launchers.base import Launcher, Runtime
+from rlinf_lightning.launchers.inprocess import InProcessLauncher
+from rlinf_lightning.registry import Registry
+
+LAUNCHERS: Registry[type[Launcher]] = Registry("launcher")
+LAUNCHERS.register("inprocess", InProcessLauncher)
+
+__all__ = ["LAUNCHERS", "Launcher", "Runtime", "InProcessLauncher"]

@@ -1,0 +1,91 @@
+"""LMPolicy: a causal language model loaded with ``from_pretrained`` from a local directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+from rlinf_lightning.policies.module import RLModule
+
+
+def response_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, response_len: int, temperature: float
+) -> torch.Tensor:
+    """Log-prob of each of the last ``response_len`` tokens given everything before it."""
+    logits = logits[:, -response_len - 1 : -1].float() / temperature
+    targets = input_ids[:, -response_len:]
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+class LMPolicy(RLModule):
+    """A Hugging Face causal LM as an RL policy.
+
+    Args:
+        model_path: directory with ``config.json``, weights and tokenizer (``from_pretrained``).
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        max_grad_norm: clip the global gradient norm to this before each step (0 disables).
+        dtype: parameter dtype (``float32``; ``bfloat16`` on GPU).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        max_grad_norm: float = 1.0,
+        dtype: str = "float32",
+    ) -> None:
+        super().__init__()
+        self.model_path = str(model_path)
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.betas = tuple(betas)
+        self.max_grad_norm = max_grad_norm
+        self.dtype = dtype
+        self.model: torch.nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, self.dtype))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        assert self.model is not None, "configure_model() first"
+        return torch.optim.AdamW(
+            self.model.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay
+        )
+
+    def load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_path)
+
+    def forward_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        return response_logprobs(logits, ids, batch["response_mask"].shape[-1], temperature)
+
+    def validate_config(self) -> list[tuple[str, str]]:
+        """(key, problem) pairs found without loading anything; empty when the config is fine."""
+        problems = []
+        if not (Path(self.model_path) / "config.json").is_file():
+            problems.append(
+                (
+                    "model_path",
+                    f"{self.model_path!r} is not a model directory (no config.json). Point it at a "
+                    "save_pretrained() directory, e.g. run `rlinf prepare` to build the tiny one.",
+                )
+            )
+        if self.lr <= 0:
+            problems.append(("lr", f"must be > 0, got {self.lr}"))
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            problems.append(("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}"))
+        return problems

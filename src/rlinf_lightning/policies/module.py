@@ -1,0 +1,41 @@
+"""RLModule: the LightningModule-shaped base class users subclass to bring their own policy."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+from tensordict import TensorDict
+
+
+class RLModule(torch.nn.Module):
+    """A policy the trainer can roll out and train.
+
+    Like a ``LightningModule``: construct it cheaply with hyper-parameters only (it is pickled to
+    the workers that need it), build the network in :meth:`configure_model` (called on the worker),
+    and return the optimizer from :meth:`configure_optimizers`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._logged: dict[str, float] = {}
+
+    @abstractmethod
+    def configure_model(self) -> None:
+        """Build or load the network on the hosting worker."""
+
+    @abstractmethod
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """Return the optimizer for the parameters this module trains."""
+
+    @abstractmethod
+    def forward_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs ``[B, T]`` of the batch's response tokens under the current parameters."""
+
+    def log(self, name: str, value: float | torch.Tensor) -> None:
+        """Record a scalar; the trainer sends it to the loggers with the iteration's metrics."""
+        self._logged[name] = float(value.detach() if isinstance(value, torch.Tensor) else value)
+
+    def pop_logged(self) -> dict[str, float]:
+        out, self._logged = self._logged, {}
+        return out

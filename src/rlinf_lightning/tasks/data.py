@@ -1,0 +1,133 @@
+"""Math problem data: a deterministic arithmetic generator and a JSONL loader for three formats.
+
+Every record becomes ``{"prompt": str, "answer": str}``. The loader accepts, line by line:
+
+* native: ``{"prompt": ..., "answer": ...}``
+* GSM8K-style: ``{"question": ..., "answer": "... #### 42"}`` (gold answer after ``####``)
+* MATH-style: ``{"problem": ..., "solution": "... \\boxed{42} ..."}`` (gold answer in the last box)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class DataFormatError(ValueError):
+    """A malformed dataset line; the message names the file and the 1-based line number."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str
+
+
+def last_boxed(text: str) -> str | None:
+    """Contents of the last ``\\boxed{...}`` in ``text`` (braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i, depth = start + len("\\boxed{"), 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def _record_to_problem(rec: object) -> Problem:
+    if not isinstance(rec, dict):
+        raise ValueError("expected a JSON object")
+    if "prompt" in rec and "answer" in rec:
+        return Problem(str(rec["prompt"]), str(rec["answer"]).strip())
+    if "question" in rec and "answer" in rec:
+        ans = str(rec["answer"])
+        if "####" not in ans:
+            raise ValueError("GSM8K-style 'answer' must end with '#### <number>'")
+        return Problem(str(rec["question"]), ans.rsplit("####", 1)[1].strip().replace(",", ""))
+    if "problem" in rec and "solution" in rec:
+        boxed = last_boxed(str(rec["solution"]))
+        if boxed is None:
+            raise ValueError("MATH-style 'solution' has no \\boxed{...} answer")
+        return Problem(str(rec["problem"]), boxed.strip())
+    raise ValueError(
+        f"unrecognised keys {sorted(rec)}; expected prompt/answer, question/answer (GSM8K) "
+        "or problem/solution (MATH)"
+    )
+
+
+def load_problems(path: str | Path) -> list[Problem]:
+    """Read a JSONL file of problems in any of the three formats (they may be mixed)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    problems = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                problems.append(_record_to_problem(json.loads(line)))
+            except (ValueError, json.JSONDecodeError) as exc:
+                raise DataFormatError(f"{path}:{lineno}: {exc}") from None
+    if not problems:
+        raise DataFormatError(f"{path}: no problems found")
+    return problems
+
+
+def generate_arithmetic(
+    n: int, *, operands: int = 2, max_value: int = 49, ops: str = "+", seed: int = 0
+) -> list[Problem]:
+    """``n`` problems like ``What is 12+7?=`` -> ``19``. Difficulty knobs: operand count and size."""
+    if operands < 2:
+        raise ValueError("operands must be >= 2")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        nums = [rng.randint(0, max_value) for _ in range(operands)]
+        expr = str(nums[0])
+        for x in nums[1:]:
+            expr += rng.choice(ops) + str(x)
+        out.append(Problem(f"What is {expr}?=", str(eval(expr))))  # expr is digits and + - * only
+    return out
+
+
+def write_jsonl(problems: list[Problem], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for p in problems:
+            f.write(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def make_arithmetic_splits(
+    out_dir: str | Path,
+    *,
+    n_train: int = 20000,
+    n_test: int = 500,
+    operands: int = 2,
+    max_value: int = 49,
+    ops: str = "+",
+    seed: int = 0,
+) -> tuple[Path, Path]:
+    """Write ``train.jsonl`` and ``test.jsonl``; test prompts never appear in train."""
+    problems = generate_arithmetic(
+        (n_train + n_test) * 3, operands=operands, max_value=max_value, ops=ops, seed=seed
+    )
+    seen: set[str] = set()
+    test: list[Problem] = []
+    for p in problems:
+        if len(test) == n_test:
+            break
+        if p.prompt not in seen:
+            seen.add(p.prompt)
+            test.append(p)
+    train = [p for p in problems if p.prompt not in seen][:n_train]
+    out_dir = Path(out_dir)
+    return write_jsonl(train, out_dir / "train.jsonl"), write_jsonl(test, out_dir / "test.jsonl")

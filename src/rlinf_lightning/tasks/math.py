@@ -1,0 +1,90 @@
+"""MathTask: a dataset of problems with gold answers, a reward, and the reasoning workflow."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+from rlinf_lightning.tasks.data import Problem, load_problems
+
+
+class MathTask:
+    """Math reasoning from JSONL (native, GSM8K-style or MATH-style lines).
+
+    Args:
+        train_path: JSONL file of training problems.
+        test_path: JSONL file of held-out problems for evaluation.
+        reward: correctness reward name (registry ``rlinf_lightning.rewards.REWARDS``).
+        format_reward: optional format reward name, added with weight ``format_weight``.
+        format_weight: weight of the format reward.
+        eval_size: evaluate on the first ``eval_size`` test problems (``None``: all of them).
+    """
+
+    def __init__(
+        self,
+        train_path: str,
+        test_path: str,
+        reward: str = "math_verify",
+        format_reward: str | None = None,
+        format_weight: float = 0.1,
+        eval_size: int | None = None,
+    ) -> None:
+        self.train_path, self.test_path = str(train_path), str(test_path)
+        self.reward, self.format_reward, self.format_weight = reward, format_reward, format_weight
+        self.eval_size = eval_size
+        self._train: list[Problem] | None = None
+        self._test: list[Problem] | None = None
+        self._orders: dict[tuple[int, int], list[int]] = {}
+
+    def validate_config(self) -> list[tuple[str, str]]:
+        from rlinf_lightning.rewards import REWARDS
+
+        problems = []
+        for key in ("train_path", "test_path"):
+            if not Path(getattr(self, key)).is_file():
+                problems.append((key, f"file {getattr(self, key)!r} not found; run `rlinf prepare` to generate data"))
+        for key in ("reward", "format_reward"):
+            name = getattr(self, key)
+            if name is not None and name not in REWARDS:
+                problems.append((key, REWARDS.unknown_message(name)))
+        if self.eval_size is not None and self.eval_size < 1:
+            problems.append(("eval_size", f"must be >= 1 or null, got {self.eval_size}"))
+        return problems
+
+    @property
+    def train(self) -> list[Problem]:
+        if self._train is None:
+            self._train = load_problems(self.train_path)
+        return self._train
+
+    @property
+    def test(self) -> list[Problem]:
+        if self._test is None:
+            test = load_problems(self.test_path)
+            self._test = test[: self.eval_size] if self.eval_size else test
+        return self._test
+
+    def prompt_index(self, position: int, seed: int) -> int:
+        """Which training problem is the ``position``-th of the shuffled, epoch-repeating stream."""
+        n = len(self.train)
+        epoch, offset = divmod(position, n)
+        if (seed, epoch) not in self._orders:
+            order = list(range(n))
+            random.Random(seed * 7919 + epoch).shuffle(order)
+            self._orders = {(seed, epoch): order}  # keep only the current epoch
+        return self._orders[(seed, epoch)][offset]
+
+    def prompts(self, start: int, count: int, seed: int) -> TensorDict:
+        """Prompts ``start .. start+count`` of the stream; ``group_id`` is the stream position."""
+        probs = [self.train[self.prompt_index(i, seed)] for i in range(start, start + count)]
+        return TensorDict(
+            {
+                "prompt": [p.prompt for p in probs],
+                "answer": [p.answer for p in probs],
+                "group_id": torch.arange(start, start + count),
+            },
+            batch_size=[count],
+        )

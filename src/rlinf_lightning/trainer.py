@@ -1,0 +1,368 @@
+"""RLTrainer: validates the config, asks the strategy for a plan, launches it, runs iterations.
+
+    trainer = RLTrainer(algorithm="grpo", strategy="collocated", rollout="hf", max_iterations=100)
+    trainer.fit(LMPolicy("artifacts/tiny-qwen2-sft"), MathTask("train.jsonl", "test.jsonl"))
+
+Strategies, launchers, rollout engines, train engines, algorithms and rewards are resolved by name
+through their registries, so this module never branches on which one was chosen.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlinf_lightning.algorithms import ALGORITHMS
+from rlinf_lightning.callbacks import ProgressBar
+from rlinf_lightning.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint, set_rng_state
+from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, SamplingParams
+from rlinf_lightning.engines.train import TRAIN_ENGINES
+from rlinf_lightning.errors import ConfigError
+from rlinf_lightning.launchers import LAUNCHERS
+from rlinf_lightning.strategies import STRATEGIES, Resources
+from rlinf_lightning.workflows.reasoning import reasoning_workflow
+
+LoggerSpec = Any  # True/False, "csv" | "wandb" | "tensorboard", a {class_path, init_args} dict, a Logger, or a list
+
+
+class RLTrainer:
+    """Runs RL post-training of a policy on a task.
+
+    Args:
+        algorithm: algorithm name (``grpo``) or an algorithm object such as ``GRPO(kl_coef=0.01)``.
+        strategy: execution plan strategy name (``collocated``) or a ``Strategy`` object.
+        launcher: how workers start: ``inprocess`` (default) or a registered launcher.
+        rollout: rollout engine name (``hf``; ``vllm`` with the plugin).
+        train_strategy: how the actor trains (``single``; more with later engines).
+        devices: device slots per node (GPUs, or worker processes on CPU).
+        num_nodes: number of machines.
+        max_iterations: RL iterations (one optimizer step each).
+        group_size: completions sampled per prompt (GRPO's group; at least 2).
+        rollout_batch_size: samples per iteration (prompts x group_size).
+        micro_batch_size: samples per message between stages (a multiple of ``group_size``;
+            default: the whole rollout batch).
+        train_micro_batch_size: samples per forward/backward in the actor (gradient accumulation).
+        sampling: temperature, top_p, top_k and max_new_tokens for rollouts.
+        eval_every: evaluate on the held-out split every this many iterations (0: only before and after).
+        ckpt_every: checkpoint every this many iterations (0: only at the end).
+        default_root_dir: run directory (logs, checkpoints, ``summary.json``).
+        logger: ``True`` for a CSVLogger, ``False`` for none, a name (``csv``, ``wandb``,
+            ``tensorboard``), a ``{class_path, init_args}`` dict, a Lightning logger, or a list.
+        callbacks: Lightning-style callbacks (objects or ``{class_path, init_args}`` dicts).
+        enable_progress_bar: print one progress line per iteration.
+        seed: seeds data order, sampling and initialisation.
+        timeout_s: longest wait for any stage's input before the run fails instead of hanging.
+        num_threads: torch threads per worker (0 leaves torch's default).
+    """
+
+    def __init__(
+        self,
+        algorithm: Any = "grpo",
+        strategy: Any = "collocated",
+        launcher: Any = "inprocess",
+        rollout: str = "hf",
+        train_strategy: str = "single",
+        devices: int = 1,
+        num_nodes: int = 1,
+        max_iterations: int = 100,
+        group_size: int = 8,
+        rollout_batch_size: int = 128,
+        micro_batch_size: int | None = None,
+        train_micro_batch_size: int | None = None,
+        sampling: SamplingParams | None = None,
+        eval_every: int = 0,
+        ckpt_every: int = 0,
+        default_root_dir: str = "runs/default",
+        logger: LoggerSpec = True,
+        callbacks: list[Any] | None = None,
+        enable_progress_bar: bool = True,
+        seed: int = 0,
+        timeout_s: float = 600.0,
+        num_threads: int = 0,
+    ) -> None:
+        self.algorithm = algorithm
+        self.strategy = strategy
+        self.launcher = launcher
+        self.rollout = rollout
+        self.train_strategy = train_strategy
+        self.devices = devices
+        self.num_nodes = num_nodes
+        self.max_iterations = max_iterations
+        self.group_size = group_size
+        self.rollout_batch_size = rollout_batch_size
+        self.micro_batch_size = micro_batch_size or rollout_batch_size
+        self.train_micro_batch_size = train_micro_batch_size or self.micro_batch_size
+        self.sampling = sampling or SamplingParams()
+        self.eval_every = eval_every
+        self.ckpt_every = ckpt_every
+        self.default_root_dir = Path(default_root_dir)
+        self.logger_spec = logger
+        self.callbacks: list[Any] = list(callbacks or [])
+        self.enable_progress_bar = enable_progress_bar
+        self.seed = seed
+        self.timeout_s = timeout_s
+        self.num_threads = num_threads
+        self.iteration = 0
+        self.loggers: list[Any] = []
+
+    # -- configuration ---------------------------------------------------------------------------
+    def validate(self, policy: Any = None, task: Any = None) -> None:
+        """Raise :class:`ConfigError` naming every bad key; loads nothing heavy."""
+        p: list[tuple[str, str]] = []
+        for key, reg in (
+            ("algorithm", ALGORITHMS),
+            ("strategy", STRATEGIES),
+            ("launcher", LAUNCHERS),
+            ("rollout", ROLLOUT_ENGINES),
+            ("train_strategy", TRAIN_ENGINES),
+        ):
+            value = getattr(self, key)
+            if isinstance(value, str) and value not in reg:
+                p.append((f"trainer.{key}", reg.unknown_message(value)))
+        positive = ("devices", "num_nodes", "max_iterations", "rollout_batch_size", "micro_batch_size")
+        for key in positive + ("train_micro_batch_size",):
+            if getattr(self, key) < 1:
+                p.append((f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}"))
+        if self.group_size < 2:
+            p.append(
+                ("trainer.group_size", f"must be >= 2 (advantages compare samples of a prompt), got {self.group_size}")
+            )
+        elif self.rollout_batch_size % self.group_size:
+            p.append(
+                (
+                    "trainer.rollout_batch_size",
+                    f"{self.rollout_batch_size} is not divisible by trainer.group_size={self.group_size}; "
+                    f"use a multiple such as {max(1, self.rollout_batch_size // self.group_size) * self.group_size}",
+                )
+            )
+        elif self.micro_batch_size % self.group_size or self.rollout_batch_size % self.micro_batch_size:
+            p.append(
+                (
+                    "trainer.micro_batch_size",
+                    f"{self.micro_batch_size} must be a multiple of trainer.group_size={self.group_size} "
+                    f"that divides trainer.rollout_batch_size={self.rollout_batch_size}",
+                )
+            )
+        s = self.sampling
+        if s.temperature <= 0:
+            p.append(("trainer.sampling.temperature", f"must be > 0 for RL sampling, got {s.temperature}"))
+        if not 0 < s.top_p <= 1:
+            p.append(("trainer.sampling.top_p", f"must be in (0, 1], got {s.top_p}"))
+        if s.max_new_tokens < 1:
+            p.append(("trainer.sampling.max_new_tokens", f"must be >= 1, got {s.max_new_tokens}"))
+        for key in ("eval_every", "ckpt_every", "num_threads"):
+            if getattr(self, key) < 0:
+                p.append((f"trainer.{key}", f"must be >= 0, got {getattr(self, key)}"))
+        if self.timeout_s <= 0:
+            p.append(("trainer.timeout_s", f"must be > 0, got {self.timeout_s}"))
+        for section, obj in (("policy", policy), ("task", task)):
+            if obj is not None and hasattr(obj, "validate_config"):
+                p += [(f"{section}.{k}", m) for k, m in obj.validate_config()]
+        if p:
+            raise ConfigError(p)
+
+    def _resolve(self):
+        algorithm = ALGORITHMS.resolve(self.algorithm)
+        strategy = STRATEGIES.resolve(self.strategy)
+        launcher = LAUNCHERS.resolve(self.launcher)
+        return algorithm, strategy, launcher
+
+    # -- loggers and callbacks -------------------------------------------------------------------
+    def _build_loggers(self) -> list[Any]:
+        spec = self.logger_spec
+        if spec is False or spec is None:
+            return []
+        specs = spec if isinstance(spec, list) else [spec]
+        out = []
+        for s in specs:
+            if s is True or s == "csv":
+                from lightning.pytorch.loggers import CSVLogger
+
+                out.append(CSVLogger(save_dir=str(self.default_root_dir), name="", version=""))
+            elif s == "tensorboard":
+                from lightning.pytorch.loggers import TensorBoardLogger
+
+                out.append(TensorBoardLogger(save_dir=str(self.default_root_dir), name="", version=""))
+            elif s == "wandb":
+                from lightning.pytorch.loggers import WandbLogger
+
+                out.append(WandbLogger(save_dir=str(self.default_root_dir), offline=True))
+            else:
+                out.append(instantiate(s))
+        return out
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, *args)
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        for lg in self.loggers:
+            lg.log_metrics(metrics, step=step)
+
+    # -- fit ---------------------------------------------------------------------------------------
+    def fit(self, policy: Any, task: Any, ckpt_path: str | None = None) -> dict[str, Any]:
+        """Train ``policy`` on ``task``; resume from ``ckpt_path`` (a directory or ``"last"``)."""
+        self.validate(policy, task)
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        torch.manual_seed(self.seed)
+        algorithm, strategy, launcher = self._resolve()
+        self.callbacks = [instantiate(c) for c in self.callbacks]
+        if self.enable_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
+            self.callbacks.append(ProgressBar())
+        self.default_root_dir.mkdir(parents=True, exist_ok=True)
+        self.loggers = self._build_loggers()
+
+        workflow = reasoning_workflow(
+            policy=policy,
+            algorithm=algorithm,
+            rollout=self.rollout,
+            train_strategy=self.train_strategy,
+            sampling=self.sampling,
+            group_size=self.group_size,
+            train_micro_batch_size=self.train_micro_batch_size,
+            reward=task.reward,
+            format_reward=task.format_reward,
+            format_weight=task.format_weight,
+            seed=self.seed,
+        )
+        resources = Resources(devices=self.devices, num_nodes=self.num_nodes)
+        self.plan = strategy.plan(workflow, resources, self.micro_batch_size)
+        self.plan.validate(list(workflow.stages))
+        print(self.plan.describe(), flush=True)
+        for lg in self.loggers:
+            lg.log_hyperparams(self.hparams(policy, task))
+
+        start_it, history = 0, []
+        resume = resolve_checkpoint(ckpt_path, self.ckpt_dir) if ckpt_path else None
+        t_start = time.perf_counter()
+        runtime = launcher.launch(workflow, self.plan, timeout_s=self.timeout_s)
+        try:
+            if resume is not None:
+                actor_state, state, rng = load_checkpoint(resume)
+                runtime.call("actor", "load_state_dict", actor_state)
+                for e in workflow.sync_edges():
+                    runtime.call(e.dst, "apply_sync", e.src, runtime.call(e.src, "sync_state"))
+                set_rng_state(rng)
+                start_it, history = state["iteration"], state["eval_history"]
+                print(f"resumed from {resume} at iteration {start_it}", flush=True)
+            self._call("on_fit_start", policy)
+            if not history:
+                history.append({"iteration": 0, "accuracy": self._evaluate(runtime, task, 0)})
+            prompts_per_it = self.rollout_batch_size // self.group_size
+            prompts_per_mb = self.micro_batch_size // self.group_size
+            samples, train_s = 0, 0.0
+            for it in range(start_it + 1, self.max_iterations + 1):
+                self.iteration = it
+                self._call("on_iteration_start", it)
+                t0 = time.perf_counter()
+                prompts = task.prompts((it - 1) * prompts_per_it, prompts_per_it, self.seed)
+                stage_metrics = runtime.run_iteration(it, list(prompts.split(prompts_per_mb)))
+                dt = time.perf_counter() - t0
+                samples += self.rollout_batch_size
+                train_s += dt
+                metrics = {f"{st}/{k}": v for st, m in stage_metrics.items() for k, v in m.items()}
+                metrics.update(self._stage_seconds(runtime))
+                metrics["time/iteration"] = dt
+                metrics["perf/samples_per_s"] = self.rollout_batch_size / dt
+                self._log(metrics, it)
+                self._call("on_iteration_end", it, metrics)
+                if self.eval_every and it % self.eval_every == 0 and it != self.max_iterations:
+                    history.append({"iteration": it, "accuracy": self._evaluate(runtime, task, it)})
+                if it == self.max_iterations or (self.ckpt_every and it % self.ckpt_every == 0):
+                    if it == self.max_iterations:
+                        history.append({"iteration": it, "accuracy": self._evaluate(runtime, task, it)})
+                    self._save(runtime, it, history)
+            summary = {
+                "eval_accuracy_before": history[0]["accuracy"],
+                "eval_accuracy_after": history[-1]["accuracy"],
+                "eval_problems": len(task.test),
+                "eval_history": history,
+                "iterations": self.max_iterations,
+                "resumed_from_iteration": start_it,
+                "wall_s": time.perf_counter() - t_start,
+                "train_wall_s": train_s,
+                "samples_per_s": samples / train_s if train_s else 0.0,
+                "strategy": self.plan.strategy,
+                "rollout": self.rollout,
+                "train_strategy": self.train_strategy,
+            }
+            (self.default_root_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            for lg in self.loggers:
+                lg.finalize("success")
+            self._call("on_fit_end", summary)
+            print(
+                f"held-out accuracy: {summary['eval_accuracy_before']:.3f} -> {summary['eval_accuracy_after']:.3f}"
+                f" ({len(task.test)} problems, {self.max_iterations - start_it} iterations,"
+                f" {summary['wall_s']:.0f} s); summary: {self.default_root_dir / 'summary.json'}",
+                flush=True,
+            )
+            return summary
+        except BaseException as exc:
+            self._call("on_exception", exc)
+            for lg in self.loggers:
+                lg.finalize("failed")
+            raise
+        finally:
+            runtime.shutdown()
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.default_root_dir / "checkpoints"
+
+    def _evaluate(self, runtime: Any, task: Any, it: int) -> float:
+        problems = task.test
+        acc = runtime.call(
+            "rollout", "evaluate", [p.prompt for p in problems], [p.answer for p in problems], task.reward
+        )
+        runtime.pop_spans()  # evaluation is not part of an iteration's stage times
+        self._log({"eval/accuracy": acc}, it)
+        self._call("on_evaluation_end", it, acc)
+        return acc
+
+    def _stage_seconds(self, runtime: Any) -> dict[str, float]:
+        """Busy seconds per stage this iteration (summed over its spans)."""
+        out: dict[str, float] = {}
+        for s in runtime.pop_spans():
+            out[f"time/{s.stage}"] = out.get(f"time/{s.stage}", 0.0) + (s.end - s.start)
+        return out
+
+    def _save(self, runtime: Any, it: int, history: list[dict[str, float]]) -> None:
+        state = {
+            "eval_history": history,
+            "data_position": it * (self.rollout_batch_size // self.group_size),
+            "seed": self.seed,
+        }
+        path = save_checkpoint(self.ckpt_dir, it, runtime.call("actor", "state_dict"), state)
+        self._call("on_save_checkpoint", str(path))
+
+    def hparams(self, policy: Any, task: Any) -> dict[str, Any]:
+        def flat(obj: Any) -> dict[str, Any]:
+            return {k: v for k, v in vars(obj).items() if not k.startswith("_") and _plain(v)}
+
+        out = {f"trainer/{k}": v for k, v in flat(self).items()}
+        out.update({f"trainer/sampling/{k}": v for k, v in vars(self.sampling).items()})
+        out.update({f"policy/{k}": v for k, v in flat(policy).items()})
+        out.update({f"task/{k}": v for k, v in flat(task).items()})
+        return out
+
+
+def _plain(v: Any) -> bool:
+    return isinstance(v, (str, int, float, bool, type(None))) or (
+        isinstance(v, tuple) and all(isinstance(x, (int, float)) for x in v)
+    )
+
+
+def instantiate(spec: Any) -> Any:
+    """Build ``{class_path, init_args}`` dicts (jsonargparse style); return other objects unchanged."""
+    if isinstance(spec, dict) and "class_path" in spec:
+        import importlib
+
+        module, _, name = spec["class_path"].rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        return cls(**spec.get("init_args", {}))
+    return spec

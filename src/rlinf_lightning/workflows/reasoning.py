@@ -1,0 +1,280 @@
+"""The reasoning-RL macro flow (math GRPO) as stages:
+
+    prompts -> rollout -> reward -> advantage -> inference -> actor  (stream)
+    actor ==weights==> rollout                                        (sync, once per iteration)
+
+Each stage reads micro-batches of whole prompt groups, so every stage (the group-normalising
+advantage included) can work on a micro-batch as soon as it arrives.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, Completion, SamplingParams
+from rlinf_lightning.engines.train import TRAIN_ENGINES
+from rlinf_lightning.evaluation import greedy_accuracy
+from rlinf_lightning.flow.stage import Stage, StageContext
+from rlinf_lightning.flow.workflow import Workflow
+from rlinf_lightning.policies.lm import LMPolicy
+from rlinf_lightning.rewards import REWARDS
+
+
+def pack_samples(
+    prompt_ids: list[list[int]], completions: list[list[Completion]], pad_id: int
+) -> dict[str, torch.Tensor]:
+    """Left-pad prompts, right-pad responses: ``input_ids = [prompt | response]`` per sample."""
+    rows = [(p, c) for p, cs in zip(prompt_ids, completions) for c in cs]
+    P = max(len(p) for p, _ in rows)
+    R = max(1, max(len(c.token_ids) for _, c in rows))
+    ids = torch.full((len(rows), P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), P + R), dtype=torch.long)
+    resp_mask = torch.zeros((len(rows), R), dtype=torch.float32)
+    logps = torch.zeros((len(rows), R), dtype=torch.float32)
+    for i, (p, c) in enumerate(rows):
+        n = len(c.token_ids)
+        ids[i, P - len(p) : P] = torch.tensor(p)
+        attn[i, P - len(p) : P + n] = 1
+        if n:
+            ids[i, P : P + n] = torch.tensor(c.token_ids)
+            resp_mask[i, :n] = 1
+            logps[i, :n] = torch.tensor(c.logprobs)
+    return {"input_ids": ids, "attention_mask": attn, "response_mask": resp_mask, "rollout_logprobs": logps}
+
+
+class _Mean:
+    """Running means of named scalars over an iteration's micro-batches."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+
+    def add(self, name: str, value: float, weight: float = 1.0) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + value * weight
+        self.weights[name] = self.weights.get(name, 0.0) + weight
+
+    def pop(self) -> dict[str, float]:
+        out = {k: self.sums[k] / max(self.weights[k], 1e-12) for k in self.sums}
+        self.sums, self.weights = {}, {}
+        return out
+
+
+class RolloutStage(Stage):
+    """Generates ``group_size`` completions per prompt with the chosen rollout engine."""
+
+    name = "rollout"
+
+    def __init__(
+        self, policy: LMPolicy, engine: str, sampling: SamplingParams, group_size: int, seed: int
+    ) -> None:
+        self.policy, self.engine_name, self.sampling = policy, engine, sampling
+        self.group_size, self.seed = group_size, seed
+
+    def setup(self, ctx: StageContext) -> None:
+        self.tokenizer = self.policy.load_tokenizer()
+        self.engine = ROLLOUT_ENGINES.get(self.engine_name)(
+            self.policy.model_path, device=ctx.device, dtype=self.policy.dtype
+        )
+        self.stats = _Mean()
+
+    def onload(self) -> None:
+        self.engine.onload()
+
+    def offload(self) -> None:
+        self.engine.offload()
+
+    def _generate(self, prompts: list[str], groups: list[int], n: int, params: SamplingParams):
+        prompt_ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        completions = self.engine.generate(
+            prompt_ids, groups, n, params, self.seed, eos_token_id=self.tokenizer.eos_token_id
+        )
+        return prompt_ids, completions
+
+    def process(self, batch: TensorDict) -> TensorDict:
+        groups = batch["group_id"].tolist()
+        prompt_ids, completions = self._generate(list(batch["prompt"]), groups, self.group_size, self.sampling)
+        tensors = pack_samples(prompt_ids, completions, self.tokenizer.pad_token_id)
+        n = self.group_size
+        texts = [
+            self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for cs in completions for c in cs
+        ]
+        out = TensorDict(
+            {
+                **tensors,
+                "group_id": torch.tensor(groups).repeat_interleave(n),
+                "completion": texts,
+                "answer": [a for a in batch["answer"] for _ in range(n)],
+            },
+            batch_size=[len(texts)],
+        )
+        self.stats.add("response_length", float(tensors["response_mask"].sum(-1).mean()), len(texts))
+        return out
+
+    def end_iteration(self) -> dict[str, float]:
+        return self.stats.pop()
+
+    def apply_sync(self, source: str, state: TensorDict) -> None:
+        self.engine.update_weights(state.items())
+
+    def evaluate(self, prompts: list[str], answers: list[str], reward: str) -> float:
+        """Greedy held-out accuracy with the live rollout engine (current weights)."""
+        return greedy_accuracy(
+            self.engine, self.tokenizer, prompts, answers, reward, self.sampling.max_new_tokens
+        )
+
+
+class RewardStage(Stage):
+    """Scores each completion: ``reward`` (correctness) plus ``format_weight`` x ``format_reward``."""
+
+    name = "reward"
+
+    def __init__(self, reward: str, format_reward: str | None = None, format_weight: float = 0.0) -> None:
+        self.reward, self.format_reward, self.format_weight = reward, format_reward, format_weight
+
+    def setup(self, ctx: StageContext) -> None:
+        self.correct_fn = REWARDS.get(self.reward)
+        self.format_fn = REWARDS.get(self.format_reward) if self.format_reward else None
+        self.stats = _Mean()
+
+    def process(self, batch: TensorDict) -> TensorDict:
+        completions, answers = list(batch["completion"]), list(batch["answer"])
+        correct = torch.tensor([self.correct_fn(c, a) for c, a in zip(completions, answers)])
+        reward = correct.clone()
+        if self.format_fn is not None:
+            fmt = torch.tensor([self.format_fn(c, a) for c, a in zip(completions, answers)])
+            reward += self.format_weight * fmt
+            self.stats.add("format", float(fmt.mean()), len(fmt))
+        batch["reward"] = reward
+        batch["correct"] = correct
+        self.stats.add("reward", float(reward.mean()), len(reward))
+        self.stats.add("accuracy", float(correct.mean()), len(correct))
+        return batch
+
+    def end_iteration(self) -> dict[str, float]:
+        return self.stats.pop()
+
+
+class AdvantageStage(Stage):
+    """Turns rewards into advantages with the algorithm's estimator (group-normalised for GRPO)."""
+
+    name = "advantage"
+
+    def __init__(self, algorithm: Any) -> None:
+        self.algorithm = algorithm
+
+    def setup(self, ctx: StageContext) -> None:
+        self.stats = _Mean()
+
+    def process(self, batch: TensorDict) -> TensorDict:
+        batch["advantage"] = self.algorithm.compute_advantages(batch["reward"], batch["group_id"])
+        _, inv = torch.unique(batch["group_id"], return_inverse=True)
+        spread = torch.zeros(int(inv.max()) + 1).index_add_(0, inv, batch["advantage"].abs())
+        self.stats.add("groups_with_signal", float((spread > 0).float().mean()), len(spread))
+        return batch
+
+    def end_iteration(self) -> dict[str, float]:
+        return self.stats.pop()
+
+
+class InferenceStage(Stage):
+    """Reference-policy log-probs for the KL penalty; passes batches through when KL is off."""
+
+    name = "inference"
+
+    def __init__(self, policy: LMPolicy, algorithm: Any, temperature: float) -> None:
+        self.policy, self.algorithm, self.temperature = policy, algorithm, temperature
+
+    def setup(self, ctx: StageContext) -> None:
+        self.ref = None
+        if self.algorithm.needs_reference:
+            self.ref = copy.deepcopy(self.policy)
+            self.ref.configure_model()
+            self.ref.to(ctx.device).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def process(self, batch: TensorDict) -> TensorDict:
+        if self.ref is not None:
+            batch["ref_logprobs"] = self.ref.forward_logprobs(batch, self.temperature)
+        return batch
+
+
+class ActorStage(Stage):
+    """Accumulates the policy-loss gradient over micro-batches; one optimizer step per iteration."""
+
+    name = "actor"
+
+    def __init__(
+        self,
+        policy: LMPolicy,
+        algorithm: Any,
+        train_strategy: str,
+        temperature: float,
+        train_micro_batch_size: int,
+    ) -> None:
+        self.policy, self.algorithm, self.train_strategy = policy, algorithm, train_strategy
+        self.temperature, self.train_micro_batch_size = temperature, train_micro_batch_size
+
+    def setup(self, ctx: StageContext) -> None:
+        self.engine = TRAIN_ENGINES.get(self.train_strategy)()
+        self.engine.setup(copy.deepcopy(self.policy), ctx.device)
+        self.stats = _Mean()
+
+    def _loss(self, policy: LMPolicy, mb: TensorDict):
+        logp = policy.forward_logprobs(mb, self.temperature)
+        return self.algorithm.loss(
+            logp, mb["rollout_logprobs"], mb["advantage"], mb["response_mask"], mb.get("ref_logprobs", None)
+        )
+
+    def process(self, batch: TensorDict) -> None:
+        for chunk in batch.split(self.train_micro_batch_size):
+            m = self.engine.accumulate(chunk, self._loss)
+            for k, v in m.items():
+                self.stats.add(k, v, len(chunk))
+        return None
+
+    def end_iteration(self) -> dict[str, float]:
+        metrics = self.stats.pop()
+        metrics.pop("loss_sum", None)
+        metrics.update(self.engine.step())
+        return metrics
+
+    def sync_state(self) -> TensorDict:
+        return TensorDict(dict(self.engine.named_weights()), batch_size=[])
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.engine.load_state_dict(state)
+
+
+def reasoning_workflow(
+    *,
+    policy: LMPolicy,
+    algorithm: Any,
+    rollout: str,
+    train_strategy: str,
+    sampling: SamplingParams,
+    group_size: int,
+    train_micro_batch_size: int,
+    reward: str,
+    format_reward: str | None,
+    format_weight: float,
+    seed: int,
+) -> Workflow:
+    temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+    return (
+        Workflow("reasoning")
+        .chain(
+            RolloutStage(policy, rollout, sampling, group_size, seed),
+            RewardStage(reward, format_reward, format_weight),
+            AdvantageStage(algorithm),
+            InferenceStage(policy, algorithm, temperature),
+            ActorStage(policy, algorithm, train_strategy, temperature, train_micro_batch_size),
+        )
+        .sync("actor", "rollout", "weights")
+    )

@@ -1,0 +1,43 @@
+"""Shared fixtures: a tiny model and arithmetic data, built once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    from rlinf_lightning.assets import build_tiny_qwen2
+    from rlinf_lightning.sft import run_sft
+    from rlinf_lightning.tasks.data import make_arithmetic_splits
+
+    root = tmp_path_factory.mktemp("assets")
+    base = build_tiny_qwen2(root / "tiny-qwen2")
+    train, test = make_arithmetic_splits(root / "data", n_train=2000, n_test=64)
+    sft = root / "tiny-qwen2-sft"
+    run_sft(str(base), str(train), str(test), str(sft), steps=60, batch_size=32, eval_size=64)
+    return {"base": base, "sft": sft, "train": train, "test": test, "root": root}
+
+
+def tiny_trainer_kwargs(tmp_path: Path, **over) -> dict:
+    kw = dict(
+        max_iterations=3,
+        group_size=4,
+        rollout_batch_size=16,
+        train_micro_batch_size=8,
+        default_root_dir=str(tmp_path / "run"),
+        enable_progress_bar=False,
+        logger=False,
+        seed=0,
+        timeout_s=60,
+    )
+    kw.update(over)
+    return kw

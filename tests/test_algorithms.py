@@ -30,7 +30,9 @@ def test_equal_rewards_give_zero_advantage_and_singletons_are_rejected():
 def test_ppo_clip_hand_computed():
     logp = torch.log(torch.tensor([[1.5, 0.5, 1.0]]))  # ratios 1.5, 0.5, 1.0 against old = 0
     old = torch.zeros(1, 3)
-    loss, clipped = ppo_clip_per_token(logp, old, torch.tensor([[1.0, -1.0, 2.0]]), clip_low=0.2, clip_high=0.3)
+    loss, clipped = ppo_clip_per_token(
+        logp, old, torch.tensor([[1.0, -1.0, 2.0]]), clip_low=0.2, clip_high=0.3
+    )
     # A=+1, r=1.5: min(1.5, 1.3) -> 1.3 ; A=-1, r=0.5: min(-0.5, -0.8) -> -0.8 ; A=2, r=1: 2
     torch.testing.assert_close(loss, torch.tensor([[-1.3, 0.8, -2.0]]))
     assert clipped.tolist() == [[1.0, 1.0, 0.0]]

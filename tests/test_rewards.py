@@ -5,8 +5,15 @@ from rlinf_lightning.rewards import REWARDS
 
 @pytest.mark.parametrize(
     "completion, gold, expected",
-    [("46", "46", 1.0), ("45", "46", 0.0), ("46.0", "46", 1.0), ("\\boxed{46}", "46", 1.0), ("", "46", 0.0),
-     ("x", "46", 0.0), ("\\frac{1}{2}", "0.5", 1.0)],
+    [
+        ("46", "46", 1.0),
+        ("45", "46", 0.0),
+        ("46.0", "46", 1.0),
+        ("\\boxed{46}", "46", 1.0),
+        ("", "46", 0.0),
+        ("x", "46", 0.0),
+        ("\\frac{1}{2}", "0.5", 1.0),
+    ],
 )
 def test_math_verify(completion, gold, expected):
     assert REWARDS.get("math_verify")(completion, gold) == expected

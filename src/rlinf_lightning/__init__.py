@@ -1,8 +1,8 @@
 """rlinf-lightning: Lightning-style RL post-training with execution plans (RLinf's M2Flow).
 
-    import rlinf_lightning as rl
-    trainer = rl.RLTrainer(algorithm="grpo", strategy="collocated", max_iterations=100)
-    trainer.fit(rl.LMPolicy("artifacts/tiny-qwen2-sft"), rl.tasks.MathTask("train.jsonl", "test.jsonl"))
+import rlinf_lightning as rl
+trainer = rl.RLTrainer(algorithm="grpo", strategy="collocated", max_iterations=100)
+trainer.fit(rl.LMPolicy("artifacts/tiny-qwen2-sft"), rl.tasks.MathTask("train.jsonl", "test.jsonl"))
 """
 
 import os

@@ -47,7 +47,9 @@ class ProgressBar(Callback):
         if iteration % self.refresh_every and iteration != trainer.max_iterations:
             return
         stage_s = " ".join(
-            f"{k.split('/')[1]} {v:.2f}s" for k, v in metrics.items() if k.startswith("time/") and k != "time/iteration"
+            f"{k.split('/')[1]} {v:.2f}s"
+            for k, v in metrics.items()
+            if k.startswith("time/") and k != "time/iteration"
         )
         self.console.print(
             f"[bold]it {iteration:>4}/{trainer.max_iterations}[/bold]"

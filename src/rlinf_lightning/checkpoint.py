@@ -42,7 +42,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
 
 
-def save_checkpoint(root: str | Path, iteration: int, actor_state: dict[str, Any], state: dict[str, Any]) -> Path:
+def save_checkpoint(
+    root: str | Path, iteration: int, actor_state: dict[str, Any], state: dict[str, Any]
+) -> Path:
     from safetensors.torch import save_file
 
     root = Path(root)

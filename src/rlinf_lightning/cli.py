@@ -54,7 +54,13 @@ def prepare(
         print(f"prepare: data exists in {data_dir}")
     else:
         make_arithmetic_splits(
-            data_dir, n_train=n_train, n_test=n_test, operands=operands, max_value=max_value, ops=ops, seed=seed
+            data_dir,
+            n_train=n_train,
+            n_test=n_test,
+            operands=operands,
+            max_value=max_value,
+            ops=ops,
+            seed=seed,
         )
         print(f"prepare: wrote {n_train} train / {n_test} test problems to {data_dir}")
 
@@ -64,17 +70,19 @@ def _fit_parser() -> ArgumentParser:
     from rlinf_lightning.tasks.math import MathTask
     from rlinf_lightning.trainer import RLTrainer
 
-    p = ArgumentParser(description="Train a policy with RL.", exit_on_error=True)
+    p = ArgumentParser(description="Train a policy with RL.", allow_abbrev=False)
     p.add_argument("--config", action=ActionConfigFile, help="YAML config file")
     p.add_class_arguments(RLTrainer, "trainer")
     p.add_class_arguments(LMPolicy, "policy")
     p.add_class_arguments(MathTask, "task")
-    p.add_argument("--ckpt_path", type=str | None, default=None, help='checkpoint directory or "last" to resume')
+    p.add_argument(
+        "--ckpt_path", type=str | None, default=None, help='checkpoint directory or "last" to resume'
+    )
     return p
 
 
 def _function_parser(fn, description: str) -> ArgumentParser:
-    p = ArgumentParser(description=description)
+    p = ArgumentParser(description=description, allow_abbrev=False)
     p.add_argument("--config", action=ActionConfigFile, help="YAML config file")
     p.add_function_arguments(fn)
     return p
@@ -83,12 +91,14 @@ def _function_parser(fn, description: str) -> ArgumentParser:
 def build_parser() -> ArgumentParser:
     from rlinf_lightning.sft import run_sft
 
-    parser = ArgumentParser(prog="rlinf", description="rlinf-lightning: RL post-training")
+    parser = ArgumentParser(prog="rlinf", description="rlinf-lightning: RL post-training", allow_abbrev=False)
     sub = parser.add_subcommands(dest="command")
     sub.add_subcommand("fit", _fit_parser(), help="RL training (GRPO, ...)")
-    sub.add_subcommand("sft", _function_parser(run_sft, "Supervised warm start."), help="supervised warm start")
+    sub.add_subcommand(
+        "sft", _function_parser(run_sft, "Supervised warm start."), help="supervised warm start"
+    )
     sub.add_subcommand("prepare", _function_parser(prepare, "Build tiny assets."), help="build model + data")
-    sub.add_subcommand("plugins", ArgumentParser(), help="list registered components")
+    sub.add_subcommand("plugins", ArgumentParser(allow_abbrev=False), help="list registered components")
     return parser
 
 
@@ -127,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
         run_sft(**sub.as_dict())
         return 0
-    init = parser._subcommands_action._name_parser_map["fit"].instantiate_classes(sub)
+    init = parser._subcommands_action._name_parser_map["fit"].instantiate(sub)
     trainer, policy, task = init.trainer, init.policy, init.task
     try:
         trainer.validate(policy, task)

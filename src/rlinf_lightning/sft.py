@@ -58,10 +58,14 @@ def run_sft(
     if not force and is_model_dir(out) and meta.is_file():
         cached = json.loads(meta.read_text())
         if cached.get("settings") == settings:
-            print(f"sft: cached result in {out} (held-out accuracy {cached['eval_accuracy']:.3f})", flush=True)
+            print(
+                f"sft: cached result in {out} (held-out accuracy {cached['eval_accuracy']:.3f})", flush=True
+            )
             return cached
     if not is_model_dir(base_model):
-        raise FileNotFoundError(f"base_model {base_model!r} is not a model directory; run `rlinf prepare` first")
+        raise FileNotFoundError(
+            f"base_model {base_model!r} is not a model directory; run `rlinf prepare` first"
+        )
     if num_threads:
         torch.set_num_threads(num_threads)
     torch.manual_seed(seed)

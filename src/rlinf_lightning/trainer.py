@@ -26,7 +26,9 @@ from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.strategies import STRATEGIES, Resources
 from rlinf_lightning.workflows.reasoning import reasoning_workflow
 
-LoggerSpec = Any  # True/False, "csv" | "wandb" | "tensorboard", a {class_path, init_args} dict, a Logger, or a list
+LoggerSpec = (
+    Any  # True/False, "csv" | "wandb" | "tensorboard", a {class_path, init_args} dict, a Logger, or a list
+)
 
 
 class RLTrainer:
@@ -50,8 +52,10 @@ class RLTrainer:
         eval_every: evaluate on the held-out split every this many iterations (0: only before and after).
         ckpt_every: checkpoint every this many iterations (0: only at the end).
         default_root_dir: run directory (logs, checkpoints, ``summary.json``).
-        logger: ``True`` for a CSVLogger, ``False`` for none, a name (``csv``, ``wandb``,
-            ``tensorboard``), a ``{class_path, init_args}`` dict, a Lightning logger, or a list.
+        logger: ``True`` for a CSVLogger (``<default_root_dir>/logs/version_N/metrics.csv``; a resumed
+            run writes the next version, so nothing is overwritten), ``False`` for none, a name
+            (``csv``, ``wandb``, ``tensorboard``), a ``{class_path, init_args}`` dict, a Lightning
+            logger, or a list.
         callbacks: Lightning-style callbacks (objects or ``{class_path, init_args}`` dicts).
         enable_progress_bar: print one progress line per iteration.
         seed: seeds data order, sampling and initialisation.
@@ -129,14 +133,18 @@ class RLTrainer:
                 p.append((f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}"))
         if self.group_size < 2:
             p.append(
-                ("trainer.group_size", f"must be >= 2 (advantages compare samples of a prompt), got {self.group_size}")
+                (
+                    "trainer.group_size",
+                    f"must be >= 2 (advantages compare samples of a prompt), got {self.group_size}",
+                )
             )
         elif self.rollout_batch_size % self.group_size:
+            nearest = max(1, self.rollout_batch_size // self.group_size) * self.group_size
             p.append(
                 (
                     "trainer.rollout_batch_size",
                     f"{self.rollout_batch_size} is not divisible by trainer.group_size={self.group_size}; "
-                    f"use a multiple such as {max(1, self.rollout_batch_size // self.group_size) * self.group_size}",
+                    f"use a multiple such as {nearest}",
                 )
             )
         elif self.micro_batch_size % self.group_size or self.rollout_batch_size % self.micro_batch_size:
@@ -182,11 +190,11 @@ class RLTrainer:
             if s is True or s == "csv":
                 from lightning.pytorch.loggers import CSVLogger
 
-                out.append(CSVLogger(save_dir=str(self.default_root_dir), name="", version=""))
+                out.append(CSVLogger(save_dir=str(self.default_root_dir), name="logs"))
             elif s == "tensorboard":
                 from lightning.pytorch.loggers import TensorBoardLogger
 
-                out.append(TensorBoardLogger(save_dir=str(self.default_root_dir), name="", version=""))
+                out.append(TensorBoardLogger(save_dir=str(self.default_root_dir), name="logs"))
             elif s == "wandb":
                 from lightning.pytorch.loggers import WandbLogger
 
@@ -296,7 +304,8 @@ class RLTrainer:
                 lg.finalize("success")
             self._call("on_fit_end", summary)
             print(
-                f"held-out accuracy: {summary['eval_accuracy_before']:.3f} -> {summary['eval_accuracy_after']:.3f}"
+                f"held-out accuracy: {summary['eval_accuracy_before']:.3f}"
+                f" -> {summary['eval_accuracy_after']:.3f}"
                 f" ({len(task.test)} problems, {self.max_iterations - start_it} iterations,"
                 f" {summary['wall_s']:.0f} s); summary: {self.default_root_dir / 'summary.json'}",
                 flush=True,

@@ -118,7 +118,9 @@ class HFRolloutEngine(RolloutEngine):
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         gens = [torch.Generator().manual_seed(row_seed(seed, g, j)) for _, g, j in rows]
-        tokens, logps = self._sample(ids.to(self.device), mask.to(self.device), gens, params, eos_token_id, pad)
+        tokens, logps = self._sample(
+            ids.to(self.device), mask.to(self.device), gens, params, eos_token_id, pad
+        )
         out: list[list[Completion]] = []
         for i in range(len(rows)):
             toks, lps = [], []
@@ -148,7 +150,9 @@ class HFRolloutEngine(RolloutEngine):
             else:
                 noise = torch.stack([torch.rand(scaled.shape[-1], generator=g) for g in gens])
                 gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))  # Gumbel-max = exact sampling
-                nxt = (top_k_top_p_filter(scaled, params.top_k, params.top_p) + gumbel.to(scaled.device)).argmax(-1)
+                nxt = (
+                    top_k_top_p_filter(scaled, params.top_k, params.top_p) + gumbel.to(scaled.device)
+                ).argmax(-1)
             tokens.append(torch.where(done, pad, nxt))
             logps.append(torch.where(done, 0.0, logp.gather(-1, nxt[:, None]).squeeze(-1)))
             done = done | (nxt == eos)
@@ -157,7 +161,11 @@ class HFRolloutEngine(RolloutEngine):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
             pos = pos + 1
             res = self.model(
-                input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True
+                input_ids=nxt[:, None],
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=past,
+                use_cache=True,
             )
             past, logits = res.past_key_values, res.logits[:, -1]
         return torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()

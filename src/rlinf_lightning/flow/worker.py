@@ -93,7 +93,9 @@ class Worker:
             for name in self.spec.stages:
                 if self.spec.context_switch:
                     self._timed(name, "onload", self.stages[name].onload)
-                while not self._step(name, self.channels[self.workflow.input_edge(name).channel].get(), metrics):
+                while not self._step(
+                    name, self.channels[self.workflow.input_edge(name).channel].get(), metrics
+                ):
                     pass
                 if self.spec.context_switch:
                     self._timed(name, "offload", self.stages[name].offload)

@@ -45,7 +45,9 @@ class MathTask:
         problems = []
         for key in ("train_path", "test_path"):
             if not Path(getattr(self, key)).is_file():
-                problems.append((key, f"file {getattr(self, key)!r} not found; run `rlinf prepare` to generate data"))
+                problems.append(
+                    (key, f"file {getattr(self, key)!r} not found; run `rlinf prepare` to generate data")
+                )
         for key in ("reward", "format_reward"):
             name = getattr(self, key)
             if name is not None and name not in REWARDS:

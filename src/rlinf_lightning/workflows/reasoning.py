@@ -96,7 +96,9 @@ class RolloutStage(Stage):
 
     def process(self, batch: TensorDict) -> TensorDict:
         groups = batch["group_id"].tolist()
-        prompt_ids, completions = self._generate(list(batch["prompt"]), groups, self.group_size, self.sampling)
+        prompt_ids, completions = self._generate(
+            list(batch["prompt"]), groups, self.group_size, self.sampling
+        )
         tensors = pack_samples(prompt_ids, completions, self.tokenizer.pad_token_id)
         n = self.group_size
         texts = [
@@ -222,23 +224,31 @@ class ActorStage(Stage):
         self.engine = TRAIN_ENGINES.get(self.train_strategy)()
         self.engine.setup(copy.deepcopy(self.policy), ctx.device)
         self.stats = _Mean()
+        self._loss_total, self._count_total = 0.0, 0.0
 
     def _loss(self, policy: LMPolicy, mb: TensorDict):
         logp = policy.forward_logprobs(mb, self.temperature)
-        return self.algorithm.loss(
+        loss_sum, count, metrics = self.algorithm.loss(
             logp, mb["rollout_logprobs"], mb["advantage"], mb["response_mask"], mb.get("ref_logprobs", None)
         )
+        self._loss_total += float(loss_sum.detach())
+        self._count_total += float(count)
+        return loss_sum, count, metrics
+
+    def begin_iteration(self, iteration: int) -> None:
+        self._loss_total, self._count_total = 0.0, 0.0
 
     def process(self, batch: TensorDict) -> None:
         for chunk in batch.split(self.train_micro_batch_size):
             m = self.engine.accumulate(chunk, self._loss)
+            m.pop("loss_sum", None)
             for k, v in m.items():
                 self.stats.add(k, v, len(chunk))
         return None
 
     def end_iteration(self) -> dict[str, float]:
         metrics = self.stats.pop()
-        metrics.pop("loss_sum", None)
+        metrics["loss"] = self._loss_total / max(self._count_total, 1.0)
         metrics.update(self.engine.step())
         return metrics
 

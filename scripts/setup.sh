@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a machine with only python3: .venv, torch==2.13.0 (CPU build, first, so that
+# no later requirement pulls a CUDA build), this package with its dev extras, and the tiny assets
+# (model, tokenizer, arithmetic data). Quick when already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+# shellcheck disable=SC1091
+source .venv/bin/activate
+stamp=.venv/.rlinf-setup
+want="$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  python -m pip install -q --upgrade pip
+  python -m pip install -q torch==2.13.0
+  python -m pip install -q -e '.[dev]'
+  echo "$want" > "$stamp"
+fi
+python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+rlinf prepare

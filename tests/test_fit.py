@@ -1,0 +1,132 @@
+"""End-to-end fits of the tiny math GRPO workflow: summary, loggers, checkpoints, exact resume."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import tiny_trainer_kwargs
+from rlinf_lightning import Callback, LMPolicy, RLTrainer
+from rlinf_lightning.tasks.math import MathTask
+
+
+def _fit(assets, tmp_path, ckpt_path=None, **over):
+    trainer = RLTrainer(**tiny_trainer_kwargs(tmp_path, **over))
+    task = MathTask(str(assets["train"]), str(assets["test"]), eval_size=16)
+    return trainer, trainer.fit(LMPolicy(str(assets["sft"]), lr=1e-4), task, ckpt_path=ckpt_path)
+
+
+def _metrics(run: Path, version: int = 0) -> dict[int, dict[str, str]]:
+    rows: dict[int, dict[str, str]] = {}
+    for row in csv.DictReader(open(run / "logs" / f"version_{version}" / "metrics.csv")):
+        rows.setdefault(int(row["step"]), {}).update({k: v for k, v in row.items() if v})
+    return rows
+
+
+class Recorder(Callback):
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def on_fit_start(self, trainer, policy):
+        self.events.append("fit_start")
+
+    def on_iteration_end(self, trainer, iteration, metrics):
+        assert "reward/accuracy" in metrics and "time/rollout" in metrics
+        self.events.append(f"it{iteration}")
+
+    def on_save_checkpoint(self, trainer, path):
+        self.events.append("ckpt")
+
+    def on_fit_end(self, trainer, summary):
+        self.events.append("fit_end")
+
+
+def test_fit_writes_summary_checkpoint_and_calls_callbacks(assets, tmp_path):
+    rec = Recorder()
+    trainer, summary = _fit(assets, tmp_path, callbacks=[rec], ckpt_every=2, logger=True)
+    run = tmp_path / "run"
+    on_disk = json.loads((run / "summary.json").read_text())
+    for key in ("eval_accuracy_before", "eval_accuracy_after", "iterations", "wall_s", "samples_per_s"):
+        assert key in on_disk
+    assert on_disk["iterations"] == 3 and on_disk["eval_problems"] == 16 and on_disk["samples_per_s"] > 0
+    assert rec.events == ["fit_start", "it1", "it2", "ckpt", "it3", "ckpt", "fit_end"]
+    ckpts = run / "checkpoints"
+    assert (ckpts / "last").read_text() == "iter-000003"
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "iter-000002",
+        "iter-000003",
+        "last",
+    ]  # no temp dirs left
+    assert {p.name for p in (ckpts / "iter-000003").iterdir()} == {
+        "model.safetensors", "optimizer.pt", "rng.pt", "state.json"
+    }  # fmt: skip
+    state = json.loads((ckpts / "iter-000003" / "state.json").read_text())
+    assert state["iteration"] == 3 and state["data_position"] == 3 * 16 // 4
+    rows = _metrics(run)
+    assert {1, 2, 3} <= set(rows) and "actor/grad_norm" in rows[3] and "eval/accuracy" in rows[0]
+
+
+def test_resume_equals_uninterrupted_run(assets, tmp_path):
+    _, full = _fit(assets, tmp_path / "full", max_iterations=4, logger=True)
+    _fit(assets, tmp_path / "split", max_iterations=2, logger=True)
+    _, resumed = _fit(assets, tmp_path / "split", ckpt_path="last", max_iterations=4, logger=True)
+    assert resumed["resumed_from_iteration"] == 2
+    a, b = _metrics(tmp_path / "full" / "run"), _metrics(tmp_path / "split" / "run", version=1)
+    assert set(_metrics(tmp_path / "split" / "run", version=0)) == {0, 1, 2}  # the first part's log is kept
+    for it in (3, 4):
+        for key in ("reward/reward", "rollout/response_length", "actor/loss", "actor/grad_norm"):
+            assert a[it][key] == b[it][key], (it, key)
+    wa = load_file(str(tmp_path / "full" / "run" / "checkpoints" / "iter-000004" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "split" / "run" / "checkpoints" / "iter-000004" / "model.safetensors"))
+    assert all((wa[k] == wb[k]).all() for k in wa)
+    assert full["eval_accuracy_after"] == resumed["eval_accuracy_after"]
+
+
+def test_resume_without_checkpoint_is_a_clear_error(assets, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        _fit(assets, tmp_path, ckpt_path="last", max_iterations=1)
+
+
+@pytest.mark.parametrize("logger", ["wandb", "tensorboard"])
+def test_lightning_loggers(assets, tmp_path, logger):
+    _fit(assets, tmp_path, max_iterations=1, logger=logger)
+    run = tmp_path / "run"
+    if logger == "wandb":
+        assert list(run.glob("wandb/offline-run-*/run-*.wandb"))
+    else:
+        assert list(run.rglob("events.out.tfevents.*"))
+
+
+def test_cli_fit_with_dotted_overrides(assets, tmp_path):
+    config = Path(__file__).parents[1] / "configs" / "math_grpo_tiny.yaml"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlinf_lightning.cli",
+            "fit",
+            f"--config={config}",
+            f"--policy.model_path={assets['sft']}",
+            f"--task.train_path={assets['train']}",
+            f"--task.test_path={assets['test']}",
+            f"--trainer.default_root_dir={tmp_path / 'run'}",
+            "--trainer.max_iterations=2",
+            "--trainer.rollout_batch_size=16",
+            "--trainer.group_size=4",
+            "--trainer.eval_every=1",
+            "--task.eval_size=8",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "it    2/2" in res.stdout and "held-out accuracy:" in res.stdout
+    assert "rollout -> reward -> advantage -> inference -> actor" in res.stdout  # the plan table
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["iterations"] == 2

@@ -11,7 +11,7 @@ from rlinf_lightning.flow.channel import Channel, ChannelTimeout
 from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroupSpec
 from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.launchers import LAUNCHERS
-from rlinf_lightning.strategies import STRATEGIES, Resources
+from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
 
 
 class AddOne(Stage):
@@ -53,7 +53,7 @@ def _launch(workflow: Workflow, plan: ExecutionPlan, timeout_s: float = 10.0):
 
 def test_collocated_runs_a_chain_and_collects_stage_metrics():
     wf = Workflow("toy").chain(AddOne(), Sum())
-    plan = STRATEGIES.resolve("collocated").plan(wf, Resources(devices=1), micro_batch_size=4)
+    plan = STRATEGIES.resolve("collocated").plan(wf, Resources(devices=1), BatchShape(12, 4, 4))
     rt = _launch(wf, plan)
     metrics = rt.run_iteration(1, _batches(3, 4))
     assert metrics["sum"]["total"] == 3 * (0 + 1 + 2 + 3 + 4)
@@ -64,7 +64,7 @@ def test_collocated_runs_a_chain_and_collects_stage_metrics():
 
 def test_a_raising_stage_names_stage_worker_and_traceback():
     wf = Workflow("toy").chain(AddOne(), Boom(), Sum())
-    plan = STRATEGIES.resolve("collocated").plan(wf, Resources(devices=1), micro_batch_size=4)
+    plan = STRATEGIES.resolve("collocated").plan(wf, Resources(devices=1), BatchShape(12, 4, 4))
     rt = _launch(wf, plan)
     with pytest.raises(StageError) as info:
         rt.run_iteration(1, _batches(1, 4))

@@ -22,8 +22,9 @@ from rlinf_lightning.checkpoint import load_checkpoint, resolve_checkpoint, save
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, SamplingParams
 from rlinf_lightning.engines.train import TRAIN_ENGINES
 from rlinf_lightning.errors import ConfigError
+from rlinf_lightning.flow.trace import write_chrome_trace
 from rlinf_lightning.launchers import LAUNCHERS
-from rlinf_lightning.strategies import STRATEGIES, Resources
+from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
 from rlinf_lightning.workflows.reasoning import reasoning_workflow
 
 LoggerSpec = (
@@ -36,8 +37,10 @@ class RLTrainer:
 
     Args:
         algorithm: algorithm name (``grpo``) or an algorithm object such as ``GRPO(kl_coef=0.01)``.
-        strategy: execution plan strategy name (``collocated``) or a ``Strategy`` object.
-        launcher: how workers start: ``inprocess`` (default) or a registered launcher.
+        strategy: execution plan strategy: a name (``collocated``, ``collocated_offload``,
+            ``disaggregated``, ``hybrid``), a ``Strategy`` object, or a ``{class_path, init_args}`` dict.
+        launcher: how workers start: ``inprocess`` (default; threads of this process), ``processes``
+            (one OS process per worker), ``ray`` (Ray actors), or a launcher object.
         rollout: rollout engine name (``hf``; ``vllm`` with the plugin).
         train_strategy: how the actor trains (``single``; more with later engines).
         devices: device slots per node (GPUs, or worker processes on CPU).
@@ -46,8 +49,9 @@ class RLTrainer:
         group_size: completions sampled per prompt (GRPO's group; at least 2).
         rollout_batch_size: samples per iteration (prompts x group_size).
         micro_batch_size: samples per message between stages (a multiple of ``group_size``;
-            default: the whole rollout batch).
-        train_micro_batch_size: samples per forward/backward in the actor (gradient accumulation).
+            default: the strategy's choice, the whole batch for collocated, a quarter for pipelined).
+        train_micro_batch_size: samples per forward/backward in the actor (gradient accumulation;
+            default: each arriving micro-batch at once).
         sampling: temperature, top_p, top_k and max_new_tokens for rollouts.
         eval_every: evaluate on the held-out split every this many iterations (0: only before and after).
         ckpt_every: checkpoint every this many iterations (0: only at the end).
@@ -60,7 +64,8 @@ class RLTrainer:
         enable_progress_bar: print one progress line per iteration.
         seed: seeds data order, sampling and initialisation.
         timeout_s: longest wait for any stage's input before the run fails instead of hanging.
-        num_threads: torch threads per worker (0 leaves torch's default).
+        num_threads: torch threads per device slot on CPU (0: the machine's cores shared evenly).
+        trace: write a Chrome trace-event JSON of every stage call here (open in Perfetto).
     """
 
     def __init__(
@@ -87,6 +92,7 @@ class RLTrainer:
         seed: int = 0,
         timeout_s: float = 600.0,
         num_threads: int = 0,
+        trace: str | None = None,
     ) -> None:
         self.algorithm = algorithm
         self.strategy = strategy
@@ -98,8 +104,8 @@ class RLTrainer:
         self.max_iterations = max_iterations
         self.group_size = group_size
         self.rollout_batch_size = rollout_batch_size
-        self.micro_batch_size = micro_batch_size or rollout_batch_size
-        self.train_micro_batch_size = train_micro_batch_size or self.micro_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.train_micro_batch_size = train_micro_batch_size
         self.sampling = sampling or SamplingParams()
         self.eval_every = eval_every
         self.ckpt_every = ckpt_every
@@ -110,6 +116,7 @@ class RLTrainer:
         self.seed = seed
         self.timeout_s = timeout_s
         self.num_threads = num_threads
+        self.trace = trace
         self.iteration = 0
         self.loggers: list[Any] = []
 
@@ -127,9 +134,9 @@ class RLTrainer:
             value = getattr(self, key)
             if isinstance(value, str) and value not in reg:
                 p.append((f"trainer.{key}", reg.unknown_message(value)))
-        positive = ("devices", "num_nodes", "max_iterations", "rollout_batch_size", "micro_batch_size")
-        for key in positive + ("train_micro_batch_size",):
-            if getattr(self, key) < 1:
+        positive = ("devices", "num_nodes", "max_iterations", "rollout_batch_size")
+        for key in positive + ("micro_batch_size", "train_micro_batch_size"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
                 p.append((f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}"))
         if self.group_size < 2:
             p.append(
@@ -147,7 +154,9 @@ class RLTrainer:
                     f"use a multiple such as {nearest}",
                 )
             )
-        elif self.micro_batch_size % self.group_size or self.rollout_batch_size % self.micro_batch_size:
+        elif self.micro_batch_size and (
+            self.micro_batch_size % self.group_size or self.rollout_batch_size % self.micro_batch_size
+        ):
             p.append(
                 (
                     "trainer.micro_batch_size",
@@ -170,14 +179,36 @@ class RLTrainer:
         for section, obj in (("policy", policy), ("task", task)):
             if obj is not None and hasattr(obj, "validate_config"):
                 p += [(f"{section}.{k}", m) for k, m in obj.validate_config()]
+        if not p and policy is not None and task is not None:
+            try:
+                self._build_plan(policy, task)
+            except ValueError as exc:  # the strategy cannot place this workflow on these resources
+                p.append(("trainer.strategy", str(exc)))
         if p:
             raise ConfigError(p)
 
-    def _resolve(self):
-        algorithm = ALGORITHMS.resolve(self.algorithm)
-        strategy = STRATEGIES.resolve(self.strategy)
-        launcher = LAUNCHERS.resolve(self.launcher)
-        return algorithm, strategy, launcher
+    def _build_plan(self, policy: Any, task: Any):
+        """The workflow (stages built from config only, nothing loaded) and the strategy's plan."""
+        workflow = reasoning_workflow(
+            policy=policy,
+            algorithm=ALGORITHMS.resolve(self.algorithm),
+            rollout=self.rollout,
+            train_strategy=self.train_strategy,
+            sampling=self.sampling,
+            group_size=self.group_size,
+            train_micro_batch_size=self.train_micro_batch_size,
+            reward=task.reward,
+            format_reward=task.format_reward,
+            format_weight=task.format_weight,
+            seed=self.seed,
+        )
+        resources = Resources(
+            devices=self.devices, num_nodes=self.num_nodes, threads_per_slot=self.num_threads
+        )
+        batch = BatchShape(self.rollout_batch_size, self.group_size, self.micro_batch_size)
+        plan = STRATEGIES.resolve(instantiate(self.strategy)).plan(workflow, resources, batch)
+        plan.validate(list(workflow.stages))
+        return workflow, plan
 
     # -- loggers and callbacks -------------------------------------------------------------------
     def _build_loggers(self) -> list[Any]:
@@ -215,37 +246,21 @@ class RLTrainer:
     def fit(self, policy: Any, task: Any, ckpt_path: str | None = None) -> dict[str, Any]:
         """Train ``policy`` on ``task``; resume from ``ckpt_path`` (a directory or ``"last"``)."""
         self.validate(policy, task)
-        if self.num_threads:
-            torch.set_num_threads(self.num_threads)
         torch.manual_seed(self.seed)
-        algorithm, strategy, launcher = self._resolve()
+        launcher = LAUNCHERS.resolve(instantiate(self.launcher))
         self.callbacks = [instantiate(c) for c in self.callbacks]
         if self.enable_progress_bar and not any(isinstance(c, ProgressBar) for c in self.callbacks):
             self.callbacks.append(ProgressBar())
         self.default_root_dir.mkdir(parents=True, exist_ok=True)
         self.loggers = self._build_loggers()
 
-        workflow = reasoning_workflow(
-            policy=policy,
-            algorithm=algorithm,
-            rollout=self.rollout,
-            train_strategy=self.train_strategy,
-            sampling=self.sampling,
-            group_size=self.group_size,
-            train_micro_batch_size=self.train_micro_batch_size,
-            reward=task.reward,
-            format_reward=task.format_reward,
-            format_weight=task.format_weight,
-            seed=self.seed,
-        )
-        resources = Resources(devices=self.devices, num_nodes=self.num_nodes)
-        self.plan = strategy.plan(workflow, resources, self.micro_batch_size)
-        self.plan.validate(list(workflow.stages))
+        workflow, self.plan = self._build_plan(policy, task)
         print(self.plan.describe(), flush=True)
         for lg in self.loggers:
             lg.log_hyperparams(self.hparams(policy, task))
 
         start_it, history = 0, []
+        self._spans: list[Any] = []
         resume = resolve_checkpoint(ckpt_path, self.ckpt_dir) if ckpt_path else None
         t_start = time.perf_counter()
         runtime = launcher.launch(workflow, self.plan, timeout_s=self.timeout_s)
@@ -262,7 +277,8 @@ class RLTrainer:
             if not history:
                 history.append({"iteration": 0, "accuracy": self._evaluate(runtime, task, 0)})
             prompts_per_it = self.rollout_batch_size // self.group_size
-            prompts_per_mb = self.micro_batch_size // self.group_size
+            first = workflow.input_edge(workflow.order[0]).channel
+            prompts_per_mb = self.plan.micro_batch_size[first] // self.group_size
             samples, train_s = 0, 0.0
             for it in range(start_it + 1, self.max_iterations + 1):
                 self.iteration = it
@@ -318,6 +334,8 @@ class RLTrainer:
             raise
         finally:
             runtime.shutdown()
+            if self.trace:
+                write_chrome_trace(self.trace, self._spans, self.plan)
 
     @property
     def ckpt_dir(self) -> Path:
@@ -336,7 +354,10 @@ class RLTrainer:
     def _stage_seconds(self, runtime: Any) -> dict[str, float]:
         """Busy seconds per stage this iteration (summed over its spans)."""
         out: dict[str, float] = {}
-        for s in runtime.pop_spans():
+        spans = runtime.pop_spans()
+        if self.trace:
+            self._spans.extend(spans)
+        for s in spans:
             out[f"time/{s.stage}"] = out.get(f"time/{s.stage}", 0.0) + (s.end - s.start)
         return out
 

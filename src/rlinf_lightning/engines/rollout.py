@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlinf_lightning.engines.offload import Offloader
 from rlinf_lightning.registry import Registry
 
 
@@ -106,6 +107,13 @@ class HFRolloutEngine(RolloutEngine):
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(device).eval()
         self.model.requires_grad_(False)
+        self._offloader = Offloader(device)
+
+    def onload(self) -> None:
+        self._offloader.onload(self.model)
+
+    def offload(self) -> None:
+        self._offloader.offload(self.model)
 
     @torch.no_grad()
     def generate(self, prompt_ids, groups, n, params, seed, eos_token_id):

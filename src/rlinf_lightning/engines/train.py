@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from rlinf_lightning.engines.offload import Offloader
 from rlinf_lightning.policies.module import RLModule
 from rlinf_lightning.registry import Registry
 
@@ -28,6 +29,12 @@ class TrainEngine:
 
     def step(self) -> dict[str, float]:
         raise NotImplementedError
+
+    def onload(self) -> None:
+        """Bring weights and optimizer state back onto the device (collocated context switch)."""
+
+    def offload(self) -> None:
+        """Move weights and optimizer state off the device while other stages run."""
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full (unsharded) weights, one tensor at a time, for syncing the rollout engine."""
@@ -55,6 +62,13 @@ class SingleTrainEngine(TrainEngine):
         self.optimizer = policy.configure_optimizers()
         self.optimizer.zero_grad(set_to_none=True)
         self._count = 0.0
+        self._offloader = Offloader(device)
+
+    def onload(self) -> None:
+        self._offloader.onload(self.policy, self.optimizer)
+
+    def offload(self) -> None:
+        self._offloader.offload(self.policy, self.optimizer)
 
     def accumulate(self, batch, loss_fn):
         loss_sum, count, metrics = loss_fn(self.policy, batch)

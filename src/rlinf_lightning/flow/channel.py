@@ -1,12 +1,15 @@
 """Channel: a FIFO of micro-batches between two stages.
 
 The transport is chosen from the plan (adaptive communication): stages on the same worker pass
-objects through an in-process queue. Every ``get`` has a timeout, so a stalled producer becomes a
+objects through an in-process queue; stages in different processes on one machine use a
+:class:`SharedMemoryChannel` (tensors travel as shared-memory handles, not pickled copies); the
+Ray launcher uses Ray's object store. Every ``get`` has a timeout, so a stalled producer becomes a
 clear error, never a hang.
 """
 
 from __future__ import annotations
 
+import pickle
 import queue
 import threading
 import time
@@ -34,11 +37,13 @@ class EndOfIteration:
 class Channel:
     """In-process FIFO; the base of every transport."""
 
-    def __init__(self, name: str, timeout_s: float = 600.0, abort: threading.Event | None = None) -> None:
+    transport = "object"
+
+    def __init__(self, name: str, timeout_s: float = 600.0, abort: Any = None, q: Any = None) -> None:
         self.name = name
         self.timeout_s = timeout_s
         self.abort = abort or threading.Event()
-        self._q: queue.Queue = queue.Queue()
+        self._q = q if q is not None else queue.Queue()
 
     def put(self, item: Any) -> None:
         self._q.put(item)
@@ -65,3 +70,77 @@ class Channel:
 
     def empty(self) -> bool:
         return self._q.empty()
+
+
+class SharedMemoryChannel(Channel):
+    """Between processes of one machine: a ``torch.multiprocessing`` queue.
+
+    Tensors of at least ``shm_min_bytes`` (also inside a ``TensorDict``) are moved into shared
+    memory and only their handles cross the pipe; smaller ones are pickled inline, since a
+    shared-memory segment per tiny tensor costs more than copying it. Items are pickled in
+    ``put`` itself, so an unpicklable item fails there, in the sender, instead of vanishing in
+    the queue's feeder thread. ``copy=True`` copies tensors that alias live state (weights the
+    sender keeps updating), so the receiver sees the values as of ``put``.
+    """
+
+    transport = "shared-memory"
+
+    def __init__(
+        self,
+        name: str,
+        timeout_s: float,
+        abort: Any,
+        mp_context: Any,
+        copy: bool = False,
+        shm_min_bytes: int = 64 * 1024,
+    ) -> None:
+        super().__init__(name, timeout_s, abort, mp_context.Queue())
+        self.copy, self.shm_min_bytes = copy, shm_min_bytes
+
+    def put(self, item: Any) -> None:
+        self._q.put(encode(item, self.copy, self.shm_min_bytes))
+
+    def get(self, timeout: float | None = None) -> Any:
+        return decode(super().get(timeout))
+
+    def poll(self) -> tuple[bool, Any]:
+        got, item = super().poll()
+        return (True, decode(item)) if got else (False, None)
+
+
+def encode(item: Any, copy: bool = False, shm_min_bytes: int = 64 * 1024) -> bytes:
+    """Bytes for a pipe: small parts pickled inline, large tensors as shared-memory handles."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+    import torch.multiprocessing  # noqa: F401  (registers the shared-memory tensor reductions)
+    from tensordict import TensorDictBase
+
+    def share(t: torch.Tensor) -> torch.Tensor:
+        if copy:
+            return t.detach().clone().share_memory_()
+        return t if t.is_shared() else t.share_memory_()
+
+    if isinstance(item, TensorDictBase):
+        large = [
+            k
+            for k, v in item.items(include_nested=True, leaves_only=True)
+            if isinstance(v, torch.Tensor) and v.numel() * v.element_size() >= shm_min_bytes
+        ]
+        small = pickle.dumps(item.exclude(*large) if large else item)
+        shared = item.select(*large).apply(share) if large else None
+        return bytes(ForkingPickler.dumps(("td", small, shared)))
+    if isinstance(item, torch.Tensor) and item.numel() * item.element_size() >= shm_min_bytes:
+        return bytes(ForkingPickler.dumps(("shm", share(item))))
+    return pickle.dumps(("obj", item))
+
+
+def decode(data: bytes) -> Any:
+    kind, *rest = pickle.loads(data)
+    if kind == "td":
+        small, shared = rest
+        td = pickle.loads(small)
+        if shared is not None:
+            td.update(shared)
+        return td
+    return rest[0]

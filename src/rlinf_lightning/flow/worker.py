@@ -63,9 +63,9 @@ class Worker:
             raise StageError(stage, self.spec.name, traceback.format_exc()) from None
 
     def _timed(self, stage: str, what: str, fn, *args, samples: int = 0):
-        t0 = time.perf_counter()
+        t0 = time.time()  # wall clock: comparable across processes (and, roughly, machines)
         out = self._guard(stage, fn, *args)
-        self.spans.append(Span(self.spec.name, stage, what, t0, time.perf_counter(), samples))
+        self.spans.append(Span(self.spec.name, stage, what, t0, time.time(), samples))
         return out
 
     def setup(self) -> None:
@@ -150,4 +150,8 @@ class Worker:
         for e in self.workflow.sync_edges():
             if e.dst in self.stages:
                 state = self.channels[e.channel].get()
+                if self.spec.context_switch:
+                    self._timed(e.dst, "onload", self.stages[e.dst].onload)
                 self._timed(e.dst, "sync", self.stages[e.dst].apply_sync, e.src, state)
+                if self.spec.context_switch:
+                    self._timed(e.dst, "offload", self.stages[e.dst].offload)

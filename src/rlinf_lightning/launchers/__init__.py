@@ -2,9 +2,11 @@
 
 from rlinf_lightning.launchers.base import Launcher, Runtime
 from rlinf_lightning.launchers.inprocess import InProcessLauncher
+from rlinf_lightning.launchers.processes import ProcessLauncher, WorkerDied
 from rlinf_lightning.registry import Registry
 
 LAUNCHERS: Registry[type[Launcher]] = Registry("launcher")
 LAUNCHERS.register("inprocess", InProcessLauncher)
+LAUNCHERS.register("processes", ProcessLauncher)
 
-__all__ = ["LAUNCHERS", "Launcher", "Runtime", "InProcessLauncher"]
+__all__ = ["LAUNCHERS", "InProcessLauncher", "Launcher", "ProcessLauncher", "Runtime", "WorkerDied"]

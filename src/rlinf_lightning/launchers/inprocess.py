@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.flow.channel import Channel, EndOfIteration
@@ -22,6 +23,9 @@ from rlinf_lightning.launchers.base import Launcher, Runtime
 class InProcessRuntime(Runtime):
     def __init__(self, workflow: Workflow, plan: ExecutionPlan, timeout_s: float) -> None:
         self.workflow = workflow
+        threads = max(w.num_threads for w in plan.workers)
+        if threads:  # one process: torch's intra-op pool is shared by every worker thread
+            torch.set_num_threads(threads)
         self.abort = threading.Event()
         self.channels = {e.channel: Channel(e.channel, timeout_s, self.abort) for e in workflow.edges}
         self.source = self.channels[next(e.channel for e in workflow.edges if e.src == SOURCE)]

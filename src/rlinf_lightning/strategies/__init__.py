@@ -1,10 +1,28 @@
 """Strategies produce execution plans; looked up by name in :data:`STRATEGIES`."""
 
+from functools import partial
+
 from rlinf_lightning.registry import Registry
-from rlinf_lightning.strategies.base import Resources, Strategy
+from rlinf_lightning.strategies.base import BatchShape, Resources, Strategy
 from rlinf_lightning.strategies.collocated import CollocatedStrategy
+from rlinf_lightning.strategies.pipelined import DisaggregatedStrategy, HybridStrategy
 
 STRATEGIES: Registry[type[Strategy]] = Registry("strategy")
 STRATEGIES.register("collocated", CollocatedStrategy)
+STRATEGIES.register(
+    "collocated_offload",
+    partial(CollocatedStrategy, offload=True),
+    description="Collocated with context switching: each stage offloads its state after its turn.",
+)
+STRATEGIES.register("disaggregated", DisaggregatedStrategy)
+STRATEGIES.register("hybrid", HybridStrategy)
 
-__all__ = ["STRATEGIES", "CollocatedStrategy", "Resources", "Strategy"]
+__all__ = [
+    "STRATEGIES",
+    "BatchShape",
+    "CollocatedStrategy",
+    "DisaggregatedStrategy",
+    "HybridStrategy",
+    "Resources",
+    "Strategy",
+]

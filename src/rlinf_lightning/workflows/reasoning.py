@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from rlinf_lightning.engines.offload import Offloader
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, Completion, SamplingParams
 from rlinf_lightning.engines.train import TRAIN_ENGINES
 from rlinf_lightning.evaluation import greedy_accuracy
@@ -196,6 +197,15 @@ class InferenceStage(Stage):
             self.ref = copy.deepcopy(self.policy)
             self.ref.configure_model()
             self.ref.to(ctx.device).eval().requires_grad_(False)
+            self._offloader = Offloader(ctx.device)
+
+    def onload(self) -> None:
+        if self.ref is not None:
+            self._offloader.onload(self.ref)
+
+    def offload(self) -> None:
+        if self.ref is not None:
+            self._offloader.offload(self.ref)
 
     @torch.no_grad()
     def process(self, batch: TensorDict) -> TensorDict:
@@ -254,6 +264,12 @@ class ActorStage(Stage):
 
     def sync_state(self) -> TensorDict:
         return TensorDict(dict(self.engine.named_weights()), batch_size=[])
+
+    def onload(self) -> None:
+        self.engine.onload()
+
+    def offload(self) -> None:
+        self.engine.offload()
 
     def state_dict(self) -> dict[str, Any]:
         return self.engine.state_dict()

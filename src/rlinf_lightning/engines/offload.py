@@ -1,0 +1,78 @@
+"""Context switching: move a stage's state off its device between turns, and back.
+
+On an accelerator the state goes to host memory; on a CPU slot it goes to a spill file on local
+disk (the host memory *is* the device there), so a collocated plan with offload holds only the
+active stage's weights and optimizer state in RAM. ``onload`` restores the exact tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+
+import torch
+
+
+class Offloader:
+    """Offloads a module's parameters and buffers, and optionally an optimizer's state tensors.
+
+    Args:
+        device: the device the state lives on while active.
+        spill_dir: where CPU spill files go (default: the system temporary directory).
+    """
+
+    def __init__(self, device: str, spill_dir: str | None = None) -> None:
+        self.device = torch.device(device)
+        self.spill_dir = spill_dir
+        self.offloaded = False
+        self._file: str | None = None
+
+    def _tensors(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator:
+        """(key, getter, setter) for every tensor to move."""
+        for name, p in module.named_parameters():
+            yield f"param.{name}", p, lambda t, p=p: setattr(p, "data", t)
+        for name, b in module.named_buffers():
+            yield f"buffer.{name}", b, lambda t, b=b: setattr(b, "data", t)
+        if optimizer is not None:
+            for i, (p, state) in enumerate(optimizer.state.items()):
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        yield f"optim.{i}.{k}", v, lambda t, s=state, k=k: s.__setitem__(k, t)
+
+    def offload(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        if self.offloaded:
+            return
+        items = list(self._tensors(module, optimizer))
+        if self.device.type == "cpu":
+            from safetensors.torch import save_file
+
+            fd, self._file = tempfile.mkstemp(
+                prefix="rlinf-offload-", suffix=".safetensors", dir=self.spill_dir
+            )
+            os.close(fd)
+            save_file({k: t.detach().contiguous() for k, t, _ in items}, self._file)
+            for _, t, set_ in items:
+                set_(torch.empty(0, dtype=t.dtype))
+        else:
+            for _, t, set_ in items:
+                set_(t.detach().to("cpu", non_blocking=True).pin_memory())
+            torch.cuda.empty_cache()
+        self.offloaded = True
+
+    def onload(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        if not self.offloaded:
+            return
+        items = list(self._tensors(module, optimizer))
+        if self.device.type == "cpu":
+            from safetensors.torch import load_file
+
+            saved = load_file(self._file)
+            os.unlink(self._file)
+            self._file = None
+            for k, _, set_ in items:
+                set_(saved[k])
+        else:
+            for _, t, set_ in items:
+                set_(t.to(self.device, non_blocking=True))
+        self.offloaded = False

@@ -1,0 +1,53 @@
+"""Chrome trace-event JSON of a run's stage calls (open in https://ui.perfetto.dev).
+
+One row per worker, one complete ("X") event per stage call: each micro-batch a stage processes,
+its end-of-iteration work, weight syncs and context switches. Overlapping rows show the plan's
+pipelining; a collocated plan shows one row whose stages never overlap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from rlinf_lightning.flow.plan import ExecutionPlan
+from rlinf_lightning.flow.worker import Span
+
+
+def chrome_trace(spans: Iterable[Span], plan: ExecutionPlan) -> dict:
+    spans = sorted(spans, key=lambda s: s.start)
+    t0 = spans[0].start if spans else 0.0
+    pid = {w.name: i for i, w in enumerate(plan.workers)}
+    events: list[dict] = []
+    for w in plan.workers:
+        label = f"{w.name} (slots {','.join(map(str, w.slots))}: {', '.join(w.stages)})"
+        events.append({"ph": "M", "name": "process_name", "pid": pid[w.name], "args": {"name": label}})
+        events.append(
+            {"ph": "M", "name": "process_sort_index", "pid": pid[w.name], "args": {"sort_index": pid[w.name]}}
+        )
+    for s in spans:
+        events.append(
+            {
+                "ph": "X",
+                "name": s.stage if s.what == "process" else f"{s.stage}.{s.what}",
+                "cat": s.what,
+                "pid": pid.get(s.worker, len(pid)),
+                "tid": 0,
+                "ts": (s.start - t0) * 1e6,
+                "dur": max(0.0, s.end - s.start) * 1e6,
+                "args": {"samples": s.samples, "stage": s.stage},
+            }
+        )
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"strategy": plan.strategy}}
+
+
+def write_chrome_trace(path: str | os.PathLike, spans: Iterable[Span], plan: ExecutionPlan) -> Path:
+    """Write atomically (temporary file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(chrome_trace(spans, plan)))
+    os.replace(tmp, path)
+    return path

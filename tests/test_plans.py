@@ -10,10 +10,10 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_trainer_kwargs
 from safetensors.torch import load_file
 from tensordict import TensorDict
 
+from conftest import tiny_trainer_kwargs
 from rlinf_lightning import LMPolicy, RLTrainer
 from rlinf_lightning.flow import Stage, Workflow
 from rlinf_lightning.flow.worker import StageError

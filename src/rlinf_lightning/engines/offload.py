@@ -35,7 +35,7 @@ class Offloader:
         for name, b in module.named_buffers():
             yield f"buffer.{name}", b, lambda t, b=b: setattr(b, "data", t)
         if optimizer is not None:
-            for i, (p, state) in enumerate(optimizer.state.items()):
+            for i, state in enumerate(optimizer.state.values()):
                 for k, v in state.items():
                     if isinstance(v, torch.Tensor) and v.dim() > 0:
                         yield f"optim.{i}.{k}", v, lambda t, s=state, k=k: s.__setitem__(k, t)

@@ -187,11 +187,3 @@ class HFRolloutEngine(RolloutEngine):
                 elif not name.endswith("lm_head.weight"):  # tied to the embedding in small models
                     raise KeyError(f"rollout engine has no parameter {name!r}")
 
-    def offload(self) -> None:
-        if self.device != "cpu":
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
-
-    def onload(self) -> None:
-        if self.device != "cpu":
-            self.model.to(self.device)

@@ -21,7 +21,7 @@ from rlinf_lightning.launchers import LAUNCHERS, WorkerDied
 from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
 from rlinf_lightning.tasks.math import MathTask
 
-LAUNCHER_NAMES = ["inprocess", "processes"]
+LAUNCHER_NAMES = ["inprocess", "processes", "ray"]
 
 
 def _fit(assets, root, **over):
@@ -145,16 +145,31 @@ def test_a_raising_worker_ends_the_run_with_its_traceback(launcher):
     assert "ValueError: bad batch in boom" in info.value.tb and "test_plans.py" in info.value.tb
 
 
-def test_a_killed_worker_process_ends_the_run_naming_it():
-    rt = _toy_runtime("processes", Source(), Slow())
-    pid = rt.procs["train"].pid
+@pytest.mark.parametrize("launcher", ["processes", "ray"])
+def test_a_killed_worker_process_ends_the_run_naming_it(launcher):
+    rt = _toy_runtime(launcher, Source(), Slow())
+    if launcher == "ray":
+        import ray
+
+        pid = ray.get(rt.actors["train"].pid.remote())
+        how = "Ray actor died"
+    else:
+        pid = rt.procs["train"].pid
+        how = "killed by SIGKILL"
     threading.Timer(2.0, os.kill, (pid, signal.SIGKILL)).start()
     t0 = time.monotonic()
     try:
-        with pytest.raises(
-            WorkerDied, match=r"worker 'train' hosting stage\(s\) slow died: killed by SIGKILL"
-        ):
+        with pytest.raises(WorkerDied, match=rf"worker 'train' hosting stage\(s\) slow died: {how}"):
             rt.run_iteration(1, _batches())
     finally:
         rt.shutdown()
     assert time.monotonic() - t0 < 30
+
+
+def test_offload_context_switching_changes_nothing_but_memory(assets, tmp_path):
+    _, _, plain = _fit(assets, tmp_path / "plain", strategy="collocated", devices=1, max_iterations=2)
+    trainer, _, offl = _fit(
+        assets, tmp_path / "offload", strategy="collocated_offload", devices=1, max_iterations=2
+    )
+    assert trainer.plan.workers[0].context_switch
+    assert all(torch.equal(plain[k], offl[k]) for k in plain)

@@ -186,4 +186,3 @@ class HFRolloutEngine(RolloutEngine):
                     params[name].copy_(tensor.to(params[name].device, params[name].dtype))
                 elif not name.endswith("lm_head.weight"):  # tied to the embedding in small models
                     raise KeyError(f"rollout engine has no parameter {name!r}")
-

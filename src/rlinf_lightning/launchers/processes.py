@@ -39,15 +39,15 @@ DRIVER = "driver"
 class WorkerDied(RuntimeError):
     """A worker process exited without replying (killed, crashed in native code, out of memory)."""
 
-    def __init__(self, worker: str, stages: list[str], exitcode: int | None) -> None:
-        self.worker, self.stages, self.exitcode = worker, stages, exitcode
-        how = f"exit code {exitcode}"
+    def __init__(self, worker: str, stages: list[str], exitcode: int | None, reason: str = "") -> None:
+        self.worker, self.stages, self.exitcode, self.reason = worker, stages, exitcode, reason
+        how = reason or f"exit code {exitcode}"
         if exitcode is not None and exitcode < 0:
             how = f"killed by {signal.Signals(-exitcode).name} (exit code {exitcode})"
         super().__init__(f"worker {worker!r} hosting stage(s) {', '.join(stages)} died: {how}")
 
     def __reduce__(self):
-        return (WorkerDied, (self.worker, self.stages, self.exitcode))
+        return (WorkerDied, (self.worker, self.stages, self.exitcode, self.reason))
 
 
 def placement(workflow: Workflow, plan: ExecutionPlan) -> dict[str, str]:

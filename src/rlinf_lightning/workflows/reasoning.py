@@ -225,7 +225,7 @@ class ActorStage(Stage):
         algorithm: Any,
         train_strategy: str,
         temperature: float,
-        train_micro_batch_size: int,
+        train_micro_batch_size: int | None,
     ) -> None:
         self.policy, self.algorithm, self.train_strategy = policy, algorithm, train_strategy
         self.temperature, self.train_micro_batch_size = temperature, train_micro_batch_size
@@ -249,7 +249,7 @@ class ActorStage(Stage):
         self._loss_total, self._count_total = 0.0, 0.0
 
     def process(self, batch: TensorDict) -> None:
-        for chunk in batch.split(self.train_micro_batch_size):
+        for chunk in batch.split(self.train_micro_batch_size or len(batch)):
             m = self.engine.accumulate(chunk, self._loss)
             m.pop("loss_sum", None)
             for k, v in m.items():

@@ -1,0 +1,169 @@
+"""Samples/s of each execution plan on the tiny math GRPO workload, side by side in one run.
+
+    python benchmarks/strategies.py [--iterations 40] [--rounds 3]
+
+Every candidate runs in a fresh process (same start-up for all), rounds alternate the candidates
+so machine noise hits all of them alike, and the median round counts. All plans get the same two
+device slots (``devices=2``; on CPU a slot is one core):
+
+- collocated: one worker on both slots, torch intra-op threads over both cores (no IPC at all);
+- disaggregated: rollout on slot 0, reward/advantage/inference/actor on slot 1, pipelined;
+- hybrid: the cost-balanced split (rollout/reward/advantage | inference/actor), pipelined.
+
+A second part measures peak RSS of a collocated run with and without offload (context
+switching) on a 14 M-parameter model, where weights and optimizer state dominate memory.
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PLANS = {
+    "collocated": {"strategy": "collocated", "launcher": "inprocess"},
+    "disaggregated": {"strategy": "disaggregated", "launcher": "processes"},
+    "hybrid": {"strategy": "hybrid", "launcher": "processes"},
+}
+
+
+def prepare(work: Path) -> dict[str, str]:
+    """The recipe's warm-started model and data (reused from `rlinf sft` when present)."""
+    from rlinf_lightning.assets import is_model_dir
+
+    sft = ROOT / "artifacts" / "tiny-qwen2-sft"
+    data = ROOT / "data" / "arithmetic"
+    if is_model_dir(sft) and (data / "train.jsonl").is_file():
+        return {"model": str(sft), "train": str(data / "train.jsonl"), "test": str(data / "test.jsonl")}
+    from rlinf_lightning.assets import build_tiny_qwen2
+    from rlinf_lightning.sft import run_sft
+    from rlinf_lightning.tasks.data import make_arithmetic_splits
+
+    base = build_tiny_qwen2(work / "tiny-qwen2")
+    train, test = make_arithmetic_splits(work / "data", n_train=20000, n_test=500)
+    run_sft(
+        str(base), str(train), str(test), str(work / "sft"), steps=300, batch_size=64, lr=1e-3, num_threads=2
+    )
+    return {"model": str(work / "sft"), "train": str(train), "test": str(test)}
+
+
+def run_one(spec: dict) -> dict:
+    """Child process: one fit; samples/s over the iterations after warm-up, peak RSS."""
+    import resource
+    import time
+
+    from rlinf_lightning import Callback, LMPolicy, RLTrainer, SamplingParams
+    from rlinf_lightning.tasks import MathTask
+
+    class Clock(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_iteration_end(self, trainer, iteration, metrics):
+            self.times.append(metrics["time/iteration"])
+
+    clock = Clock()
+    trainer = RLTrainer(
+        strategy=spec["strategy"],
+        launcher=spec["launcher"],
+        devices=spec.get("devices", 2),
+        max_iterations=spec["iterations"],
+        group_size=8,
+        rollout_batch_size=spec.get("batch", 128),
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=6),
+        default_root_dir=spec["run_dir"],
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[clock],
+        seed=0,
+        timeout_s=300,
+    )
+    t0 = time.perf_counter()
+    trainer.fit(
+        LMPolicy(spec["model"], lr=1e-4),
+        MathTask(spec["train"], spec["test"], eval_size=spec.get("eval_size", 8)),
+    )
+    warm = clock.times[spec.get("warmup", 5) :]
+    return {
+        "samples_per_s": len(warm) * trainer.rollout_batch_size / sum(warm),
+        "wall_s": time.perf_counter() - t0,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "plan": trainer.plan.describe(),
+    }
+
+
+def child(spec: dict) -> dict:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, cwd=ROOT
+    )
+    if out.returncode:
+        raise RuntimeError(f"{spec} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iterations", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--child", type=str, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(run_one(json.loads(args.child))))
+        return
+
+    work = Path(tempfile.mkdtemp(prefix="rlinf-bench-"))
+    assets = prepare(work)
+    print(
+        f"cores: {os.cpu_count()}; every plan gets devices=2 (two slots);"
+        f" {args.iterations} iterations x 128 samples"
+    )
+    runs: dict[str, list[float]] = {k: [] for k in PLANS}
+    for r in range(args.rounds):
+        for name, plan in PLANS.items():
+            res = child(
+                {**plan, **assets, "iterations": args.iterations, "run_dir": str(work / f"{name}-{r}")}
+            )
+            runs[name].append(res["samples_per_s"])
+            if r == 0:
+                print(f"\n[{name}]\n{res['plan']}")
+            print(f"round {r}: {name:<14} {res['samples_per_s']:7.1f} samples/s", flush=True)
+    sps = {k: statistics.median(v) for k, v in runs.items()}
+    best = max(("disaggregated", "hybrid"), key=lambda k: sps[k])
+
+    # Offload: a 14 M-parameter model, so weights + Adam state dominate the process's memory.
+    from rlinf_lightning.assets import TinyModelConfig, build_tiny_qwen2
+
+    big = build_tiny_qwen2(
+        work / "qwen2-14m",
+        TinyModelConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                        num_key_value_heads=8),
+    )  # fmt: skip
+    rss = {}
+    for strategy in ("collocated", "collocated_offload"):
+        spec = {"strategy": strategy, "launcher": "inprocess", "devices": 1, "model": str(big),
+                "iterations": 3, "warmup": 1, "batch": 32, "train": assets["train"], "test": assets["test"],
+                "eval_size": 4, "run_dir": str(work / strategy)}  # fmt: skip
+        rss[strategy] = child(spec)["peak_rss_mb"]
+        print(f"peak RSS {strategy:<20} {rss[strategy]:7.1f} MB (14 M-parameter model, 3 iterations)")
+
+    result = {
+        **{k: round(v, 1) for k, v in sps.items()},
+        "best_over_collocated": round(sps[best] / sps["collocated"], 3),
+        "best_plan": best,
+        "rounds": {k: [round(x, 1) for x in v] for k, v in runs.items()},
+        "peak_rss_mb_collocated": round(rss["collocated"], 1),
+        "peak_rss_mb_collocated_offload": round(rss["collocated_offload"], 1),
+        "offload_rss_saving_mb": round(rss["collocated"] - rss["collocated_offload"], 1),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -25,6 +25,11 @@ class TrainEngine:
         raise NotImplementedError
 
     def accumulate(self, batch: TensorDict, loss_fn: Callable[[RLModule, TensorDict], tuple]) -> dict:
+        """Backward of ``loss_fn(policy, batch) -> (loss_sum, count, metrics)``, gradients summed.
+
+        Returns ``{"loss_sum", "count", **metrics}`` as floats (summed over ranks when distributed).
+        ``loss_fn`` is picklable, so distributed engines can run it on every rank's shard.
+        """
         raise NotImplementedError
 
     def step(self) -> dict[str, float]:
@@ -74,7 +79,11 @@ class SingleTrainEngine(TrainEngine):
         loss_sum, count, metrics = loss_fn(self.policy, batch)
         loss_sum.backward()
         self._count += float(count)
-        return {"loss_sum": float(loss_sum.detach()), **{k: float(v) for k, v in metrics.items()}}
+        return {
+            "loss_sum": float(loss_sum.detach()),
+            "count": float(count),
+            **{k: float(v) for k, v in metrics.items()},
+        }
 
     def step(self) -> dict[str, float]:
         params = [p for p in self.policy.parameters() if p.grad is not None]

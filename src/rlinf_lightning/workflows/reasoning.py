@@ -214,6 +214,20 @@ class InferenceStage(Stage):
         return batch
 
 
+class PolicyLoss:
+    """``(policy, micro_batch) -> (loss_sum, count, metrics)``; picklable, so every rank of a
+    distributed train engine can run it on its shard."""
+
+    def __init__(self, algorithm: Any, temperature: float) -> None:
+        self.algorithm, self.temperature = algorithm, temperature
+
+    def __call__(self, policy: LMPolicy, mb: TensorDict):
+        logp = policy.forward_logprobs(mb, self.temperature)
+        return self.algorithm.loss(
+            logp, mb["rollout_logprobs"], mb["advantage"], mb["response_mask"], mb.get("ref_logprobs", None)
+        )
+
+
 class ActorStage(Stage):
     """Accumulates the policy-loss gradient over micro-batches; one optimizer step per iteration."""
 
@@ -232,26 +246,19 @@ class ActorStage(Stage):
 
     def setup(self, ctx: StageContext) -> None:
         self.engine = TRAIN_ENGINES.get(self.train_strategy)()
+        self.loss = PolicyLoss(self.algorithm, self.temperature)
         self.engine.setup(copy.deepcopy(self.policy), ctx.device)
         self.stats = _Mean()
         self._loss_total, self._count_total = 0.0, 0.0
-
-    def _loss(self, policy: LMPolicy, mb: TensorDict):
-        logp = policy.forward_logprobs(mb, self.temperature)
-        loss_sum, count, metrics = self.algorithm.loss(
-            logp, mb["rollout_logprobs"], mb["advantage"], mb["response_mask"], mb.get("ref_logprobs", None)
-        )
-        self._loss_total += float(loss_sum.detach())
-        self._count_total += float(count)
-        return loss_sum, count, metrics
 
     def begin_iteration(self, iteration: int) -> None:
         self._loss_total, self._count_total = 0.0, 0.0
 
     def process(self, batch: TensorDict) -> None:
         for chunk in batch.split(self.train_micro_batch_size or len(batch)):
-            m = self.engine.accumulate(chunk, self._loss)
-            m.pop("loss_sum", None)
+            m = self.engine.accumulate(chunk, self.loss)
+            self._loss_total += m.pop("loss_sum")
+            self._count_total += m.pop("count")
             for k, v in m.items():
                 self.stats.add(k, v, len(chunk))
         return None

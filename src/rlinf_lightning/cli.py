@@ -144,7 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rlinf fit: {exc}", file=sys.stderr)
         return 2
-    trainer.fit(policy, task, ckpt_path=init.ckpt_path)
+    from rlinf_lightning.flow.worker import StageError
+    from rlinf_lightning.launchers import WorkerDied
+
+    try:
+        trainer.fit(policy, task, ckpt_path=init.ckpt_path)
+    except (StageError, WorkerDied) as exc:  # the worker's own traceback is in the message
+        print(f"rlinf fit: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -217,11 +217,11 @@ class ProcessRuntime(Runtime):
         if self._closed:
             return
         self._closed = True
-        alive = [n for n, p in self.procs.items() if p.is_alive()]
-        if not self.abort.is_set():
-            for n in alive:
+        self.abort.set()  # a worker still inside a stage stops at its next channel wait
+        for n, p in self.procs.items():
+            if p.is_alive():
                 self._send(n, "shutdown")
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + 5.0
         for p in self.procs.values():
             p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():

@@ -117,7 +117,7 @@ def list_plugins() -> None:
     for reg in (STRATEGIES, LAUNCHERS, ROLLOUT_ENGINES, TRAIN_ENGINES, ALGORITHMS, REWARDS):
         print(f"{reg.kind}:")
         for name, origin, desc in reg.describe():
-            print(f"  {name:<16} {origin:<22} {desc}")
+            print(f"  {name:<20} {origin:<22} {desc}")
 
 
 def main(argv: list[str] | None = None) -> int:

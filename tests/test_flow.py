@@ -108,3 +108,19 @@ def test_registry_suggests_close_names():
     assert "collocated" in STRATEGIES.unknown_message("colocated")
     with pytest.raises(KeyError):
         STRATEGIES.get("no-such-strategy")
+
+
+def test_shared_memory_transport_sends_handles_for_large_tensors():
+    from rlinf_lightning.flow.channel import decode, encode
+
+    big = torch.randn(64, 4096)  # 1 MiB
+    td = TensorDict({"big": big, "small": torch.arange(4), "text": ["a", "b", "c", "d"]}, batch_size=[])
+    data = encode(td)
+    assert len(data) < 16 * 1024  # a handle, not a pickled megabyte
+    out = decode(data)
+    assert out["big"].is_shared() and torch.equal(out["big"], big)
+    assert not out["small"].is_shared() and list(out["text"]) == ["a", "b", "c", "d"]
+    weights = torch.randn(512, 512)
+    snapshot = decode(encode(weights, copy=True))
+    weights.add_(1.0)  # the sender keeps training; the receiver holds the values as of put
+    assert not torch.equal(snapshot, weights) and not weights.is_shared()

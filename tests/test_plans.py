@@ -173,3 +173,53 @@ def test_offload_context_switching_changes_nothing_but_memory(assets, tmp_path):
     )
     assert trainer.plan.workers[0].context_switch
     assert all(torch.equal(plain[k], offl[k]) for k in plain)
+
+
+def test_killing_a_worker_ends_rlinf_fit_with_its_name(assets, tmp_path):
+    """End to end: SIGKILL one worker process of a running `rlinf fit`; the CLI exits, naming it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = Path(__file__).parents[1] / "configs" / "math_grpo_tiny.yaml"
+    fit = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlinf_lightning.cli",
+            "fit",
+            f"--config={config}",
+            f"--policy.model_path={assets['sft']}",
+            f"--task.train_path={assets['train']}",
+            f"--task.test_path={assets['test']}",
+            f"--trainer.default_root_dir={tmp_path / 'run'}",
+            "--trainer.max_iterations=100000",
+            "--trainer.rollout_batch_size=16",
+            "--trainer.group_size=4",
+            "--trainer.devices=2",
+            "--trainer.strategy=disaggregated",
+            "--trainer.launcher=processes",
+            "--task.eval_size=8",
+            "--trainer.enable_progress_bar=true",
+        ],  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert fit.stdout.readline()  # the plan table; the workers are up once iterations print
+        while "it " not in fit.stdout.readline():
+            pass
+        children = subprocess.run(
+            ["pgrep", "-P", str(fit.pid)], capture_output=True, text=True
+        ).stdout.split()
+        workers = [p for p in children if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert len(workers) == 2
+        os.kill(int(workers[0]), signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = fit.communicate(timeout=30)
+    finally:
+        fit.kill()
+    assert time.monotonic() - t0 < 30
+    assert fit.returncode == 1
+    assert "died: killed by SIGKILL" in err and "hosting stage(s)" in err

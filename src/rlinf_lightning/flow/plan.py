@@ -24,6 +24,14 @@ class WorkerGroupSpec:
     context_switch: bool = False
     num_threads: int = 0
 
+    def device(self) -> str:
+        """The torch device of this worker: its first slot's GPU, or the CPU (slots are processes)."""
+        import torch
+
+        if torch.cuda.is_available():
+            return f"cuda:{self.slots[0] % torch.cuda.device_count()}" if self.slots else "cuda"
+        return "cpu"
+
 
 @dataclass
 class ExecutionPlan:

@@ -30,7 +30,12 @@ class InProcessRuntime(Runtime):
         self.channels = {e.channel: Channel(e.channel, timeout_s, self.abort) for e in workflow.edges}
         self.source = self.channels[next(e.channel for e in workflow.edges if e.src == SOURCE)]
         self.workers = [
-            Worker(spec, workflow, self.channels, StageContext("cpu", i, len(plan.workers), spec.num_threads))
+            Worker(
+                spec,
+                workflow,
+                self.channels,
+                StageContext(spec.device(), i, len(plan.workers), spec.num_threads),
+            )
             for i, spec in enumerate(plan.workers)
         ]
         self._stage_worker = {s: w for w in self.workers for s in w.stages}

@@ -79,7 +79,7 @@ def _worker_main(
     for e in workflow.edges:
         if e.channel not in channels:
             channels[e.channel] = Channel(e.channel, timeout_s, abort)
-    ctx = StageContext("cpu", index, world, spec.num_threads)
+    ctx = StageContext(spec.device(), index, world, spec.num_threads)
     try:
         worker = Worker(spec, workflow, channels, ctx)
         worker.setup()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -51,6 +52,7 @@ class Offloader:
                 prefix="rlinf-offload-", suffix=".safetensors", dir=self.spill_dir
             )
             os.close(fd)
+            self._cleanup = weakref.finalize(self, _unlink, self._file)  # also at interpreter exit
             save_file({k: t.detach().contiguous() for k, t, _ in items}, self._file)
             for _, t, set_ in items:
                 set_(torch.empty(0, dtype=t.dtype))
@@ -68,7 +70,7 @@ class Offloader:
             from safetensors.torch import load_file
 
             saved = load_file(self._file)
-            os.unlink(self._file)
+            self._cleanup()
             self._file = None
             for k, _, set_ in items:
                 set_(saved[k])
@@ -76,3 +78,10 @@ class Offloader:
             for _, t, set_ in items:
                 set_(t.to(self.device, non_blocking=True))
         self.offloaded = False
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a machine with only python3: .venv, torch==2.13.0 (CPU build, first, so that
-# no later requirement pulls a CUDA build), this package with its dev extras, and the tiny assets
-# (model, tokenizer, arithmetic data). Quick when already done.
+# no later requirement pulls a CUDA build), this package with its dev extras, the first-party
+# plugins (each plugins/<name>/install.sh), and the tiny assets (model, tokenizer, arithmetic data).
+# Quick when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,11 +12,15 @@ fi
 # shellcheck disable=SC1091
 source .venv/bin/activate
 stamp=.venv/.rlinf-setup
-want="$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+shopt -s nullglob  # no plugins: the globs below expand to nothing
+want="$(cat pyproject.toml scripts/setup.sh plugins/*/pyproject.toml plugins/*/install.sh | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   python -m pip install -q --upgrade pip
   python -m pip install -q torch==2.13.0
   python -m pip install -q -e '.[dev]'
+  for installer in plugins/*/install.sh; do
+    if [ -f "$installer" ]; then bash "$installer"; fi
+  done
   echo "$want" > "$stamp"
 fi
 python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"

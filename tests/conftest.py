@@ -25,19 +25,3 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     sft = root / "tiny-qwen2-sft"
     run_sft(str(base), str(train), str(test), str(sft), steps=60, batch_size=32, eval_size=64)
     return {"base": base, "sft": sft, "train": train, "test": test, "root": root}
-
-
-def tiny_trainer_kwargs(tmp_path: Path, **over) -> dict:
-    kw = dict(
-        max_iterations=3,
-        group_size=4,
-        rollout_batch_size=16,
-        train_micro_batch_size=8,
-        default_root_dir=str(tmp_path / "run"),
-        enable_progress_bar=False,
-        logger=False,
-        seed=0,
-        timeout_s=60,
-    )
-    kw.update(over)
-    return kw

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import tiny_trainer_kwargs
 from rlinf_lightning import Callback, LMPolicy, RLTrainer
 from rlinf_lightning.tasks.math import MathTask
+from trainer_defaults import tiny_trainer_kwargs
 
 
 def _fit(assets, tmp_path, ckpt_path=None, **over):

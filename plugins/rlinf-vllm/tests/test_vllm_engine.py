@@ -1,0 +1,71 @@
+"""The vLLM engine against the HF reference: same log-probs, same greedy tokens, live weight sync."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import torch
+
+from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, HFRolloutEngine, SamplingParams
+from rlinf_lightning.policies import LMPolicy
+from rlinf_lightning.workflows.reasoning import pack_samples
+
+PROMPTS = ["What is 1+2?=", "What is 33+44?=", "What is 7+40?=", "What is 25+25?="]
+
+
+def _ids(tok):
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in PROMPTS]
+
+
+def _max_logprob_gap(engine, policy, tok, temperature=0.8):
+    ids = _ids(tok)
+    outs = engine.generate(ids, list(range(len(ids))), 4, SamplingParams(temperature, max_new_tokens=6), 0, 2)
+    batch = pack_samples(ids, outs, tok.pad_token_id)
+    with torch.no_grad():
+        recomputed = policy.forward_logprobs(batch, temperature=temperature)
+    mask = batch["response_mask"].bool()
+    assert mask.any()
+    return float((recomputed - batch["rollout_logprobs"])[mask].abs().max())
+
+
+def test_registered_through_the_entry_point():
+    from rlinf_vllm.engine import VLLMRolloutEngine
+
+    assert ROLLOUT_ENGINES.get("vllm") is VLLMRolloutEngine
+    out = subprocess.run(
+        [sys.executable, "-m", "rlinf_lightning.cli", "plugins"], capture_output=True, text=True
+    )
+    assert "vllm (rlinf-vllm)" in out.stdout and "rlinf-vllm" in out.stdout
+
+
+def test_sampled_logprobs_match_hf_after_an_update_and_sync(assets, engine):
+    policy = LMPolicy(str(assets["sft"]))
+    policy.configure_model()
+    tok = policy.load_tokenizer()
+    assert _max_logprob_gap(engine, policy, tok) < 2e-3
+    # an actor update: every parameter moves (the tied embedding / lm_head included)
+    updated = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in updated.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    assert _max_logprob_gap(engine, updated, tok) > 2e-3  # the engine still has the old weights
+    engine.update_weights(updated.model.named_parameters())
+    assert _max_logprob_gap(engine, updated, tok) < 2e-3  # the new weights are live
+    engine.update_weights(policy.model.named_parameters())
+
+
+def test_greedy_tokens_equal_hf_and_sampling_ignores_batch_composition(assets, engine):
+    tok = LMPolicy(str(assets["sft"])).load_tokenizer()
+    ids = _ids(tok)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    hf = HFRolloutEngine(str(assets["sft"]))
+    want = [c[0].token_ids for c in hf.generate(ids, [0, 1, 2, 3], 1, greedy, 0, tok.eos_token_id)]
+    got = [c[0].token_ids for c in engine.generate(ids, [0, 1, 2, 3], 1, greedy, 0, tok.eos_token_id)]
+    assert got == want
+    sample = SamplingParams(temperature=1.0, max_new_tokens=6)
+    together = engine.generate(ids, [10, 11, 12, 13], 4, sample, 0, tok.eos_token_id)
+    alone = engine.generate(ids[1:2], [11], 4, sample, 0, tok.eos_token_id)
+    assert [c.token_ids for c in together[1]] == [c.token_ids for c in alone[0]]
+    assert all(c.token_ids[-1] == tok.eos_token_id or len(c.token_ids) == 6 for cs in together for c in cs)

@@ -67,7 +67,10 @@ class RolloutEngine(ABC):
         seed: int,
         eos_token_id: int,
     ) -> list[list[Completion]]:
-        """``n`` completions per prompt; ``groups[i]`` names prompt ``i`` for per-sample seeding."""
+        """``n`` completions per prompt; ``groups[i]`` names prompt ``i`` for per-sample seeding.
+
+        ``eos_token_id=-1`` never stops early: every completion has ``max_new_tokens`` tokens.
+        """
 
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

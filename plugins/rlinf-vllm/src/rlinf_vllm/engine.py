@@ -80,7 +80,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 max_tokens=params.max_new_tokens,
                 logprobs=0,  # the sampled token's log-prob only
                 seed=row_seed(seed, g, 0),
-                stop_token_ids=[eos_token_id],
+                stop_token_ids=[eos_token_id] if eos_token_id >= 0 else None,
+                ignore_eos=eos_token_id < 0,  # eos_token_id=-1: always max_new_tokens (benchmarks)
                 detokenize=False,
             )
             for g in groups

@@ -42,7 +42,8 @@ class RLTrainer:
         launcher: how workers start: ``inprocess`` (default; threads of this process), ``processes``
             (one OS process per worker), ``ray`` (Ray actors), or a launcher object.
         rollout: rollout engine name (``hf``; ``vllm`` with the plugin).
-        train_strategy: how the actor trains (``single``; more with later engines).
+        train_strategy: how the actor trains: ``single`` (one process), ``ddp`` or ``fsdp``
+            (data parallel over ``devices x num_nodes`` rank processes; FSDP2 shards the state).
         devices: device slots per node (GPUs, or worker processes on CPU).
         num_nodes: number of machines.
         max_iterations: RL iterations (one optimizer step each).
@@ -201,6 +202,7 @@ class RLTrainer:
             format_reward=task.format_reward,
             format_weight=task.format_weight,
             seed=self.seed,
+            train_ranks=self.devices * self.num_nodes,
         )
         resources = Resources(
             devices=self.devices, num_nodes=self.num_nodes, threads_per_slot=self.num_threads

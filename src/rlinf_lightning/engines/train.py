@@ -35,6 +35,9 @@ class TrainEngine:
     def step(self) -> dict[str, float]:
         raise NotImplementedError
 
+    def shutdown(self) -> None:
+        """Stop anything ``setup`` started (rank processes); safe to call twice."""
+
     def onload(self) -> None:
         """Bring weights and optimizer state back onto the device (collocated context switch)."""
 

@@ -54,6 +54,9 @@ class Stage:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`."""
 
+    def teardown(self) -> None:
+        """Release what ``setup`` started (processes, engines) when the run ends."""
+
 
 class StageContext:
     """What a worker tells the stages it hosts about where they run."""

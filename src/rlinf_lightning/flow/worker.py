@@ -74,6 +74,14 @@ class Worker:
             if self.spec.context_switch:
                 self._guard(name, st.offload)
 
+    def teardown(self) -> None:
+        """Each stage's ``teardown``; errors are reported, not raised (the run is ending)."""
+        for name, st in self.stages.items():
+            try:
+                st.teardown()
+            except Exception:
+                print(f"teardown of stage {name!r} failed:\n{traceback.format_exc()}", flush=True)
+
     def call(self, stage: str, method: str, *args: Any, **kwargs: Any) -> Any:
         st = self.stages[stage]
         if self.spec.context_switch:

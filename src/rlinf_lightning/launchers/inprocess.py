@@ -68,6 +68,11 @@ class InProcessRuntime(Runtime):
             raise next((e for e in errors if type(e).__name__ == "StageError"), errors[0])
         return results
 
+    def shutdown(self) -> None:
+        for w in self.workers:
+            w.teardown()
+        self.workers = []
+
     def call(self, stage: str, method: str, *args: Any, **kwargs: Any) -> Any:
         return self._stage_worker[stage].call(stage, method, *args, **kwargs)
 

@@ -90,6 +90,7 @@ def _worker_main(
     while True:
         cmd, args = commands.get()
         if cmd == "shutdown":
+            worker.teardown()
             replies.put((spec.name, "ok", None))
             return
         try:

@@ -94,6 +94,9 @@ class _RayWorker:
         spans, self.worker.spans = self.worker.spans, []
         return spans
 
+    def teardown(self) -> None:
+        self.worker.teardown()
+
 
 class RayRuntime(Runtime):
     def __init__(
@@ -194,6 +197,8 @@ class RayRuntime(Runtime):
         self._closed = True
         import ray
 
+        done = [a.teardown.remote() for a in self.actors.values()]
+        ray.wait(done, num_returns=len(done), timeout=10.0)  # best effort: dead actors cannot answer
         for a in self.actors.values():
             ray.kill(a)
         for ch in self.channels.values():

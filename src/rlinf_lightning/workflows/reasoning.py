@@ -10,6 +10,7 @@ advantage included) can work on a micro-batch as soon as it arrives.
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 import torch
@@ -240,12 +241,16 @@ class ActorStage(Stage):
         train_strategy: str,
         temperature: float,
         train_micro_batch_size: int | None,
+        train_ranks: int = 1,
     ) -> None:
         self.policy, self.algorithm, self.train_strategy = policy, algorithm, train_strategy
         self.temperature, self.train_micro_batch_size = temperature, train_micro_batch_size
+        self.train_ranks = train_ranks
 
     def setup(self, ctx: StageContext) -> None:
-        self.engine = TRAIN_ENGINES.get(self.train_strategy)()
+        cls = TRAIN_ENGINES.get(self.train_strategy)
+        takes_ranks = "ranks" in inspect.signature(cls).parameters  # data-parallel engines
+        self.engine = cls(ranks=self.train_ranks) if takes_ranks else cls()
         self.loss = PolicyLoss(self.algorithm, self.temperature)
         self.engine.setup(copy.deepcopy(self.policy), ctx.device)
         self.stats = _Mean()
@@ -278,6 +283,9 @@ class ActorStage(Stage):
     def offload(self) -> None:
         self.engine.offload()
 
+    def teardown(self) -> None:
+        self.engine.shutdown()
+
     def state_dict(self) -> dict[str, Any]:
         return self.engine.state_dict()
 
@@ -293,11 +301,12 @@ def reasoning_workflow(
     train_strategy: str,
     sampling: SamplingParams,
     group_size: int,
-    train_micro_batch_size: int,
+    train_micro_batch_size: int | None,
     reward: str,
     format_reward: str | None,
     format_weight: float,
     seed: int,
+    train_ranks: int = 1,
 ) -> Workflow:
     temperature = sampling.temperature if sampling.temperature > 0 else 1.0
     return (
@@ -307,7 +316,7 @@ def reasoning_workflow(
             RewardStage(reward, format_reward, format_weight),
             AdvantageStage(algorithm),
             InferenceStage(policy, algorithm, temperature),
-            ActorStage(policy, algorithm, train_strategy, temperature, train_micro_batch_size),
+            ActorStage(policy, algorithm, train_strategy, temperature, train_micro_batch_size, train_ranks),
         )
         .sync("actor", "rollout", "weights")
     )

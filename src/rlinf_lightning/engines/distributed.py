@@ -1,0 +1,385 @@
+"""Data-parallel actor training over several ranks: ``ddp`` (replicated) and ``fsdp`` (FSDP2).
+
+The actor stage lives in one worker, so the engine brings its own ranks: ``ranks`` spawned
+processes (gloo on CPU, NCCL on GPU, one thread or one GPU each) form a process group, and the
+engine in the actor's worker coordinates them. Each ``accumulate`` splits the micro-batch by rows
+over the ranks (tensors travel through shared memory), every rank runs the same picklable loss on
+its shard and backpropagates the *sum* of its token losses; ``step`` divides by the global token
+count once, clips by the global norm and steps. Summing first and dividing once makes the update
+independent of how the batch was split, so ``ddp`` and ``fsdp`` on N ranks equal ``single``.
+
+- ``ddp``: every rank holds the full model; gradients are all-reduced (summed) at ``step``.
+- ``fsdp``: ``torch.distributed.fsdp.fully_shard`` on each decoder layer and the root, so each rank
+  holds 1/N of parameters, gradients and optimizer state (bf16 compute on GPU). Gradients are
+  reduce-scattered as sums (divide factor 1).
+
+Weights leave the ranks one tensor at a time (``named_weights``: each gathered, sent, dropped),
+so syncing the rollout engine never holds a second full copy. Checkpoints: ``state_dict`` is the
+full (rank-count independent) state for the trainer's checkpoint; ``save_sharded``/``load_sharded``
+use ``torch.distributed.checkpoint`` (each rank writes its shard; reloadable on any rank count).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from tensordict import TensorDict
+
+from rlinf_lightning.engines.train import TRAIN_ENGINES, TrainEngine
+from rlinf_lightning.flow.channel import decode, encode
+from rlinf_lightning.policies.module import RLModule
+
+
+class RankError(RuntimeError):
+    """A rank of a distributed train engine raised or died; carries its traceback."""
+
+    def __init__(self, rank: int, tb: str) -> None:
+        self.rank, self.tb = rank, tb
+        super().__init__(f"train engine rank {rank} failed:\n{tb}")
+
+    def __reduce__(self):
+        return (RankError, (self.rank, self.tb))
+
+
+# -- the rank processes ---------------------------------------------------------------------------
+
+
+class _Rank:
+    def __init__(self, rank: int, world: int, mode: str, policy: RLModule, store_path: str) -> None:
+        import torch.distributed as dist
+
+        self.rank, self.world, self.mode = rank, world, mode
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        else:
+            torch.set_num_threads(1)
+        self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world
+        )
+        self.policy = policy
+        policy.configure_model()
+        policy.to(self.device)
+        policy.train()
+        if mode == "fsdp":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp_policy = (
+                MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else None
+            )
+            kw = {"mp_policy": mp_policy} if mp_policy else {}
+            for layer in _decoder_layers(policy):
+                fully_shard(layer, **kw)
+            fully_shard(policy.model, **kw)  # the root: forward_logprobs calls the model's forward
+        self.optimizer = policy.configure_optimizers()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def accumulate(self, shard: TensorDict, loss_fn: Callable, empty: bool) -> dict[str, float]:
+        shard = shard.to(self.device)
+        loss_sum, count, metrics = loss_fn(self.policy, shard)
+        if empty:  # this rank had no rows: join the collectives with a zero loss
+            loss_sum, count, metrics = loss_sum * 0.0, 0, {k: 0.0 for k in metrics}
+        loss_sum.backward()
+        return {
+            "loss_sum": float(loss_sum.detach()),
+            "count": float(count),
+            **{k: float(v) for k, v in metrics.items()},
+        }
+
+    def step(self, total_count: float) -> dict[str, float]:
+        import torch.distributed as dist
+
+        params = [p for p in self.policy.parameters()]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if self.mode == "ddp":
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+                p.grad.div_(max(total_count, 1.0))
+            else:  # FSDP's reduce-scatter averaged over ranks (gloo has no PREMUL_SUM for sums)
+                p.grad.mul_(self.world / max(total_count, 1.0))
+        max_norm = getattr(self.policy, "max_grad_norm", 0.0) or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(grad_norm)}
+
+    def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self.policy.model.named_parameters():
+            t = p.detach()
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()  # every rank takes part in the all-gather of this one tensor
+            yield name, t.to("cpu", copy=True)  # a snapshot: the parameter keeps training
+
+    def full_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model, optim = get_state_dict(self.policy.model, self.optimizer, options=opts)
+        return {"model": model, "optimizer": optim}
+
+    def load_full_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(
+            self.policy.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+
+    def _dcp_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.policy.model, self.optimizer)
+        return {"model": model, "optimizer": optim}
+
+    def save_sharded(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._dcp_state(), checkpoint_id=path)
+
+    def load_sharded(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._dcp_state()
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            self.policy.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
+
+    def state_bytes(self) -> int:
+        """Bytes of parameters, gradients and optimizer state this rank holds (local shards)."""
+
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        params = sum(local(p).numel() * local(p).element_size() for p in self.policy.parameters())
+        optim = sum(
+            local(v).numel() * local(v).element_size()
+            for st in self.optimizer.state.values()
+            for v in st.values()
+            if torch.is_tensor(v) and v.dim()
+        )
+        return 2 * params + optim  # parameters, their gradients (held from backward to step), Adam state
+
+
+def _decoder_layers(policy: RLModule) -> list[torch.nn.Module]:
+    model = getattr(policy, "model", policy)
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    return list(layers) if layers is not None else []
+
+
+def _rank_main(
+    rank: int, world: int, mode: str, policy: RLModule, store: str, commands: Any, replies: Any
+) -> None:
+    try:
+        r = _Rank(rank, world, mode, policy, store)
+    except BaseException:
+        replies.put((rank, "error", traceback.format_exc()))
+        return
+    replies.put((rank, "ok", None))
+    while True:
+        cmd, args = commands.get()
+        try:
+            if cmd == "shutdown":
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+                replies.put((rank, "ok", None))
+                return
+            if cmd == "accumulate":
+                data, loss_fn, empty = args
+                out: Any = r.accumulate(decode(data), loss_fn, empty)
+            elif cmd == "weights":
+                for name, t in r.full_tensors():
+                    if rank == 0:
+                        replies.put((rank, "tensor", (name, t)))
+                out = None
+            else:
+                out = getattr(r, cmd)(*args)
+            replies.put(
+                (rank, "ok", out if rank == 0 or cmd in ("accumulate", "step", "state_bytes") else None)
+            )
+        except BaseException:
+            replies.put((rank, "error", traceback.format_exc()))
+
+
+# -- the coordinator in the actor's worker ------------------------------------------------------------
+
+
+class DistributedTrainEngine(TrainEngine):
+    """Coordinates ``ranks`` rank processes (see the module docstring).
+
+    Args:
+        ranks: number of rank processes (the trainer passes ``devices x num_nodes``).
+        timeout_s: longest wait for any rank's answer before the fit fails.
+    """
+
+    mode = "ddp"
+
+    def __init__(self, ranks: int = 2, timeout_s: float = 600.0) -> None:
+        if ranks < 1:
+            raise ValueError(f"train engine {self.mode!r}: ranks must be >= 1, got {ranks}")
+        self.ranks, self.timeout_s = ranks, timeout_s
+        self.procs: list[Any] = []
+
+    def setup(self, policy: RLModule, device: str) -> None:
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix=f"rlinf-{self.mode}-")
+        store = os.path.join(self._dir, "store")
+        self.replies = ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(self.ranks)]
+        self.procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(r, self.ranks, self.mode, policy, store, self.commands[r], self.replies),
+                daemon=True,
+                name=f"rlinf-{self.mode}-rank{r}",
+            )
+            for r in range(self.ranks)
+        ]
+        for p in self.procs:
+            p.start()
+        self._gather()
+        self._count = 0.0
+
+    # protocol ---------------------------------------------------------------------------------------
+    def _next(self) -> tuple[int, str, Any]:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return self.replies.get(timeout=0.2)
+            except queue.Empty:
+                for r, p in enumerate(self.procs):
+                    if not p.is_alive():
+                        raise RankError(r, f"rank process exited with code {p.exitcode}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"train engine {self.mode!r}: no answer within {self.timeout_s} s"
+                    ) from None
+
+    def _gather(self) -> list[Any]:
+        out: list[Any] = [None] * self.ranks
+        pending = set(range(self.ranks))
+        while pending:
+            rank, status, value = self._next()
+            if status == "error":
+                raise RankError(rank, value)
+            pending.discard(rank)
+            out[rank] = value
+        return out
+
+    def _all(self, cmd: str, *args: Any) -> list[Any]:
+        for q in self.commands:
+            q.put((cmd, args))
+        return self._gather()
+
+    # TrainEngine ----------------------------------------------------------------------------------------
+    def accumulate(self, batch: TensorDict, loss_fn: Callable) -> dict:
+        n = len(batch)
+        bounds = [n * r // self.ranks for r in range(self.ranks + 1)]
+        for r, q in enumerate(self.commands):
+            lo, hi = bounds[r], bounds[r + 1]
+            empty = hi <= lo
+            shard = batch[:1] if empty else batch[lo:hi]
+            q.put(("accumulate", (encode(shard), loss_fn, empty)))
+        results = self._gather()
+        total = {"loss_sum": sum(m["loss_sum"] for m in results), "count": sum(m["count"] for m in results)}
+        rows = [bounds[r + 1] - bounds[r] for r in range(self.ranks)]
+        for k in results[0]:
+            if k not in total:
+                total[k] = sum(m[k] * w for m, w in zip(results, rows)) / max(n, 1)
+        self._count += total["count"]
+        return total
+
+    def step(self) -> dict[str, float]:
+        out = self._all("step", self._count)[0]
+        self._count = 0.0
+        return out
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for q in self.commands:
+            q.put(("weights", ()))
+        pending = set(range(self.ranks))
+        while pending:
+            rank, status, value = self._next()
+            if status == "error":
+                raise RankError(rank, value)
+            if status == "tensor":
+                yield value
+            else:
+                pending.discard(rank)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._all("full_state")[0]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._all("load_full_state", state)
+
+    def save_sharded(self, path: str) -> None:
+        """Each rank writes its shards with ``torch.distributed.checkpoint``; atomic (tmp + rename)."""
+        tmp = f"{path}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self._all("save_sharded", tmp)
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+
+    def load_sharded(self, path: str) -> None:
+        """Load a sharded checkpoint written with any number of ranks."""
+        self._all("load_sharded", path)
+
+    def state_bytes(self) -> list[int]:
+        return self._all("state_bytes")
+
+    def shutdown(self) -> None:
+        if not self.procs:
+            return
+        for p, q in zip(self.procs, self.commands):
+            if p.is_alive():
+                q.put(("shutdown", ()))
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        self.procs = []
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+@TRAIN_ENGINES.register("ddp")
+class DDPTrainEngine(DistributedTrainEngine):
+    """Data parallel over rank processes: full replicas, gradients summed once per global batch."""
+
+    mode = "ddp"
+
+
+@TRAIN_ENGINES.register("fsdp")
+class FSDPTrainEngine(DistributedTrainEngine):
+    """FSDP2 (``fully_shard``) over rank processes: parameters, gradients and Adam state sharded."""
+
+    mode = "fsdp"

@@ -67,6 +67,7 @@ class _Rank:
         dist.init_process_group(
             "nccl" if cuda else "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world
         )
+        self.rss_before_model_mb = _max_rss_mb()
         self.policy = policy
         policy.configure_model()
         policy.to(self.device)
@@ -165,6 +166,11 @@ class _Rank:
             optim_state_dict=state["optimizer"],
         )
 
+    def peak_rss_mb(self) -> tuple[float, float]:
+        """Peak resident MB of this rank, and that peak above the rank's RSS before the model loaded."""
+        peak = _max_rss_mb()
+        return peak, peak - self.rss_before_model_mb
+
     def state_bytes(self) -> int:
         """Bytes of parameters, gradients and optimizer state this rank holds (local shards)."""
 
@@ -179,6 +185,12 @@ class _Rank:
             if torch.is_tensor(v) and v.dim()
         )
         return 2 * params + optim  # parameters, their gradients (held from backward to step), Adam state
+
+
+def _max_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _decoder_layers(policy: RLModule) -> list[torch.nn.Module]:
@@ -216,9 +228,8 @@ def _rank_main(
                 out = None
             else:
                 out = getattr(r, cmd)(*args)
-            replies.put(
-                (rank, "ok", out if rank == 0 or cmd in ("accumulate", "step", "state_bytes") else None)
-            )
+            per_rank = ("accumulate", "step", "state_bytes", "peak_rss_mb")
+            replies.put((rank, "ok", out if rank == 0 or cmd in per_rank else None))
         except BaseException:
             replies.put((rank, "error", traceback.format_exc()))
 
@@ -350,6 +361,10 @@ class DistributedTrainEngine(TrainEngine):
 
     def state_bytes(self) -> list[int]:
         return self._all("state_bytes")
+
+    def peak_rss_mb(self) -> list[tuple[float, float]]:
+        """Per rank: peak resident MB, and that peak above the rank's RSS before the model loaded."""
+        return self._all("peak_rss_mb")
 
     def shutdown(self) -> None:
         if not self.procs:

@@ -1,0 +1,145 @@
+"""Actor step time and memory of the ``single``, ``ddp`` and ``fsdp`` train engines, side by side.
+
+    python benchmarks/train_engines.py [--steps 4] [--batch 32]
+
+A 14 M-parameter Qwen2 built from a config; every engine trains the same global batches (real
+rollouts' shapes: prompt + 16 response tokens, random advantages), two micro-batches per step,
+AdamW. ``ddp`` and ``fsdp`` use 2 rank processes of one thread each; ``single`` is one process of
+one thread (a rank's share of this 2-core machine). Each engine runs in a fresh process; the step
+time is the median over the steps after the first. Memory: peak RSS of each process that holds
+model state, and the bytes of parameters + gradients + Adam state each one holds. Last line: JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONFIG = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8,
+          "num_key_value_heads": 8}  # fmt: skip
+
+
+def batches(n_batches: int, size: int, seed: int = 0):
+    import torch
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_batches):
+        prompt, resp = 12, 16
+        ids = torch.randint(3, 100, (size, prompt + resp), generator=g)
+        td = TensorDict(
+            {
+                "input_ids": ids,
+                "attention_mask": torch.ones_like(ids),
+                "response_mask": torch.ones(size, resp),
+                "rollout_logprobs": -torch.rand(size, resp, generator=g) * 3,
+                "advantage": torch.randn(size, generator=g),
+            },
+            batch_size=[size],
+        )
+        out.append(td)
+    return out
+
+
+def run_one(spec: dict) -> dict:
+    import resource
+
+    import torch
+
+    from rlinf_lightning.algorithms import GRPO
+    from rlinf_lightning.engines import TRAIN_ENGINES
+    from rlinf_lightning.policies import LMPolicy
+    from rlinf_lightning.workflows.reasoning import PolicyLoss
+
+    torch.set_num_threads(1)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    name = spec["engine"]
+    engine = TRAIN_ENGINES.get(name)(**({} if name == "single" else {"ranks": 2}))
+    engine.setup(LMPolicy(spec["model"], lr=1e-5), "cpu")
+    loss = PolicyLoss(GRPO(), 1.0)
+    data = batches(2 * spec["steps"], spec["batch"] // 2)
+    times = []
+    for s in range(spec["steps"]):
+        t0 = time.perf_counter()
+        for mb in data[2 * s : 2 * s + 2]:
+            engine.accumulate(mb, loss)
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    weights = {k: v.clone() for k, v in engine.named_weights()}
+    out = {
+        "step_s": statistics.median(times[1:]),
+        "checksum": float(sum(v.double().sum() for v in weights.values())),
+    }
+    if name == "single":
+        params = sum(p.numel() * p.element_size() for p in engine.policy.parameters())
+        state = [
+            v for st in engine.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()
+        ]
+        optim = sum(v.numel() * v.element_size() for v in state)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        out["peak_rss_mb"] = [(peak, peak - rss0)]
+        out["state_mb"] = [(2 * params + optim) / 2**20]
+    else:
+        out["peak_rss_mb"] = engine.peak_rss_mb()
+        out["state_mb"] = [b / 2**20 for b in engine.state_bytes()]
+        engine.shutdown()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(run_one(json.loads(args.child))))
+        return
+    from rlinf_lightning.assets import TinyModelConfig, build_tiny_qwen2
+
+    model = build_tiny_qwen2(
+        Path(tempfile.mkdtemp(prefix="rlinf-train-bench-")) / "qwen2-14m", TinyModelConfig(**CONFIG)
+    )
+    res = {}
+    for name in ("single", "ddp", "fsdp"):
+        spec = {"engine": name, "model": str(model), "steps": args.steps, "batch": args.batch}
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True
+        )
+        if out.returncode:
+            raise RuntimeError(out.stderr[-3000:])
+        res[name] = json.loads(out.stdout.strip().splitlines()[-1])
+        r = res[name]
+        rss = [f"{p:.0f} (+{m:.0f} for the model)" for p, m in r["peak_rss_mb"]]
+        state = [round(x, 1) for x in r["state_mb"]]
+        print(
+            f"{name:<7} step {r['step_s']:.3f} s  peak RSS/process {rss} MB  state/process {state} MB",
+            flush=True,
+        )
+    same = abs(res["fsdp"]["checksum"] - res["single"]["checksum"]) < 1e-2
+    print(json.dumps({
+        "single_step_s": round(res["single"]["step_s"], 4),
+        "ddp_step_s": round(res["ddp"]["step_s"], 4),
+        "fsdp_step_s": round(res["fsdp"]["step_s"], 4),
+        "single_peak_rss_mb": round(res["single"]["peak_rss_mb"][0][0], 1),
+        "ddp_peak_rss_mb_per_rank": [round(p, 1) for p, _ in res["ddp"]["peak_rss_mb"]],
+        "fsdp_peak_rss_mb_per_rank": [round(p, 1) for p, _ in res["fsdp"]["peak_rss_mb"]],
+        "single_model_rss_mb": round(res["single"]["peak_rss_mb"][0][1], 1),
+        "fsdp_model_rss_mb_per_rank": [round(m, 1) for _, m in res["fsdp"]["peak_rss_mb"]],
+        "single_state_mb": round(res["single"]["state_mb"][0], 1),
+        "fsdp_state_mb_per_rank": [round(x, 1) for x in res["fsdp"]["state_mb"]],
+        "fsdp_weights_match_single": same,
+        "ranks": 2,
+        "model_parameters_m": 13.9,
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

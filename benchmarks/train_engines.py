@@ -1,13 +1,14 @@
 """Actor step time and memory of the ``single``, ``ddp`` and ``fsdp`` train engines, side by side.
 
-    python benchmarks/train_engines.py [--steps 4] [--batch 32]
+    python benchmarks/train_engines.py [--steps 4] [--batch 32] [--model 14m|100m]
 
-A 14 M-parameter Qwen2 built from a config; every engine trains the same global batches (real
-rollouts' shapes: prompt + 16 response tokens, random advantages), two micro-batches per step,
-AdamW. ``ddp`` and ``fsdp`` use 2 rank processes of one thread each; ``single`` is one process of
-one thread (a rank's share of this 2-core machine). Each engine runs in a fresh process; the step
-time is the median over the steps after the first. Memory: peak RSS of each process that holds
-model state, and the bytes of parameters + gradients + Adam state each one holds. Last line: JSON.
+A Qwen2 built from a config (14 M parameters by default, or ~100 M); every engine trains the
+same global batches (real rollouts' shapes: prompt + 16 response tokens, random advantages), two
+micro-batches per step, AdamW. ``ddp`` and ``fsdp`` use 2 rank processes of one thread each;
+``single`` is one process of one thread (a rank's share of this 2-core machine). Each engine
+runs in a fresh process; the step time is the median over the steps after the first. Memory:
+peak RSS of each process that holds model state (also above its RSS before the model loaded),
+and the bytes of parameters + gradients + Adam state each one holds. Last line: JSON.
 """
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIG = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8,
-          "num_key_value_heads": 8}  # fmt: skip
+MODELS = {
+    "14m": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8,
+            "num_key_value_heads": 8},
+    "100m": {"hidden_size": 768, "intermediate_size": 2304, "num_hidden_layers": 14,
+             "num_attention_heads": 12, "num_key_value_heads": 12},
+}  # fmt: skip
 
 
 def batches(n_batches: int, size: int, seed: int = 0):
@@ -97,6 +102,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--model", choices=sorted(MODELS), default="14m")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -105,7 +111,8 @@ def main() -> None:
     from rlinf_lightning.assets import TinyModelConfig, build_tiny_qwen2
 
     model = build_tiny_qwen2(
-        Path(tempfile.mkdtemp(prefix="rlinf-train-bench-")) / "qwen2-14m", TinyModelConfig(**CONFIG)
+        Path(tempfile.mkdtemp(prefix="rlinf-train-bench-")) / f"qwen2-{args.model}",
+        TinyModelConfig(**MODELS[args.model]),
     )
     res = {}
     for name in ("single", "ddp", "fsdp"):
@@ -137,7 +144,7 @@ def main() -> None:
         "fsdp_state_mb_per_rank": [round(x, 1) for x in res["fsdp"]["state_mb"]],
         "fsdp_weights_match_single": same,
         "ranks": 2,
-        "model_parameters_m": 13.9,
+        "model": args.model,
     }))  # fmt: skip
 
 

@@ -122,24 +122,24 @@ def test_a_failing_rank_names_itself(assets, batches):
         engine.shutdown()
 
 
-def test_fit_with_fsdp_on_two_ranks_resumes(assets, tmp_path):
+def test_fit_with_fsdp_checkpoints_shards_and_resumes_on_another_rank_count(assets, tmp_path):
+    from safetensors.torch import load_file
+
     from rlinf_lightning import RLTrainer
     from rlinf_lightning.tasks.math import MathTask
     from trainer_defaults import tiny_trainer_kwargs
 
-    def fit(root, iterations, ckpt_path=None):
-        kw = tiny_trainer_kwargs(
-            root, max_iterations=iterations, train_strategy="fsdp", devices=2, logger=True
-        )
+    def fit(root, iterations, devices, ckpt_path=None):
+        kw = tiny_trainer_kwargs(root, max_iterations=iterations, train_strategy="fsdp", devices=devices)
         task = MathTask(str(assets["train"]), str(assets["test"]), eval_size=8)
         return RLTrainer(**kw).fit(LMPolicy(str(assets["sft"]), lr=1e-3), task, ckpt_path=ckpt_path)
 
-    full = fit(tmp_path / "full", 2)
-    fit(tmp_path / "split", 1)
-    resumed = fit(tmp_path / "split", 2, ckpt_path="last")
+    full = fit(tmp_path / "full", 2, devices=2)
+    fit(tmp_path / "split", 1, devices=2)
+    first = tmp_path / "split" / "run" / "checkpoints" / "iter-000001"
+    assert (first / "sharded" / ".metadata").is_file() and not (first / "optimizer.pt").exists()
+    resumed = fit(tmp_path / "split", 2, devices=1, ckpt_path="last")  # two ranks -> one
     assert full["train_strategy"] == "fsdp" and resumed["resumed_from_iteration"] == 1
-    from safetensors.torch import load_file
-
     a = load_file(str(tmp_path / "full" / "run" / "checkpoints" / "iter-000002" / "model.safetensors"))
     b = load_file(str(tmp_path / "split" / "run" / "checkpoints" / "iter-000002" / "model.safetensors"))
-    assert _maxdiff(a, b) <= 1e-6
+    assert _maxdiff(a, b) <= 1e-5

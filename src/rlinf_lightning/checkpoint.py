@@ -2,6 +2,8 @@
 
 A checkpoint directory holds ``model.safetensors`` (policy weights), ``optimizer.pt``, ``rng.pt``
 (torch / Python / NumPy generator states) and ``state.json`` (iteration, data position, ...).
+Sharded train engines (``ddp``, ``fsdp``) add ``sharded/``: ``torch.distributed.checkpoint`` shards
+of weights and optimizer state, loadable on any number of ranks (then there is no optimizer.pt).
 ``<root>/last`` names the newest complete checkpoint; it is replaced atomically too, so a crash at
 any moment leaves either the previous or the new checkpoint, never a torn one.
 """
@@ -12,6 +14,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +46,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(
-    root: str | Path, iteration: int, actor_state: dict[str, Any], state: dict[str, Any]
+    root: str | Path,
+    iteration: int,
+    actor_state: dict[str, Any],
+    state: dict[str, Any],
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
+    """Write ``iter-NNNNNN`` atomically; ``write_extra(tmp_dir)`` adds files (e.g. sharded state)
+    before the rename, so they are part of the same atomic step."""
     from safetensors.torch import save_file
 
     root = Path(root)
@@ -56,12 +65,16 @@ def save_checkpoint(
     # clone: tied weights share storage, which safetensors refuses to write twice
     weights = {k: v.detach().to("cpu").clone().contiguous() for k, v in actor_state["model"].items()}
     save_file(weights, str(tmp / "model.safetensors"))
-    torch.save(actor_state["optimizer"], tmp / "optimizer.pt")
+    if actor_state.get("optimizer") is not None:
+        torch.save(actor_state["optimizer"], tmp / "optimizer.pt")
+    if write_extra is not None:
+        write_extra(tmp)
     torch.save(rng_state(), tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"iteration": iteration, **state}, indent=1))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -92,7 +105,9 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], d
     path = Path(path)
     actor = {
         "model": load_file(str(path / "model.safetensors")),
-        "optimizer": torch.load(path / "optimizer.pt", weights_only=False),
+        "optimizer": torch.load(path / "optimizer.pt", weights_only=False)
+        if (path / "optimizer.pt").is_file()
+        else None,
     }
     state = json.loads((path / "state.json").read_text())
     rng = torch.load(path / "rng.pt", weights_only=False)

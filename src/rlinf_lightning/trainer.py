@@ -269,7 +269,10 @@ class RLTrainer:
         try:
             if resume is not None:
                 actor_state, state, rng = load_checkpoint(resume)
-                runtime.call("actor", "load_state_dict", actor_state)
+                if (resume / "sharded").is_dir():
+                    runtime.call("actor", "load_sharded", str(resume / "sharded"))
+                else:
+                    runtime.call("actor", "load_state_dict", actor_state)
                 for e in workflow.sync_edges():
                     runtime.call(e.dst, "apply_sync", e.src, runtime.call(e.src, "sync_state"))
                 set_rng_state(rng)
@@ -369,7 +372,13 @@ class RLTrainer:
             "data_position": it * (self.rollout_batch_size // self.group_size),
             "seed": self.seed,
         }
-        path = save_checkpoint(self.ckpt_dir, it, runtime.call("actor", "state_dict"), state)
+        path = save_checkpoint(
+            self.ckpt_dir,
+            it,
+            runtime.call("actor", "state_dict"),
+            state,
+            write_extra=lambda tmp: runtime.call("actor", "save_sharded", str(tmp / "sharded")),
+        )
         self._call("on_save_checkpoint", str(path))
 
     def hparams(self, policy: Any, task: Any) -> dict[str, Any]:

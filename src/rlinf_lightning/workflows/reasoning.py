@@ -286,11 +286,33 @@ class ActorStage(Stage):
     def teardown(self) -> None:
         self.engine.shutdown()
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the engine checkpoints as ``torch.distributed.checkpoint`` shards."""
+        return hasattr(self.engine, "save_sharded")
+
     def state_dict(self) -> dict[str, Any]:
+        if self.sharded:  # full weights for export; the optimizer lives in the shards
+            return {"model": dict(self.engine.named_weights()), "optimizer": None}
         return self.engine.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.engine.load_state_dict(state)
+
+    def save_sharded(self, path: str) -> bool:
+        """Write the engine's shards under ``path``; False when the engine is not sharded."""
+        if not self.sharded:
+            return False
+        self.engine.save_sharded(path)
+        return True
+
+    def load_sharded(self, path: str) -> None:
+        if not self.sharded:
+            raise ValueError(
+                f"checkpoint {path} holds sharded train state; resume it with trainer.train_strategy "
+                "ddp or fsdp (any number of devices)"
+            )
+        self.engine.load_sharded(path)
 
 
 def reasoning_workflow(

@@ -11,7 +11,8 @@ device slots (``devices=2``; on CPU a slot is one core):
 - hybrid: the cost-balanced split (rollout/reward/advantage | inference/actor), pipelined.
 
 A second part measures peak RSS of a collocated run with and without offload (context
-switching) on a 14 M-parameter model, where weights and optimizer state dominate memory.
+switching) on a 14 M-parameter model, where weights and optimizer state dominate memory (both
+with a fixed 64 KiB mmap threshold, so that RSS follows live memory; see FIXED_MMAP_THRESHOLD).
 The last line is one JSON object.
 """
 
@@ -27,6 +28,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# Offload frees a stage's tensors and re-allocates them at its next turn. glibc's default heap
+# keeps freed large blocks (its mmap threshold grows after frees), so RSS would measure heap
+# history rather than live memory; with a fixed threshold freed blocks >= 64 KiB return to the OS.
+# Both offload candidates run with it.
+FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
 PLANS = {
     "collocated": {"strategy": "collocated", "launcher": "inprocess"},
     "disaggregated": {"strategy": "disaggregated", "launcher": "processes"},
@@ -99,9 +106,13 @@ def run_one(spec: dict) -> dict:
     }
 
 
-def child(spec: dict) -> dict:
+def child(spec: dict, env: dict[str, str] | None = None) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, __file__, "--child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
     )
     if out.returncode:
         raise RuntimeError(f"{spec} failed:\n{out.stderr[-4000:]}")
@@ -150,7 +161,7 @@ def main() -> None:
         spec = {"strategy": strategy, "launcher": "inprocess", "devices": 1, "model": str(big),
                 "iterations": 3, "warmup": 1, "batch": 32, "train": assets["train"], "test": assets["test"],
                 "eval_size": 4, "run_dir": str(work / strategy)}  # fmt: skip
-        rss[strategy] = child(spec)["peak_rss_mb"]
+        rss[strategy] = child(spec, env=FIXED_MMAP_THRESHOLD)["peak_rss_mb"]
         print(f"peak RSS {strategy:<20} {rss[strategy]:7.1f} MB (14 M-parameter model, 3 iterations)")
 
     result = {

@@ -1,8 +1,9 @@
 """Context switching: move a stage's state off its device between turns, and back.
 
 On an accelerator the state goes to host memory; on a CPU slot it goes to a spill file on local
-disk (the host memory *is* the device there), so a collocated plan with offload holds only the
-active stage's weights and optimizer state in RAM. ``onload`` restores the exact tensors.
+disk (the host memory *is* the device there), streamed one tensor at a time so offloading never
+holds a second copy, and a collocated plan with offload keeps only the active stage's weights and
+optimizer state in RAM. ``onload`` restores the exact tensors.
 """
 
 from __future__ import annotations
@@ -46,16 +47,17 @@ class Offloader:
             return
         items = list(self._tensors(module, optimizer))
         if self.device.type == "cpu":
-            from safetensors.torch import save_file
-
-            fd, self._file = tempfile.mkstemp(
-                prefix="rlinf-offload-", suffix=".safetensors", dir=self.spill_dir
-            )
-            os.close(fd)
+            fd, self._file = tempfile.mkstemp(prefix="rlinf-offload-", suffix=".bin", dir=self.spill_dir)
             self._cleanup = weakref.finalize(self, _unlink, self._file)  # also at interpreter exit
-            save_file({k: t.detach().contiguous() for k, t, _ in items}, self._file)
-            for _, t, set_ in items:
-                set_(torch.empty(0, dtype=t.dtype))
+            # stream tensor by tensor, each freed as soon as it is on disk: no second copy in RAM
+            self._layout = []
+            with os.fdopen(fd, "wb") as f:
+                for key, t, set_ in items:
+                    data = t.detach().contiguous()
+                    f.write(memoryview(data.view(-1).view(torch.uint8).numpy()))
+                    self._layout.append((key, data.dtype, tuple(data.shape)))
+                    set_(torch.empty(0, dtype=t.dtype))
+                    del data
         else:
             for _, t, set_ in items:
                 set_(t.detach().to("cpu", non_blocking=True).pin_memory())
@@ -67,13 +69,14 @@ class Offloader:
             return
         items = list(self._tensors(module, optimizer))
         if self.device.type == "cpu":
-            from safetensors.torch import load_file
-
-            saved = load_file(self._file)
+            setters = {key: set_ for key, _, set_ in items}
+            with open(self._file, "rb") as f:
+                for key, dtype, shape in self._layout:
+                    t = torch.empty(shape, dtype=dtype)
+                    f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy()))
+                    setters[key](t)
             self._cleanup()
             self._file = None
-            for k, _, set_ in items:
-                set_(saved[k])
         else:
             for _, t, set_ in items:
                 set_(t.to(self.device, non_blocking=True))

@@ -69,3 +69,15 @@ def test_greedy_tokens_equal_hf_and_sampling_ignores_batch_composition(assets, e
     alone = engine.generate(ids[1:2], [11], 4, sample, 0, tok.eos_token_id)
     assert [c.token_ids for c in together[1]] == [c.token_ids for c in alone[0]]
     assert all(c.token_ids[-1] == tok.eos_token_id or len(c.token_ids) == 6 for cs in together for c in cs)
+
+
+def test_engine_start_leaves_the_trainers_rng_and_threads_alone(assets):
+    """vLLM's in-process CPU worker seeds global RNGs and replaces torch.set_num_threads."""
+    import random
+
+    torch.manual_seed(7)
+    random.seed(7)
+    rng, py_rng, set_threads = torch.random.get_rng_state(), random.getstate(), torch.set_num_threads
+    ROLLOUT_ENGINES.get("vllm")(str(assets["sft"]))
+    assert torch.set_num_threads is set_threads
+    assert torch.equal(torch.random.get_rng_state(), rng) and random.getstate() == py_rng

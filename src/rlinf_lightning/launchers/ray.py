@@ -20,10 +20,10 @@ from tensordict import TensorDict
 from rlinf_lightning.flow.channel import Channel, EndOfIteration
 from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroupSpec
 from rlinf_lightning.flow.stage import StageContext
-from rlinf_lightning.flow.worker import Span, StageError, Worker
+from rlinf_lightning.flow.worker import Span, StageError
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers.base import Launcher, Runtime
-from rlinf_lightning.launchers.processes import WorkerDied, placement
+from rlinf_lightning.launchers.processes import WorkerDied, build_worker, placement, remote_channels
 
 
 class RayChannel(Channel):
@@ -73,12 +73,9 @@ class _RayWorker:
     ) -> None:
         import torch
 
-        torch.set_num_threads(spec.num_threads or 1)
-        channels = dict(remote)
-        for e in workflow.edges:
-            channels.setdefault(e.channel, Channel(e.channel, timeout_s))
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.worker = Worker(spec, workflow, channels, StageContext(device, index, world, spec.num_threads))
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray sets CUDA_VISIBLE_DEVICES per actor
+        ctx = StageContext(device, index, world, spec.num_threads)
+        self.worker = build_worker(spec, workflow, remote, ctx, timeout_s)
         self.worker.setup()
 
     def pid(self) -> int:
@@ -126,12 +123,7 @@ class RayRuntime(Runtime):
         actor_cls = ray.remote(_RayWorker)
         self.actors: dict[str, Any] = {}
         for i, spec in enumerate(plan.workers):
-            remote = {
-                e.channel: ch
-                for e in workflow.edges
-                if (ch := self.channels.get(e.channel)) is not None
-                and spec.name in (where[e.src], where[e.dst])
-            }
+            remote = remote_channels(workflow, where, self.channels, spec.name)
             opts = (
                 {"num_gpus": len(spec.slots)}
                 if gpu

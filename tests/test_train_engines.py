@@ -33,14 +33,15 @@ def batches(assets) -> list[TensorDict]:
     return out
 
 
-def _train(name: str, assets, batches, iterations=3, state=None, **kw):
+def _train(name: str, assets, batches, iterations=range(3), restore=None, **kw):
+    """Train iterations ``iterations`` (two micro-batches each) after ``restore(engine)``, if given."""
     engine = TRAIN_ENGINES.get(name)(**kw)
     engine.setup(LMPolicy(str(assets["sft"]), lr=1e-3), "cpu")
-    if state is not None:
-        engine.load_state_dict(state)
+    if restore is not None:
+        restore(engine)
     loss = PolicyLoss(GRPO(), 1.0)
     metrics = []
-    for it in range(iterations):
+    for it in iterations:
         for mb in batches[2 * it : 2 * it + 2]:
             engine.accumulate(mb, loss)
         metrics.append(engine.step())
@@ -73,36 +74,23 @@ def test_two_ranks_equal_single(assets, batches, single, name):
 
 
 def test_sharded_checkpoint_resumes_on_a_different_number_of_ranks(assets, batches, single, tmp_path):
-    first, _, _ = _train("fsdp", assets, batches, iterations=1, ranks=2)
+    first, _, _ = _train("fsdp", assets, batches, iterations=range(1), ranks=2)
     first.save_sharded(str(tmp_path / "dcp"))
     first.shutdown()
     assert (tmp_path / "dcp" / ".metadata").is_file() and not list(tmp_path.glob("dcp.tmp-*"))
-    second = TRAIN_ENGINES.get("fsdp")(ranks=1)
-    second.setup(LMPolicy(str(assets["sft"]), lr=1e-3), "cpu")
-    second.load_sharded(str(tmp_path / "dcp"))
-    loss = PolicyLoss(GRPO(), 1.0)
-    for it in (1, 2):
-        for mb in batches[2 * it : 2 * it + 2]:
-            second.accumulate(mb, loss)
-        second.step()
-    resumed = {k: v.clone() for k, v in second.named_weights()}
+    restore = lambda e: e.load_sharded(str(tmp_path / "dcp"))  # noqa: E731
+    second, resumed, _ = _train("fsdp", assets, batches, iterations=(1, 2), restore=restore, ranks=1)
     second.shutdown()
     assert _maxdiff(resumed, single[0]) <= 1e-4
 
 
 def test_full_state_moves_between_rank_counts(assets, batches, single):
-    one, _, _ = _train("fsdp", assets, batches, iterations=1, ranks=1)
+    one, _, _ = _train("fsdp", assets, batches, iterations=range(1), ranks=1)
     state = copy.deepcopy(one.state_dict())
     one.shutdown()
-    two = TRAIN_ENGINES.get("fsdp")(ranks=2)
-    two.setup(LMPolicy(str(assets["sft"]), lr=1e-3), "cpu")
-    two.load_state_dict(state)
-    loss = PolicyLoss(GRPO(), 1.0)
-    for it in (1, 2):
-        for mb in batches[2 * it : 2 * it + 2]:
-            two.accumulate(mb, loss)
-        two.step()
-    resumed = {k: v.clone() for k, v in two.named_weights()}
+    two, resumed, _ = _train(
+        "fsdp", assets, batches, iterations=(1, 2), restore=lambda e: e.load_state_dict(state), ranks=2
+    )
     two.shutdown()
     assert _maxdiff(resumed, single[0]) <= 1e-4
 

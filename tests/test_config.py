@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,18 +12,13 @@ from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.policies import LMPolicy
 from rlinf_lightning.tasks.math import MathTask
 from rlinf_lightning.trainer import RLTrainer
-
-CONFIG = Path(__file__).parents[1] / "configs" / "math_grpo_tiny.yaml"
+from trainer_defaults import cli_fit_args
 
 
 def _fit(tmp_path: Path, assets: dict, *overrides: str) -> subprocess.CompletedProcess:
-    args = [
-        sys.executable, "-m", "rlinf_lightning.cli", "fit", f"--config={CONFIG}",
-        f"--policy.model_path={assets['sft']}", f"--task.train_path={assets['train']}",
-        f"--task.test_path={assets['test']}", f"--trainer.default_root_dir={tmp_path / 'run'}",
-        *overrides,
-    ]  # fmt: skip
-    return subprocess.run(args, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        cli_fit_args(assets, tmp_path, *overrides), capture_output=True, text=True, timeout=60
+    )
 
 
 BAD = [

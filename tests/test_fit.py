@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ from safetensors.torch import load_file
 
 from rlinf_lightning import Callback, LMPolicy, RLTrainer
 from rlinf_lightning.tasks.math import MathTask
-from trainer_defaults import tiny_trainer_kwargs
+from trainer_defaults import cli_fit_args, tiny_trainer_kwargs
 
 
 def _fit(assets, tmp_path, ckpt_path=None, **over):
@@ -104,24 +103,16 @@ def test_lightning_loggers(assets, tmp_path, logger):
 
 
 def test_cli_fit_with_dotted_overrides(assets, tmp_path):
-    config = Path(__file__).parents[1] / "configs" / "math_grpo_tiny.yaml"
     res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlinf_lightning.cli",
-            "fit",
-            f"--config={config}",
-            f"--policy.model_path={assets['sft']}",
-            f"--task.train_path={assets['train']}",
-            f"--task.test_path={assets['test']}",
-            f"--trainer.default_root_dir={tmp_path / 'run'}",
+        cli_fit_args(
+            assets,
+            tmp_path,
             "--trainer.max_iterations=2",
             "--trainer.rollout_batch_size=16",
             "--trainer.group_size=4",
             "--trainer.eval_every=1",
             "--task.eval_size=8",
-        ],  # fmt: skip
+        ),
         capture_output=True,
         text=True,
         timeout=300,

@@ -19,7 +19,7 @@ from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.launchers import LAUNCHERS, WorkerDied
 from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
 from rlinf_lightning.tasks.math import MathTask
-from trainer_defaults import tiny_trainer_kwargs
+from trainer_defaults import cli_fit_args, tiny_trainer_kwargs
 
 LAUNCHER_NAMES = ["inprocess", "processes", "ray"]
 
@@ -178,21 +178,12 @@ def test_offload_context_switching_changes_nothing_but_memory(assets, tmp_path):
 def test_killing_a_worker_ends_rlinf_fit_with_its_name(assets, tmp_path):
     """End to end: SIGKILL one worker process of a running `rlinf fit`; the CLI exits, naming it."""
     import subprocess
-    import sys
     from pathlib import Path
 
-    config = Path(__file__).parents[1] / "configs" / "math_grpo_tiny.yaml"
     fit = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rlinf_lightning.cli",
-            "fit",
-            f"--config={config}",
-            f"--policy.model_path={assets['sft']}",
-            f"--task.train_path={assets['train']}",
-            f"--task.test_path={assets['test']}",
-            f"--trainer.default_root_dir={tmp_path / 'run'}",
+        cli_fit_args(
+            assets,
+            tmp_path,
             "--trainer.max_iterations=100000",
             "--trainer.rollout_batch_size=16",
             "--trainer.group_size=4",
@@ -201,7 +192,7 @@ def test_killing_a_worker_ends_rlinf_fit_with_its_name(assets, tmp_path):
             "--trainer.launcher=processes",
             "--task.eval_size=8",
             "--trainer.enable_progress_bar=true",
-        ],  # fmt: skip
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

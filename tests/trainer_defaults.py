@@ -20,3 +20,16 @@ def tiny_trainer_kwargs(tmp_path: Path, **over) -> dict:
     )
     kw.update(over)
     return kw
+
+
+def cli_fit_args(assets: dict, tmp_path: Path, *overrides: str) -> list[str]:
+    """`rlinf fit` on the recipe config, pointed at the test assets and a run dir under ``tmp_path``."""
+    import sys
+
+    config = Path(__file__).parents[1] / "configs" / "math_grpo_tiny.yaml"
+    return [
+        sys.executable, "-m", "rlinf_lightning.cli", "fit", f"--config={config}",
+        f"--policy.model_path={assets['sft']}", f"--task.train_path={assets['train']}",
+        f"--task.test_path={assets['test']}", f"--trainer.default_root_dir={tmp_path / 'run'}",
+        *overrides,
+    ]  # fmt: skip

@@ -175,6 +175,27 @@ def test_offload_context_switching_changes_nothing_but_memory(assets, tmp_path):
     assert all(torch.equal(plain[k], offl[k]) for k in plain)
 
 
+def test_offloader_spill_file_holds_state_and_leaves_nothing_on_disk(tmp_path):
+    from rlinf_lightning.engines.offload import Offloader
+
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def moments() -> list[torch.Tensor]:
+        return [v for st in opt.state.values() for v in st.values() if v.dim()]
+
+    saved = [v.clone() for v in moments()]
+    off = Offloader("cpu", spill_dir=str(tmp_path))
+    off.offload(model, opt)
+    assert model.weight.numel() == 0 and not list(tmp_path.iterdir())  # unlinked while open
+    off.onload(model, opt)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(a, b) for a, b in zip(saved, moments(), strict=True))
+
+
 def test_killing_a_worker_ends_rlinf_fit_with_its_name(assets, tmp_path):
     """End to end: SIGKILL one worker process of a running `rlinf fit`; the CLI exits, naming it."""
     import subprocess

@@ -3,14 +3,15 @@
 On an accelerator the state goes to host memory; on a CPU slot it goes to a spill file on local
 disk (the host memory *is* the device there), streamed one tensor at a time so offloading never
 holds a second copy, and a collocated plan with offload keeps only the active stage's weights and
-optimizer state in RAM. ``onload`` restores the exact tensors.
+optimizer state in RAM. ``onload`` restores the exact tensors. The spill file is unlinked as soon
+as it is created and lives on through its open descriptor, so it is gone when the process ends,
+however it ends (even SIGKILL).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-import weakref
 from collections.abc import Iterator
 
 import torch
@@ -28,7 +29,7 @@ class Offloader:
         self.device = torch.device(device)
         self.spill_dir = spill_dir
         self.offloaded = False
-        self._file: str | None = None
+        self._spill = None  # the open, already unlinked spill file while offloaded on CPU
 
     def _tensors(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator:
         """(key, getter, setter) for every tensor to move."""
@@ -47,17 +48,18 @@ class Offloader:
             return
         items = list(self._tensors(module, optimizer))
         if self.device.type == "cpu":
-            fd, self._file = tempfile.mkstemp(prefix="rlinf-offload-", suffix=".bin", dir=self.spill_dir)
-            self._cleanup = weakref.finalize(self, _unlink, self._file)  # also at interpreter exit
+            fd, path = tempfile.mkstemp(prefix="rlinf-offload-", suffix=".bin", dir=self.spill_dir)
+            os.unlink(path)
+            self._spill = f = os.fdopen(fd, "w+b")
             # stream tensor by tensor, each freed as soon as it is on disk: no second copy in RAM
             self._layout = []
-            with os.fdopen(fd, "wb") as f:
-                for key, t, set_ in items:
-                    data = t.detach().contiguous()
-                    f.write(memoryview(data.view(-1).view(torch.uint8).numpy()))
-                    self._layout.append((key, data.dtype, tuple(data.shape)))
-                    set_(torch.empty(0, dtype=t.dtype))
-                    del data
+            for key, t, set_ in items:
+                data = t.detach().contiguous()
+                f.write(memoryview(data.view(-1).view(torch.uint8).numpy()))
+                self._layout.append((key, data.dtype, tuple(data.shape)))
+                set_(torch.empty(0, dtype=t.dtype))
+                del data
+            f.flush()
         else:
             for _, t, set_ in items:
                 set_(t.detach().to("cpu", non_blocking=True).pin_memory())
@@ -70,21 +72,14 @@ class Offloader:
         items = list(self._tensors(module, optimizer))
         if self.device.type == "cpu":
             setters = {key: set_ for key, _, set_ in items}
-            with open(self._file, "rb") as f:
+            f, self._spill = self._spill, None
+            with f:
+                f.seek(0)
                 for key, dtype, shape in self._layout:
                     t = torch.empty(shape, dtype=dtype)
                     f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy()))
                     setters[key](t)
-            self._cleanup()
-            self._file = None
         else:
             for _, t, set_ in items:
                 set_(t.to(self.device, non_blocking=True))
         self.offloaded = False
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -235,3 +235,40 @@ def test_killing_a_worker_ends_rlinf_fit_with_its_name(assets, tmp_path):
     assert time.monotonic() - t0 < 30
     assert fit.returncode == 1
     assert "died: killed by SIGKILL" in err and "hosting stage(s)" in err
+
+
+def test_killing_rlinf_fit_ends_its_workers_and_train_ranks(assets, tmp_path):
+    """SIGKILL the driver of a fit whose actor trains on ddp ranks: no process is left behind."""
+    import subprocess
+
+    import psutil
+
+    fit = subprocess.Popen(
+        cli_fit_args(
+            assets,
+            tmp_path,
+            "--trainer.max_iterations=100000",
+            "--trainer.rollout_batch_size=16",
+            "--trainer.group_size=4",
+            "--trainer.devices=2",
+            "--trainer.strategy=disaggregated",
+            "--trainer.launcher=processes",
+            "--trainer.train_strategy=ddp",
+            "--task.eval_size=8",
+            "--trainer.enable_progress_bar=true",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        while "it " not in (line := fit.stdout.readline()):
+            assert line, fit.communicate(timeout=30)[1]  # the fit ended before training
+        descendants = psutil.Process(fit.pid).children(recursive=True)
+        spawned = [p for p in descendants if "spawn_main" in " ".join(p.cmdline())]
+        assert len(spawned) == 4  # two workers, and the actor worker's two ddp ranks
+    finally:
+        fit.kill()
+    fit.wait()
+    _, alive = psutil.wait_procs(spawned, timeout=20)
+    assert not alive, [p.cmdline() for p in alive]

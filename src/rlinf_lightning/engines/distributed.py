@@ -17,6 +17,7 @@ Weights leave the ranks one tensor at a time (``named_weights``: each gathered, 
 so syncing the rollout engine never holds a second full copy. Checkpoints: ``state_dict`` is the
 full (rank-count independent) state for the trainer's checkpoint; ``save_sharded``/``load_sharded``
 use ``torch.distributed.checkpoint`` (each rank writes its shard; reloadable on any rank count).
+Ranks end with the process that started them if it is killed.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from tensordict import TensorDict
 
 from rlinf_lightning.engines.train import TRAIN_ENGINES, TrainEngine
 from rlinf_lightning.flow.channel import decode, encode
+from rlinf_lightning.flow.lifetime import exit_with_parent
 from rlinf_lightning.policies.module import RLModule
 
 
@@ -201,8 +203,9 @@ def _decoder_layers(policy: RLModule) -> list[torch.nn.Module]:
 
 
 def _rank_main(
-    rank: int, world: int, mode: str, policy: RLModule, store: str, commands: Any, replies: Any
+    rank: int, world: int, mode: str, policy: RLModule, store: str, commands: Any, replies: Any, parent: int
 ) -> None:
+    exit_with_parent(parent)
     try:
         r = _Rank(rank, world, mode, policy, store)
     except BaseException:
@@ -262,7 +265,7 @@ class DistributedTrainEngine(TrainEngine):
         self.procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(r, self.ranks, self.mode, policy, store, self.commands[r], self.replies),
+                args=(r, self.ranks, self.mode, policy, store, self.commands[r], self.replies, os.getpid()),
                 daemon=True,
                 name=f"rlinf-{self.mode}-rank{r}",
             )

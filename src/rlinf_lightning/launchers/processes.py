@@ -5,11 +5,15 @@ each really run in parallel. Channels between stages of different workers are sh
 queues; channels within a worker stay in-process. The driver talks to each worker over a command
 queue and watches every process: a stage that raises comes back as a :class:`StageError` with the
 worker's traceback, and a worker that dies (SIGKILL, OOM killer) ends the run with
-:class:`WorkerDied` naming its stages, within a second of the death.
+:class:`WorkerDied` naming its stages, within a second of the death. Workers end with the driver
+(:func:`~rlinf_lightning.flow.lifetime.exit_with_parent`) if it is killed. They are not daemonic
+processes, because an actor worker starts processes of its own (the ranks of a ``ddp``/``fsdp``
+train engine); the runtime shuts them down at interpreter exit instead.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import signal
@@ -27,6 +31,7 @@ from rlinf_lightning.flow.channel import (
     EndOfIteration,
     SharedMemoryChannel,
 )
+from rlinf_lightning.flow.lifetime import exit_with_parent
 from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroupSpec
 from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.flow.worker import Span, StageError, Worker
@@ -102,7 +107,9 @@ def _worker_main(
     abort: Any,
     commands: Any,
     replies: Any,
+    parent_pid: int,
 ) -> None:
+    exit_with_parent(parent_pid)
     ctx = StageContext(spec.device(), index, world, spec.num_threads)
     try:
         worker = build_worker(spec, workflow, remote, ctx, timeout_s, abort)
@@ -168,10 +175,13 @@ class ProcessRuntime(Runtime):
                 self.commands[spec.name],
             )
             p = self.mp.Process(
-                target=_worker_main, args=(*args, self.replies), name=f"rlinf-{spec.name}", daemon=True
+                target=_worker_main,
+                args=(*args, self.replies, os.getpid()),
+                name=f"rlinf-{spec.name}",
             )
             p.start()
             self.procs[spec.name] = p
+        atexit.register(self.shutdown)  # before multiprocessing's exit hook joins the workers
         try:
             self._gather(list(self.procs), deadline_s=max(timeout_s, 120.0))
         except BaseException:
@@ -237,6 +247,7 @@ class ProcessRuntime(Runtime):
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.shutdown)
         self.abort.set()  # a worker still inside a stage stops at its next channel wait
         for n, p in self.procs.items():
             if p.is_alive():

@@ -196,49 +196,11 @@ def test_offloader_spill_file_holds_state_and_leaves_nothing_on_disk(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(saved, moments(), strict=True))
 
 
-def test_killing_a_worker_ends_rlinf_fit_with_its_name(assets, tmp_path):
-    """End to end: SIGKILL one worker process of a running `rlinf fit`; the CLI exits, naming it."""
-    import subprocess
-    from pathlib import Path
+def _training_fit(assets, tmp_path, *overrides: str):
+    """A long disaggregated `rlinf fit` on the processes launcher, returned once it trains.
 
-    fit = subprocess.Popen(
-        cli_fit_args(
-            assets,
-            tmp_path,
-            "--trainer.max_iterations=100000",
-            "--trainer.rollout_batch_size=16",
-            "--trainer.group_size=4",
-            "--trainer.devices=2",
-            "--trainer.strategy=disaggregated",
-            "--trainer.launcher=processes",
-            "--task.eval_size=8",
-            "--trainer.enable_progress_bar=true",
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert fit.stdout.readline()  # the plan table; the workers are up once iterations print
-        while "it " not in fit.stdout.readline():
-            pass
-        children = subprocess.run(
-            ["pgrep", "-P", str(fit.pid)], capture_output=True, text=True
-        ).stdout.split()
-        workers = [p for p in children if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
-        assert len(workers) == 2
-        os.kill(int(workers[0]), signal.SIGKILL)
-        t0 = time.monotonic()
-        _, err = fit.communicate(timeout=30)
-    finally:
-        fit.kill()
-    assert time.monotonic() - t0 < 30
-    assert fit.returncode == 1
-    assert "died: killed by SIGKILL" in err and "hosting stage(s)" in err
-
-
-def test_killing_rlinf_fit_ends_its_workers_and_train_ranks(assets, tmp_path):
-    """SIGKILL the driver of a fit whose actor trains on ddp ranks: no process is left behind."""
+    Returns the CLI process and the processes it spawned (workers, and ranks of their engines).
+    """
     import subprocess
 
     import psutil
@@ -253,22 +215,46 @@ def test_killing_rlinf_fit_ends_its_workers_and_train_ranks(assets, tmp_path):
             "--trainer.devices=2",
             "--trainer.strategy=disaggregated",
             "--trainer.launcher=processes",
-            "--trainer.train_strategy=ddp",
             "--task.eval_size=8",
             "--trainer.enable_progress_bar=true",
+            *overrides,
         ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        while "it " not in (line := fit.stdout.readline()):
+        while "it " not in (line := fit.stdout.readline()):  # iterations print once workers are up
             assert line, fit.communicate(timeout=30)[1]  # the fit ended before training
         descendants = psutil.Process(fit.pid).children(recursive=True)
-        spawned = [p for p in descendants if "spawn_main" in " ".join(p.cmdline())]
-        assert len(spawned) == 4  # two workers, and the actor worker's two ddp ranks
+    except BaseException:
+        fit.kill()
+        raise
+    return fit, [p for p in descendants if "spawn_main" in " ".join(p.cmdline())]
+
+
+def test_killing_a_worker_ends_rlinf_fit_with_its_name(assets, tmp_path):
+    """End to end: SIGKILL one worker process of a running `rlinf fit`; the CLI exits, naming it."""
+    fit, workers = _training_fit(assets, tmp_path)
+    try:
+        assert len(workers) == 2
+        workers[0].kill()
+        t0 = time.monotonic()
+        _, err = fit.communicate(timeout=30)
     finally:
         fit.kill()
+    assert time.monotonic() - t0 < 30
+    assert fit.returncode == 1
+    assert "died: killed by SIGKILL" in err and "hosting stage(s)" in err
+
+
+def test_killing_rlinf_fit_ends_its_workers_and_train_ranks(assets, tmp_path):
+    """SIGKILL the driver of a fit whose actor trains on ddp ranks: no process is left behind."""
+    import psutil
+
+    fit, spawned = _training_fit(assets, tmp_path, "--trainer.train_strategy=ddp")
+    fit.kill()
     fit.wait()
+    assert len(spawned) == 4  # two workers, and the actor worker's two ddp ranks
     _, alive = psutil.wait_procs(spawned, timeout=20)
     assert not alive, [p.cmdline() for p in alive]

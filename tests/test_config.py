@@ -30,13 +30,18 @@ BAD = [
     ("--trainer.strategy=colocated", "trainer.strategy"),  # unknown strategy
     ("--trainer.sampling.temperature=0", "trainer.sampling.temperature"),  # greedy RL sampling
     ("--task.reward=exact", "task.reward"),  # unknown reward
+    ("--trainer.train_engine_options={timeout: 9}", "trainer.train_engine_options.timeout"),  # no such option
+    (  # glibc caps the mmap threshold at 32 MiB
+        ("--trainer.train_strategy=fsdp", "--trainer.train_engine_options={malloc_mmap_threshold_mb: 64}"),
+        "malloc_mmap_threshold_mb must be in (0, 32]",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("override", "key"), BAD, ids=[k for _, k in BAD])
 def test_bad_config_fails_fast_naming_the_key(tmp_path, assets, override, key):
     t0 = time.perf_counter()
-    res = _fit(tmp_path, assets, override)
+    res = _fit(tmp_path, assets, *([override] if isinstance(override, str) else override))
     elapsed = time.perf_counter() - t0
     assert res.returncode != 0
     assert key in res.stderr, res.stderr

@@ -9,6 +9,7 @@ through their registries, so this module never branches on which one was chosen.
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from pathlib import Path
@@ -44,6 +45,9 @@ class RLTrainer:
         rollout: rollout engine name (``hf``; ``vllm`` with the plugin).
         train_strategy: how the actor trains: ``single`` (one process), ``ddp`` or ``fsdp``
             (data parallel over ``devices x num_nodes`` rank processes; FSDP2 shards the state).
+        train_engine_options: keyword arguments of the train engine, e.g. ``{timeout_s: 900}`` or,
+            for ``ddp``/``fsdp``, ``{malloc_mmap_threshold_mb: null}`` (``ranks`` is always
+            ``devices x num_nodes``).
         devices: device slots per node (GPUs, or worker processes on CPU).
         num_nodes: number of machines.
         max_iterations: RL iterations (one optimizer step each).
@@ -76,6 +80,7 @@ class RLTrainer:
         launcher: Any = "inprocess",
         rollout: str = "hf",
         train_strategy: str = "single",
+        train_engine_options: dict[str, Any] | None = None,
         devices: int = 1,
         num_nodes: int = 1,
         max_iterations: int = 100,
@@ -100,6 +105,7 @@ class RLTrainer:
         self.launcher = launcher
         self.rollout = rollout
         self.train_strategy = train_strategy
+        self.train_engine_options = dict(train_engine_options or {})
         self.devices = devices
         self.num_nodes = num_nodes
         self.max_iterations = max_iterations
@@ -135,6 +141,8 @@ class RLTrainer:
             value = getattr(self, key)
             if isinstance(value, str) and value not in reg:
                 p.append((f"trainer.{key}", reg.unknown_message(value)))
+        if self.train_strategy in TRAIN_ENGINES:
+            p.extend(self._check_train_engine_options())
         positive = ("devices", "num_nodes", "max_iterations", "rollout_batch_size")
         for key in positive + ("micro_batch_size", "train_micro_batch_size"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
@@ -188,6 +196,28 @@ class RLTrainer:
         if p:
             raise ConfigError(p)
 
+    def _check_train_engine_options(self) -> list[tuple[str, str]]:
+        """Unknown option names, then bad values (building the engine starts nothing)."""
+        cls = TRAIN_ENGINES.get(self.train_strategy)
+        params = inspect.signature(cls).parameters
+        accepted = sorted(set(params) - {"ranks"})
+        unknown = sorted(set(self.train_engine_options) - set(accepted))
+        if unknown:
+            return [
+                (
+                    f"trainer.train_engine_options.{key}",
+                    f"train engine {self.train_strategy!r} takes no option {key!r}; "
+                    f"it takes {accepted or 'none'}",
+                )
+                for key in unknown
+            ]
+        ranks = {"ranks": self.devices * self.num_nodes} if "ranks" in params else {}
+        try:
+            cls(**self.train_engine_options, **ranks)
+        except (TypeError, ValueError) as exc:
+            return [("trainer.train_engine_options", str(exc))]
+        return []
+
     def _build_plan(self, policy: Any, task: Any):
         """The workflow (stages built from config only, nothing loaded) and the strategy's plan."""
         workflow = reasoning_workflow(
@@ -195,6 +225,7 @@ class RLTrainer:
             algorithm=ALGORITHMS.resolve(self.algorithm),
             rollout=self.rollout,
             train_strategy=self.train_strategy,
+            train_engine_options=self.train_engine_options,
             sampling=self.sampling,
             group_size=self.group_size,
             train_micro_batch_size=self.train_micro_batch_size,
@@ -387,6 +418,8 @@ class RLTrainer:
 
         out = {f"trainer/{k}": v for k, v in flat(self).items()}
         out.update({f"trainer/sampling/{k}": v for k, v in vars(self.sampling).items()})
+        engine = self.train_engine_options.items()
+        out.update({f"trainer/train_engine_options/{k}": v for k, v in engine if _plain(v)})
         out.update({f"policy/{k}": v for k, v in flat(policy).items()})
         out.update({f"task/{k}": v for k, v in flat(task).items()})
         return out

@@ -242,15 +242,18 @@ class ActorStage(Stage):
         temperature: float,
         train_micro_batch_size: int | None,
         train_ranks: int = 1,
+        train_engine_options: dict[str, Any] | None = None,
     ) -> None:
         self.policy, self.algorithm, self.train_strategy = policy, algorithm, train_strategy
+        self.train_engine_options = dict(train_engine_options or {})
         self.temperature, self.train_micro_batch_size = temperature, train_micro_batch_size
         self.train_ranks = train_ranks
 
     def setup(self, ctx: StageContext) -> None:
         cls = TRAIN_ENGINES.get(self.train_strategy)
         takes_ranks = "ranks" in inspect.signature(cls).parameters  # data-parallel engines
-        self.engine = cls(ranks=self.train_ranks) if takes_ranks else cls()
+        ranks = {"ranks": self.train_ranks} if takes_ranks else {}
+        self.engine = cls(**self.train_engine_options, **ranks)
         self.loss = PolicyLoss(self.algorithm, self.temperature)
         self.engine.setup(copy.deepcopy(self.policy), ctx.device)
         self.stats = _Mean()
@@ -321,6 +324,7 @@ def reasoning_workflow(
     algorithm: Any,
     rollout: str,
     train_strategy: str,
+    train_engine_options: dict[str, Any] | None = None,
     sampling: SamplingParams,
     group_size: int,
     train_micro_batch_size: int | None,
@@ -338,7 +342,15 @@ def reasoning_workflow(
             RewardStage(reward, format_reward, format_weight),
             AdvantageStage(algorithm),
             InferenceStage(policy, algorithm, temperature),
-            ActorStage(policy, algorithm, train_strategy, temperature, train_micro_batch_size, train_ranks),
+            ActorStage(
+                policy,
+                algorithm,
+                train_strategy,
+                temperature,
+                train_micro_batch_size,
+                train_ranks,
+                train_engine_options,
+            ),
         )
         .sync("actor", "rollout", "weights")
     )

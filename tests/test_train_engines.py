@@ -73,15 +73,23 @@ def test_two_ranks_equal_single(assets, batches, single, name):
         engine.shutdown()
 
 
-def test_sharded_checkpoint_resumes_on_a_different_number_of_ranks(assets, batches, single, tmp_path):
-    first, _, _ = _train("fsdp", assets, batches, iterations=range(1), ranks=2)
+@pytest.mark.parametrize(("saved_on", "resumed_on"), [(2, 1), (1, 2)])
+def test_sharded_checkpoint_resumes_on_a_different_number_of_ranks(
+    assets, batches, single, tmp_path, saved_on, resumed_on
+):
+    first, _, _ = _train("fsdp", assets, batches, iterations=range(1), ranks=saved_on)
     first.save_sharded(str(tmp_path / "dcp"))
     first.shutdown()
     assert (tmp_path / "dcp" / ".metadata").is_file() and not list(tmp_path.glob("dcp.tmp-*"))
     restore = lambda e: e.load_sharded(str(tmp_path / "dcp"))  # noqa: E731
-    second, resumed, _ = _train("fsdp", assets, batches, iterations=(1, 2), restore=restore, ranks=1)
+    second, resumed, metrics = _train(
+        "fsdp", assets, batches, iterations=(1, 2), restore=restore, ranks=resumed_on
+    )
     second.shutdown()
     assert _maxdiff(resumed, single[0]) <= 1e-4
+    for later, uninterrupted in zip(metrics, single[1][1:], strict=True):  # the optimizer state came back
+        assert later.keys() == uninterrupted.keys()
+        assert all(abs(later[k] - uninterrupted[k]) < 1e-4 for k in later), (later, uninterrupted)
 
 
 def test_full_state_moves_between_rank_counts(assets, batches, single):

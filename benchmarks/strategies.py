@@ -49,16 +49,12 @@ def prepare(work: Path) -> dict[str, str]:
     data = ROOT / "data" / "arithmetic"
     if is_model_dir(sft) and (data / "train.jsonl").is_file():
         return {"model": str(sft), "train": str(data / "train.jsonl"), "test": str(data / "test.jsonl")}
-    from rlinf_lightning.assets import build_tiny_qwen2
-    from rlinf_lightning.sft import run_sft
-    from rlinf_lightning.tasks.data import make_arithmetic_splits
+    from rlinf_lightning.assets import build_warm_started
 
-    base = build_tiny_qwen2(work / "tiny-qwen2")
-    train, test = make_arithmetic_splits(work / "data", n_train=20000, n_test=500)
-    run_sft(
-        str(base), str(train), str(test), str(work / "sft"), steps=300, batch_size=64, lr=1e-3, num_threads=2
+    a = build_warm_started(
+        work, n_train=20000, n_test=500, steps=300, batch_size=64, eval_size=500, num_threads=2
     )
-    return {"model": str(work / "sft"), "train": str(train), "test": str(test)}
+    return {"model": str(a["sft"]), "train": str(a["train"]), "test": str(a["test"])}
 
 
 def run_one(spec: dict) -> dict:

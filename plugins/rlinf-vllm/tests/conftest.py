@@ -14,16 +14,9 @@ torch.set_num_threads(2)
 
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> dict[str, Path]:
-    from rlinf_lightning.assets import build_tiny_qwen2
-    from rlinf_lightning.sft import run_sft
-    from rlinf_lightning.tasks.data import make_arithmetic_splits
+    from rlinf_lightning.assets import build_warm_started
 
-    root = tmp_path_factory.mktemp("vllm-assets")
-    base = build_tiny_qwen2(root / "tiny-qwen2")
-    train, test = make_arithmetic_splits(root / "data", n_train=2000, n_test=64)
-    sft = root / "tiny-qwen2-sft"
-    run_sft(str(base), str(train), str(test), str(sft), steps=60, batch_size=32, eval_size=64)
-    return {"base": base, "sft": sft, "train": train, "test": test}
+    return build_warm_started(tmp_path_factory.mktemp("vllm-assets"))
 
 
 @pytest.fixture(scope="session")

@@ -83,9 +83,9 @@ class _Rank:
         self.rss_before_model_mb = _max_rss_mb()
         self.policy = policy
         policy.configure_model()
-        policy.to(self.device)
         policy.train()
-        if mode == "fsdp":
+        if mode == "fsdp":  # fully_shard moves each layer to the device as it shards it: a GPU never
+            # holds the whole model, only one layer in full besides its shards
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             mp_policy = (
@@ -95,6 +95,7 @@ class _Rank:
             for layer in _decoder_layers(policy):
                 fully_shard(layer, **kw)
             fully_shard(policy.model, **kw)  # the root: forward_logprobs calls the model's forward
+        policy.to(self.device)  # ddp's replica; under fsdp, what lies outside the sharded model
         self.optimizer = policy.configure_optimizers()
         self.optimizer.zero_grad(set_to_none=True)
 

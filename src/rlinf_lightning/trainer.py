@@ -21,7 +21,7 @@ from rlinf_lightning.algorithms import ALGORITHMS
 from rlinf_lightning.callbacks import ProgressBar
 from rlinf_lightning.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint, set_rng_state
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, SamplingParams
-from rlinf_lightning.engines.train import TRAIN_ENGINES
+from rlinf_lightning.engines.train import TRAIN_ENGINES, build_train_engine
 from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.flow.trace import write_chrome_trace
 from rlinf_lightning.launchers import LAUNCHERS
@@ -141,7 +141,7 @@ class RLTrainer:
             value = getattr(self, key)
             if isinstance(value, str) and value not in reg:
                 p.append((f"trainer.{key}", reg.unknown_message(value)))
-        if self.train_strategy in TRAIN_ENGINES:
+        if self.train_strategy in TRAIN_ENGINES and min(self.devices, self.num_nodes) >= 1:
             p.extend(self._check_train_engine_options())
         positive = ("devices", "num_nodes", "max_iterations", "rollout_batch_size")
         for key in positive + ("micro_batch_size", "train_micro_batch_size"):
@@ -211,9 +211,8 @@ class RLTrainer:
                 )
                 for key in unknown
             ]
-        ranks = {"ranks": self.devices * self.num_nodes} if "ranks" in params else {}
         try:
-            cls(**self.train_engine_options, **ranks)
+            build_train_engine(self.train_strategy, self.devices * self.num_nodes, self.train_engine_options)
         except (TypeError, ValueError) as exc:
             return [("trainer.train_engine_options", str(exc))]
         return []

@@ -7,6 +7,7 @@ Dividing once at the end makes the update independent of how the batch was split
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -56,6 +57,14 @@ class TrainEngine:
 
 
 TRAIN_ENGINES: Registry[type[TrainEngine]] = Registry("train strategy")
+
+
+def build_train_engine(name: str, ranks: int, options: dict[str, Any]) -> TrainEngine:
+    """The registered engine ``name`` with ``options``; data-parallel engines (those taking
+    ``ranks``) also get ``ranks``. Building starts nothing: processes start in ``setup``."""
+    cls = TRAIN_ENGINES.get(name)
+    takes_ranks = "ranks" in inspect.signature(cls).parameters
+    return cls(**options, **({"ranks": ranks} if takes_ranks else {}))
 
 
 @TRAIN_ENGINES.register("single")

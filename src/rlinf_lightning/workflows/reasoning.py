@@ -10,7 +10,6 @@ advantage included) can work on a micro-batch as soon as it arrives.
 from __future__ import annotations
 
 import copy
-import inspect
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ from tensordict import TensorDict
 
 from rlinf_lightning.engines.offload import Offloader
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, Completion, SamplingParams
-from rlinf_lightning.engines.train import TRAIN_ENGINES
+from rlinf_lightning.engines.train import build_train_engine
 from rlinf_lightning.evaluation import greedy_accuracy
 from rlinf_lightning.flow.stage import Stage, StageContext
 from rlinf_lightning.flow.workflow import Workflow
@@ -250,10 +249,7 @@ class ActorStage(Stage):
         self.train_ranks = train_ranks
 
     def setup(self, ctx: StageContext) -> None:
-        cls = TRAIN_ENGINES.get(self.train_strategy)
-        takes_ranks = "ranks" in inspect.signature(cls).parameters  # data-parallel engines
-        ranks = {"ranks": self.train_ranks} if takes_ranks else {}
-        self.engine = cls(**self.train_engine_options, **ranks)
+        self.engine = build_train_engine(self.train_strategy, self.train_ranks, self.train_engine_options)
         self.loss = PolicyLoss(self.algorithm, self.temperature)
         self.engine.setup(copy.deepcopy(self.policy), ctx.device)
         self.stats = _Mean()

@@ -68,15 +68,14 @@ def run_one(spec: dict) -> dict:
     import torch
 
     from rlinf_lightning.algorithms import GRPO
-    from rlinf_lightning.engines import TRAIN_ENGINES
+    from rlinf_lightning.engines.train import build_train_engine
     from rlinf_lightning.policies import LMPolicy
     from rlinf_lightning.workflows.reasoning import PolicyLoss
 
     torch.set_num_threads(1)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     name = spec["engine"].split("-")[0]
-    options = {} if name == "single" else {"ranks": 2, **CANDIDATES[spec["engine"]]}
-    engine = TRAIN_ENGINES.get(name)(**options)
+    engine = build_train_engine(name, 2, CANDIDATES[spec["engine"]])  # single takes no ranks
     engine.setup(LMPolicy(spec["model"], lr=1e-5), "cpu")
     loss = PolicyLoss(GRPO(), 1.0)
     data = batches(2 * spec["steps"], spec["batch"] // 2)

@@ -4,12 +4,13 @@
 
 A Qwen2 built from a config (14 M parameters by default, or ~100 M); every engine trains the
 same global batches (real rollouts' shapes: prompt + 16 response tokens, random advantages), two
-micro-batches per step, AdamW. ``ddp`` and ``fsdp`` use 2 rank processes of one thread each;
-``single`` is one process of one thread (a rank's share of this 2-core machine). Each engine
-runs in a fresh process; the step time is the median over the steps after the first. Memory:
-peak RSS of each process that holds model state (also above its RSS before the model loaded),
-and the bytes of parameters + gradients + Adam state each one holds; each engine as shipped,
-and all under one allocator setting (see ALLOCATORS). Last line: JSON.
+micro-batches per step, AdamW, as the actor stage of a collocated plan under the ``processes``
+launcher: ``ddp`` and ``fsdp`` on 2 replicas (the engine's ranks) of one thread each, ``single``
+on 1 replica of one thread (a rank's share of this 2-core machine). Each engine runs from a fresh
+driver process; the step time is the median over the steps after the first. Memory: peak RSS of
+each replica process (also above its RSS before the model loaded), and the bytes of parameters +
+gradients + Adam state each one holds; each engine as shipped, and all under one allocator
+setting (see ALLOCATORS). Last line: JSON.
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-# Each engine as shipped: ``single`` trains in this process under glibc's default heap; the ddp and
-# fsdp engines fix their rank processes' mmap threshold (4 MiB). Then, so that the comparison does
+import torch
+
+from rlinf_lightning.workflows.reasoning import ActorStage
+
+# Each engine as shipped: ``single`` trains under glibc's default heap; the ddp and fsdp engines fix
+# their replica processes' mmap threshold (4 MiB). Then, so that the comparison does
 # not hinge on that, every process under the same fixed threshold. The fsdp engine with glibc's
 # default heap is measured too: the fragmentation that the engine's setting avoids.
 ALLOCATORS = {"as-shipped": {}, "4mib-mmap-for-all": {"MALLOC_MMAP_THRESHOLD_": str(4 * 2**20)}}
@@ -62,49 +67,71 @@ def batches(n_batches: int, size: int, seed: int = 0):
     return out
 
 
-def run_one(spec: dict) -> dict:
+class BenchActor(ActorStage):
+    """The reasoning actor, reporting its process's memory and the state its engine holds."""
+
+    def setup(self, ctx) -> None:
+        self.rss_before_model_mb = _max_rss_mb()
+        super().setup(ctx)
+
+    def memory(self) -> dict:
+        engine = self.engine
+        params = sum(_local(p).numel() * _local(p).element_size() for p in engine.policy.parameters())
+        optim = sum(
+            _local(v).numel() * _local(v).element_size()
+            for st in engine.optimizer.state.values()
+            for v in st.values()
+            if torch.is_tensor(v) and v.dim()
+        )
+        peak = _max_rss_mb()
+        return {
+            "peak_rss_mb": (peak, peak - self.rss_before_model_mb),
+            "state_mb": (2 * params + optim) / 2**20,
+        }
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _max_rss_mb() -> float:
     import resource
 
-    import torch
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
+
+def run_one(spec: dict) -> dict:
     from rlinf_lightning.algorithms import GRPO
-    from rlinf_lightning.engines.train import build_train_engine
+    from rlinf_lightning.flow import Workflow
+    from rlinf_lightning.launchers import LAUNCHERS
     from rlinf_lightning.policies import LMPolicy
-    from rlinf_lightning.workflows.reasoning import PolicyLoss
+    from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
 
-    torch.set_num_threads(1)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     name = spec["engine"].split("-")[0]
-    engine = build_train_engine(name, 2, CANDIDATES[spec["engine"]])  # single takes no ranks
-    engine.setup(LMPolicy(spec["model"], lr=1e-5), "cpu")
-    loss = PolicyLoss(GRPO(), 1.0)
-    data = batches(2 * spec["steps"], spec["batch"] // 2)
-    times = []
-    for s in range(spec["steps"]):
-        t0 = time.perf_counter()
-        for mb in data[2 * s : 2 * s + 2]:
-            engine.accumulate(mb, loss)
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    weights = {k: v.clone() for k, v in engine.named_weights()}
-    out = {
+    replicas = 1 if name == "single" else 2
+    actor = BenchActor(LMPolicy(spec["model"], lr=1e-5), GRPO(), name, 1.0, None, CANDIDATES[spec["engine"]])
+    wf = Workflow("train").chain(actor).role("train", "actor")
+    plan = STRATEGIES.resolve("collocated").plan(
+        wf, Resources(replicas, threads_per_slot=1), BatchShape(spec["batch"], spec["batch"] // 2)
+    )
+    runtime = LAUNCHERS.get("processes")().launch(wf, plan, timeout_s=1800)
+    try:
+        data = batches(2 * spec["steps"], spec["batch"] // 2)
+        times = []
+        for s in range(spec["steps"]):
+            t0 = time.perf_counter()
+            runtime.run_iteration(s + 1, data[2 * s : 2 * s + 2])
+            times.append(time.perf_counter() - t0)
+        weights = runtime.call("actor", "state_dict", replicas="all")[0]["model"]
+        memory = runtime.call("actor", "memory", replicas="all")
+    finally:
+        runtime.shutdown()
+    return {
         "step_s": statistics.median(times[1:]),
-        "checksum": float(sum(v.double().sum() for v in weights.values())),
+        "checksum": float(sum(v.double().sum() for k, v in weights.items() if k != "lm_head.weight")),
+        "peak_rss_mb": [m["peak_rss_mb"] for m in memory],
+        "state_mb": [m["state_mb"] for m in memory],
     }
-    if name == "single":
-        params = sum(p.numel() * p.element_size() for p in engine.policy.parameters())
-        state = [
-            v for st in engine.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()
-        ]
-        optim = sum(v.numel() * v.element_size() for v in state)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        out["peak_rss_mb"] = [(peak, peak - rss0)]
-        out["state_mb"] = [(2 * params + optim) / 2**20]
-    else:
-        out["peak_rss_mb"] = engine.peak_rss_mb()
-        out["state_mb"] = [b / 2**20 for b in engine.state_bytes()]
-        engine.shutdown()
-    return out
 
 
 def main() -> None:

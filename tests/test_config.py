@@ -21,6 +21,7 @@ def _fit(tmp_path: Path, assets: dict, *overrides: str) -> subprocess.CompletedP
     )
 
 
+HYBRID = "rlinf_lightning.strategies.HybridStrategy"
 BAD = [
     ("--trainer.max_iteration=3", "trainer.max_iteration"),  # unknown key (typo)
     ("--trainer.group_size=four", "trainer.group_size"),  # wrong type
@@ -34,6 +35,26 @@ BAD = [
     (  # glibc caps the mmap threshold at 32 MiB
         ("--trainer.train_strategy=fsdp", "--trainer.train_engine_options={malloc_mmap_threshold_mb: 64}"),
         "malloc_mmap_threshold_mb must be in (0, 32]",
+    ),
+    (  # a placement naming a stage the workflow does not have
+        f"--trainer.strategy={{class_path: {HYBRID}, init_args: {{placement: 'rolout: 0'}}}}",
+        "unknown stage 'rolout'",
+    ),
+    (  # a placement on a slot that does not exist
+        (
+            "--trainer.devices=2",
+            "--trainer.strategy={class_path: rlinf_lightning.strategies.HybridStrategy, "
+            "init_args: {placement: 'rollout: 0, reward,advantage,inference,actor: 2'}}",
+        ),
+        "slot 2 does not exist",
+    ),  # fmt: skip
+    (  # one train replica for a plan that runs the actor on two
+        ("--trainer.devices=2", "--trainer.train_strategy=single"),
+        "trainer.train_strategy",
+    ),
+    (  # fsdp over replicas that are threads of one process
+        ("--trainer.devices=2", "--trainer.train_strategy=fsdp", "--trainer.launcher=inprocess"),
+        "trainer.launcher",
     ),
 ]
 

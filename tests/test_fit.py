@@ -66,7 +66,7 @@ def test_fit_writes_summary_checkpoint_and_calls_callbacks(assets, tmp_path):
         "model.safetensors", "optimizer.pt", "rng.pt", "state.json"
     }  # fmt: skip
     state = json.loads((ckpts / "iter-000003" / "state.json").read_text())
-    assert state["iteration"] == 3 and state["data_position"] == 3 * 16 // 4
+    assert state["iteration"] == 3 and state["eval_history"][-1]["iteration"] == 3
     rows = _metrics(run)
     assert {1, 2, 3} <= set(rows) and "actor/grad_norm" in rows[3] and "eval/accuracy" in rows[0]
 

@@ -1,4 +1,5 @@
-"""The flow layer on its own: stages, channels, plans and the in-process launcher."""
+"""The flow layer on its own: stages, channels, workflows, plans, placement syntax, wiring and the
+in-process launcher."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from tensordict import TensorDict
 
 from rlinf_lightning.flow import Stage, Workflow
 from rlinf_lightning.flow.channel import Channel, ChannelTimeout
-from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroupSpec
+from rlinf_lightning.flow.placement import parse_placement
+from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroup
+from rlinf_lightning.flow.wiring import wire
 from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
@@ -47,7 +50,7 @@ def _batches(n: int, size: int) -> list[TensorDict]:
 
 
 def _launch(workflow: Workflow, plan: ExecutionPlan, timeout_s: float = 10.0):
-    plan.validate(list(workflow.stages))
+    plan.validate(workflow, 2)
     return LAUNCHERS.get("inprocess")().launch(workflow, plan, timeout_s=timeout_s)
 
 
@@ -58,7 +61,7 @@ def test_collocated_runs_a_chain_and_collects_stage_metrics():
     metrics = rt.run_iteration(1, _batches(3, 4))
     assert metrics["sum"]["total"] == 3 * (0 + 1 + 2 + 3 + 4)
     spans = rt.pop_spans()
-    assert sum(1 for s in spans if s.stage == "add" and s.what == "process") == 3
+    assert sum(1 for s in spans if s.stage == "add" and s.kind == "process") == 3
     assert "collocated" in plan.describe() and "add -> sum" in plan.describe()
 
 
@@ -69,7 +72,7 @@ def test_a_raising_stage_names_stage_worker_and_traceback():
     with pytest.raises(StageError) as info:
         rt.run_iteration(1, _batches(1, 4))
     err = info.value
-    assert err.stage == "boom" and err.worker == "all"
+    assert err.stage == "boom" and err.worker == "all/0"
     assert "ValueError: bad batch in boom" in str(err) and "in process" in err.tb
 
 
@@ -78,8 +81,8 @@ def test_two_threaded_workers_abort_each_other_instead_of_hanging():
     plan = ExecutionPlan(
         "two",
         [
-            WorkerGroupSpec("w0", ["add", "boom"], [0], schedule="interleaved"),
-            WorkerGroupSpec("w1", ["sum"], [1], schedule="interleaved"),
+            WorkerGroup("w0", ["add", "boom"], [0], schedule="interleaved"),
+            WorkerGroup("w1", ["sum"], [1], schedule="interleaved"),
         ],
     )
     rt = _launch(wf, plan, timeout_s=30.0)
@@ -95,13 +98,129 @@ def test_channel_get_times_out_with_the_channel_name():
     assert ch.poll() == (True, 1) and ch.poll() == (False, None)
 
 
-def test_plan_validation_rejects_unplaced_and_duplicate_stages():
-    with pytest.raises(ValueError, match=r"unplaced stages \['sum'\]"):
-        ExecutionPlan("bad", [WorkerGroupSpec("w", ["add"], [0])]).validate(["add", "sum"])
-    with pytest.raises(ValueError, match=r"placed twice \['add'\]"):
-        ExecutionPlan(
-            "bad", [WorkerGroupSpec("a", ["add"], [0]), WorkerGroupSpec("b", ["add"], [1])]
-        ).validate(["add"])
+def test_plan_validation_names_the_stage_or_slot():
+    wf = Workflow("toy").chain(AddOne(), Sum())
+
+    def problems(*groups: WorkerGroup, slots: int = 2) -> str:
+        with pytest.raises(ValueError) as info:
+            ExecutionPlan("bad", list(groups)).validate(wf, slots)
+        return str(info.value)
+
+    assert "stage 'sum' is not placed" in problems(WorkerGroup("w", ["add"], [0]))
+    assert "stage 'add' is placed in more than one group" in problems(
+        WorkerGroup("a", ["add", "sum"], [0]), WorkerGroup("b", ["add"], [1])
+    )
+    assert "uses slot(s) [2]" in problems(WorkerGroup("a", ["add", "sum"], [1, 2]))
+    assert "share slot(s) [1]" in problems(WorkerGroup("a", ["add"], [0, 1]), WorkerGroup("b", ["sum"], [1]))
+    assert "do not split into replicas of 2" in problems(
+        WorkerGroup("a", ["add", "sum"], [0, 1, 2], slots_per_replica=2), slots=4
+    )
+
+
+def test_placement_syntax_groups_stages_by_slots():
+    stages = ["rollout", "reward", "advantage", "inference", "actor"]
+    text = "rollout: 0-1, reward,advantage: 0-1, inference,actor: 2-3"
+    assert parse_placement(text, 4, stages) == [
+        (["rollout", "reward", "advantage"], [0, 1]),
+        (["inference", "actor"], [2, 3]),
+    ]
+    assert parse_placement({"actor,rollout,reward,advantage,inference": "all"}, 2, stages) == [
+        (["actor", "rollout", "reward", "advantage", "inference"], [0, 1])
+    ]
+    assert parse_placement("rollout: 0,2; reward,advantage,inference,actor: 1,3", 4, stages)[0][1] == [0, 2]
+    for bad, message in [
+        ("rollout: 0-1, actr: 2-3", "unknown stage 'actr'.*did you mean 'actor'"),
+        ("rollout: 0-4", "slot 4 does not exist; there are 4 slots"),
+        ("rollout 0-1", "cannot read"),
+        ("rollout: 3-1", "runs backwards"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_placement(bad, 4, stages)
+
+
+def test_hybrid_strategy_builds_groups_from_a_placement_and_describes_them():
+    wf = Workflow("toy").chain(*[_Named(n) for n in ("rollout", "reward", "advantage", "inference", "actor")])
+    strategy = STRATEGIES.resolve("hybrid", placement="rollout,reward: 0-1, advantage,inference,actor: 2-3")
+    plan = strategy.plan(wf, Resources(devices=2, num_nodes=2, threads_per_slot=1), BatchShape(128, 8))
+    plan.validate(wf, 4)
+    assert [(g.name, g.stages, g.slots, g.replicas) for g in plan.groups] == [
+        ("rollout", ["rollout", "reward"], [0, 1], 2),
+        ("advantage", ["advantage", "inference", "actor"], [2, 3], 2),
+    ]
+    text = plan.describe()
+    assert "0-1 (node 0)" in text and "2-3 (node 1)" in text and "advantage -> inference -> actor" in text
+    assert "__input__->rollout: 32" in text
+    with pytest.raises(ValueError, match="unknown stage 'rolout'"):
+        STRATEGIES.resolve("hybrid", placement="rolout: 0").plan(wf, Resources(devices=2), BatchShape(128, 8))
+
+
+def test_collocated_replicas_and_the_one_worker_baseline():
+    wf = Workflow("toy").chain(AddOne(), Sum())
+    res = Resources(devices=4, threads_per_slot=1)
+    dp = STRATEGIES.resolve("collocated").plan(wf, res, BatchShape(128, 8))
+    one = STRATEGIES.resolve("collocated", replicas=1).plan(wf, res, BatchShape(128, 8))
+    assert (dp.groups[0].replicas, dp.groups[0].num_threads, dp.micro_batch_size["__input__->add"]) == (
+        4,
+        1,
+        32,
+    )
+    assert (one.groups[0].replicas, one.groups[0].num_threads, one.micro_batch_size["__input__->add"]) == (
+        1,
+        4,
+        128,
+    )
+    with pytest.raises(ValueError, match="replicas=3 must divide the 4 slots"):
+        STRATEGIES.resolve("collocated", replicas=3).plan(wf, res, BatchShape(128, 8))
+
+
+def test_wiring_keeps_a_group_local_and_deals_between_groups():
+    class Sticky(Stage):
+        name = "env"
+        sticky = True
+
+    wf = Workflow("w").chain(Sticky(), AddOne(), Sum()).sync("sum", "add", "w")
+    plan = ExecutionPlan(
+        "p",
+        [WorkerGroup("g0", ["env"], [0]), WorkerGroup("g1", ["add", "sum"], [1, 2])],
+    )
+    links = wire(wf, plan)
+    modes = {ch: (link.mode, link.producers, link.consumers) for ch, link in links.items()}
+    assert modes == {
+        "__input__->env": ("keyed", 1, 1),  # a sticky stage: dealt by micro-batch index
+        "env->add": ("shared", 1, 2),  # into a 2-replica group: pulled by whichever asks first
+        "add->sum": ("local", 2, 2),  # within a group: stays on its replica
+        "w": ("local", 2, 2),
+    }
+    assert links["env->add"].ends_expected == 1 and links["add->sum"].ends_expected == 1
+
+
+class _Named(Stage):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def test_workflow_checks_its_graph_and_data_contract():
+    class Reads(Stage):
+        name = "reads"
+        in_keys = ("advantage",)
+
+    class Writes(Stage):
+        name = "writes"
+        out_keys = ("advantage",)
+
+    Workflow("ok").chain(Writes(), Reads()).check_keys(["prompt"])
+    with pytest.raises(ValueError, match=r"stage 'reads' reads \['advantage'\] but no stage before it"):
+        Workflow("bad").chain(Reads(), Writes()).check_keys(["prompt"])
+    wf = Workflow("w").chain(AddOne())
+    with pytest.raises(ValueError, match="no stage 'nope'"):
+        wf.sync("add", "nope", "x")
+    with pytest.raises(ValueError, match="unknown role"):
+        wf.role("judge", "add")
+    wf.add(Sum())
+    with pytest.raises(ValueError, match="read no stream and are in no loop"):
+        wf.validate()
+    with pytest.raises(ValueError, match="turns must be >= 1"):
+        wf.loop("add", "sum", 0)
 
 
 def test_registry_suggests_close_names():

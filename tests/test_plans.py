@@ -1,85 +1,135 @@
-"""Execution plans: the same workflow under every strategy and launcher computes the same update."""
+"""Execution plans: the same workflow under every plan and launcher computes the same update, and a
+plan's replicas are its processes and its train engine's ranks."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from tensordict import TensorDict
 
-from rlinf_lightning import LMPolicy, RLTrainer
+from rlinf_lightning import Callback, LMPolicy, RLTrainer
 from rlinf_lightning.flow import Stage, Workflow
-from rlinf_lightning.flow.worker import StageError
-from rlinf_lightning.launchers import LAUNCHERS, WorkerDied
-from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
+from rlinf_lightning.flow.collective import all_reduce
+from rlinf_lightning.launchers import LAUNCHERS
+from rlinf_lightning.strategies import STRATEGIES, BatchShape, CollocatedStrategy, HybridStrategy, Resources
 from rlinf_lightning.tasks.math import MathTask
-from trainer_defaults import cli_fit_args, tiny_trainer_kwargs
+from trainer_defaults import tiny_trainer_kwargs
 
 LAUNCHER_NAMES = ["inprocess", "processes", "ray"]
+HYBRID = "rollout,reward,advantage: 0, inference,actor: 1"
+PLANS = {  # every plan gets the same two slots of one thread
+    "collocated_1worker": CollocatedStrategy(replicas=1),
+    "collocated": "collocated",  # two data-parallel replicas; the actor trains with ddp over both
+    "disaggregated": "disaggregated",
+    "hybrid": HybridStrategy(placement=HYBRID),
+}
+
+
+class Steps(Callback):
+    """Each iteration's loss and gradient norm, as logged."""
+
+    def __init__(self) -> None:
+        self.metrics: list[dict[str, float]] = []
+
+    def on_iteration_end(self, trainer, iteration, metrics):
+        self.metrics.append({k: metrics[k] for k in ("actor/loss", "actor/grad_norm", "reward/reward")})
 
 
 def _fit(assets, root, **over):
-    kw = tiny_trainer_kwargs(root, **{"max_iterations": 1, "devices": 2, "num_threads": 1, **over})
+    steps = Steps()
+    kw = tiny_trainer_kwargs(root, **{"devices": 2, "num_threads": 1, "callbacks": [steps], **over})
     trainer = RLTrainer(**kw)
     summary = trainer.fit(
         LMPolicy(str(assets["sft"]), lr=1e-3),
-        MathTask(str(assets["train"]), str(assets["test"]), eval_size=8),
+        # the format reward gives every iteration a learning signal, even where no answer is right
+        MathTask(
+            str(assets["train"]),
+            str(assets["test"]),
+            format_reward="number_format",
+            format_weight=1.0,
+            eval_size=8,
+        ),
     )
-    last = (root / "run" / "checkpoints" / "last").read_text()
-    weights = load_file(str(root / "run" / "checkpoints" / last / "model.safetensors"))
-    return trainer, summary, weights
+    ckpts = root / "run" / "checkpoints"
+    weights = [load_file(str(p / "model.safetensors")) for p in sorted(ckpts.glob("iter-*"))]
+    return trainer, summary, steps.metrics, weights
+
+
+def _maxdiff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a.keys() & b.keys())
+
+
+@pytest.fixture(scope="module")
+def reference(assets, tmp_path_factory):
+    """Three iterations of the one-worker collocated plan: the baseline every plan must equal."""
+    root = tmp_path_factory.mktemp("reference")
+    _, _, metrics, weights = _fit(assets, root, strategy=PLANS["collocated_1worker"], ckpt_every=1)
+    base = load_file(str(assets["sft"] / "model.safetensors"))
+    assert len(weights) == 3 and _maxdiff(weights[0], base) > 1e-4  # it did learn
+    assert all(m["actor/grad_norm"] > 0.1 for m in metrics), metrics  # from every iteration
+    return metrics, weights
 
 
 @pytest.mark.parametrize("launcher", LAUNCHER_NAMES)
-def test_one_iteration_is_the_same_update_under_every_strategy(assets, tmp_path, launcher):
-    base = load_file(str(assets["sft"] / "model.safetensors"))
-    results = {}
-    for strategy in ("collocated", "disaggregated", "hybrid"):
-        trainer, _, results[strategy] = _fit(
-            assets, tmp_path / strategy, strategy=strategy, launcher=launcher
+def test_every_plan_computes_the_same_update_on_every_launcher(assets, tmp_path, reference, launcher):
+    """Collocated with 1 and 2 replicas, disaggregated and an explicit hybrid placement: equal
+    weights, loss and grad norm at every one of three iterations (one AdamW step moves each weight
+    by about lr x sign(grad), so only several steps can show a wrong gradient scale)."""
+    ref_metrics, ref_weights = reference
+    for name, strategy in PLANS.items():
+        trainer, _, metrics, weights = _fit(
+            assets, tmp_path / name, strategy=strategy, launcher=launcher, ckpt_every=1
         )
-        assert trainer.plan.strategy == strategy
-    ref = results["collocated"]
-    assert max(float((ref[k] - base[k]).abs().max()) for k in ref if k in base) > 1e-4  # it did learn
-    for strategy in ("disaggregated", "hybrid"):
-        diff = max(float((results[strategy][k] - ref[k]).abs().max()) for k in ref)
-        assert diff <= 1e-4, (strategy, launcher, diff)
+        assert len(weights) == 3 and len(metrics) == 3, name
+        for it in range(3):
+            assert weights[it].keys() == ref_weights[it].keys()
+            assert _maxdiff(weights[it], ref_weights[it]) <= 1e-4, (name, launcher, it)
+            for key, value in metrics[it].items():
+                assert abs(value - ref_metrics[it][key]) <= 1e-4, (name, launcher, it, key, value)
+        assert sorted(s for g in trainer.plan.groups for s in g.slots) == [0, 1], name
 
 
-def test_plans_place_stages_as_documented():
-    from rlinf_lightning.workflows.reasoning import reasoning_workflow  # noqa: F401  (stage names below)
+def test_the_actor_ranks_are_the_actor_groups_replicas(assets, tmp_path):
+    """No plan starts more processes or torch threads than its slots: under every plan the workers
+    are the only processes, one per replica, and the actor's ddp ranks are its group's replicas."""
+    import os
 
-    wf = Workflow("w").chain(*[_Named(n) for n in ("rollout", "reward", "advantage", "inference", "actor")])
-    res, batch = Resources(devices=2, threads_per_slot=1), BatchShape(128, 8)
-    col = STRATEGIES.resolve("collocated").plan(wf, res, batch)
-    dis = STRATEGIES.resolve("disaggregated").plan(wf, res, batch)
-    hyb = STRATEGIES.resolve("hybrid").plan(wf, res, batch)
-    assert [w.stages for w in col.workers] == [wf.order] and col.workers[0].num_threads == 2
-    assert [w.stages for w in dis.workers] == [["rollout"], ["reward", "advantage", "inference", "actor"]]
-    assert [w.stages for w in hyb.workers] == [["rollout", "reward", "advantage"], ["inference", "actor"]]
-    assert set(dis.micro_batch_size.values()) == {32}  # four micro-batches of whole groups
-    with pytest.raises(ValueError, match="trainer.devices >= 2"):
-        STRATEGIES.resolve("disaggregated").plan(wf, Resources(devices=1), batch)
+    import psutil
 
-
-class _Named(Stage):
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def process(self, batch):
-        return batch
+    task = MathTask(str(assets["train"]), str(assets["test"]), eval_size=8)
+    policy = LMPolicy(str(assets["sft"]), lr=1e-3)
+    for name, strategy in PLANS.items():
+        trainer = RLTrainer(**tiny_trainer_kwargs(tmp_path, devices=2, num_threads=1, strategy=strategy))
+        workflow, plan = trainer._build_plan(policy, task)
+        runtime = LAUNCHERS.get("processes")().launch(workflow, plan, timeout_s=60)
+        try:
+            runtime.run_iteration(1, task.inputs(1, plan.micro_batch_size["__input__->rollout"], trainer))
+            ranks = runtime.call("actor", "engine_info", replicas="all")
+            spawned = [
+                p.pid
+                for p in psutil.Process(os.getpid()).children(recursive=True)
+                if "spawn_main" in " ".join(p.cmdline())
+            ]
+        finally:
+            runtime.shutdown()
+        actor = plan.group_of("actor")
+        pids = [info["pid"] for info in runtime.info.values()]
+        assert sorted(spawned) == sorted(pids) and len(set(pids)) == sum(g.replicas for g in plan.groups), (
+            name
+        )
+        assert sum(info["torch_threads"] for info in runtime.info.values()) == 2, name  # 2 slots x 1 thread
+        assert [r["rank"] for r in ranks] == list(range(actor.replicas)), name
+        assert {r["world_size"] for r in ranks} == {actor.replicas}, name
+        assert {r["engine"] for r in ranks} == {"ddp" if actor.replicas > 1 else "single"}, name
 
 
 def test_trace_shows_overlap_only_when_disaggregated(assets, tmp_path):
-    def spans(strategy):
-        path = tmp_path / f"{strategy}.json"
-        _fit(assets, tmp_path / strategy, strategy=strategy, launcher="processes", trace=str(path),
+    def spans(name):
+        path = tmp_path / f"{name}.json"
+        _fit(assets, tmp_path / name, strategy=PLANS[name], launcher="processes", trace=str(path),
              max_iterations=2, micro_batch_size=4)  # fmt: skip
         events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
         get = lambda name: [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == name]  # noqa: E731
@@ -91,88 +141,125 @@ def test_trace_shows_overlap_only_when_disaggregated(assets, tmp_path):
     rollout, actor = spans("disaggregated")
     assert len(rollout) == 2 * 4 and len(actor) == 2 * 4  # one span per micro-batch
     assert overlap(rollout, actor) > 0
-    rollout, actor = spans("collocated")
+    rollout, actor = spans("collocated_1worker")
     assert overlap(rollout, actor) == 0
 
 
-# -- failures end the run with the worker's own error, never a hang ------------------------------
+# -- a workflow with a loop: env -> policy -> env, T turns per iteration ------------------------------
 
 
-class Source(Stage):
-    name = "source"
+class ToyEnv(Stage):
+    """Each micro-batch is a set of envs (it keeps their state, so it is sticky): observe, then add
+    the policy's action to the state each turn; after the last turn, emit the trajectory."""
 
-    def process(self, batch):
-        return batch
+    name = "env"
+    sticky = True
+    out_keys = ("env_id", "obs", "actions", "final")
 
+    def __init__(self, turns: int) -> None:
+        self.turns = turns
 
-class Boom(Stage):
-    name = "boom"
-
-    def process(self, batch):
-        raise ValueError("bad batch in boom")
-
-
-class Slow(Stage):
-    name = "slow"
+    def setup(self, ctx):
+        self.state, self.trajectory = {}, {}
 
     def process(self, batch):
-        time.sleep(60)
+        ids = batch["env_id"]
+        key = tuple(ids.tolist())
+        if "action" not in batch.keys():
+            self.state.setdefault(key, ids * 10)
+            self.trajectory[key] = []
+        else:
+            self.state[key] = self.state[key] + batch["action"]
+            self.trajectory[key].append(batch["action"])
+            if len(self.trajectory[key]) == self.turns:
+                actions = torch.stack(self.trajectory[key], 1)
+                return TensorDict({"env_id": ids, "actions": actions, "final": self.state[key]}, [len(ids)])
+        return TensorDict({"env_id": ids, "obs": self.state[key]}, [len(ids)])
 
 
-def _toy_runtime(launcher: str, *stages: Stage, timeout_s: float = 60.0):
-    wf = Workflow("toy").chain(*stages)
-    plan = STRATEGIES.resolve("disaggregated").plan(
-        wf, Resources(devices=2, threads_per_slot=1), BatchShape(8, 4)
+class ToyPolicy(Stage):
+    name = "policy"
+    in_keys = ("env_id", "obs")
+    out_keys = ("action",)
+
+    def setup(self, ctx):
+        self.w = 1
+
+    def process(self, batch):
+        return TensorDict(
+            {"env_id": batch["env_id"], "action": (batch["obs"] * self.w) % 7}, batch.batch_size
+        )
+
+    def apply_sync(self, source, state):
+        self.w = int(state["w"])
+
+
+class ToyLearner(Stage):
+    """Sums what every replica saw (a collective) and turns it into the policy's next weight."""
+
+    name = "learner"
+    in_keys = ("actions", "final")
+
+    def setup(self, ctx):
+        self.ctx, self.w = ctx, 1
+
+    def begin_iteration(self, iteration):
+        self.total = torch.zeros(1, dtype=torch.long)
+
+    def process(self, batch):
+        self.total += batch["final"].sum() + batch["actions"].sum()
+
+    def end_iteration(self):
+        all_reduce(self.ctx.process_group(), [self.total])
+        self.w = int(self.total) // 10 % 3 + 1
+        return {"total": float(self.total), "w": float(self.w)}
+
+    def sync_state(self):
+        return TensorDict({"w": torch.tensor(self.w)}, [])
+
+
+def _loop_workflow(turns: int) -> Workflow:
+    return (
+        Workflow("toy-loop")
+        .chain(ToyEnv(turns), ToyLearner())
+        .add(ToyPolicy())
+        .loop("env", "policy", turns)
+        .sync("learner", "policy", "weights")
+        .role("train", "learner")
     )
-    return LAUNCHERS.resolve(launcher).launch(wf, plan, timeout_s=timeout_s)
-
-
-def _batches():
-    return [TensorDict({"x": torch.zeros(4)}, batch_size=[4]) for _ in range(2)]
 
 
 @pytest.mark.parametrize("launcher", LAUNCHER_NAMES)
-def test_a_raising_worker_ends_the_run_with_its_traceback(launcher):
-    rt = _toy_runtime(launcher, Source(), Boom())
-    t0 = time.monotonic()
-    try:
-        with pytest.raises(StageError) as info:
-            rt.run_iteration(1, _batches())
-    finally:
-        rt.shutdown()
-    assert time.monotonic() - t0 < 30
-    assert info.value.stage == "boom" and info.value.worker == "train"
-    assert "ValueError: bad batch in boom" in info.value.tb and "test_plans.py" in info.value.tb
-
-
-@pytest.mark.parametrize("launcher", ["processes", "ray"])
-def test_a_killed_worker_process_ends_the_run_naming_it(launcher):
-    rt = _toy_runtime(launcher, Source(), Slow())
-    if launcher == "ray":
-        import ray
-
-        pid = ray.get(rt.actors["train"].pid.remote())
-        how = "Ray actor died"
-    else:
-        pid = rt.procs["train"].pid
-        how = "killed by SIGKILL"
-    threading.Timer(2.0, os.kill, (pid, signal.SIGKILL)).start()
-    t0 = time.monotonic()
-    try:
-        with pytest.raises(WorkerDied, match=rf"worker 'train' hosting stage\(s\) slow died: {how}"):
-            rt.run_iteration(1, _batches())
-    finally:
-        rt.shutdown()
-    assert time.monotonic() - t0 < 30
+def test_a_loop_workflow_gives_the_same_results_under_every_plan(launcher):
+    envs = [TensorDict({"env_id": torch.arange(4 * k, 4 * k + 4)}, [4]) for k in range(4)]
+    results = {}
+    plans = {"collocated": "collocated", "collocated_1worker": CollocatedStrategy(replicas=1)}
+    for name, strategy in {**plans, "disaggregated": "disaggregated"}.items():
+        wf = _loop_workflow(turns=3)
+        wf.check_keys(["env_id"])
+        plan = STRATEGIES.resolve(strategy).plan(
+            wf, Resources(devices=2, threads_per_slot=1), BatchShape(16, 4)
+        )
+        plan.validate(wf, 2)
+        runtime = LAUNCHERS.get(launcher)().launch(wf, plan, timeout_s=60)
+        try:
+            results[name] = [runtime.run_iteration(it, envs)["learner"] for it in (1, 2, 3)]
+            spans = runtime.pop_spans()
+        finally:
+            runtime.shutdown()
+        env_calls = sum(s.samples for s in spans if s.stage == "env" and s.kind == "process")
+        assert env_calls == 3 * 16 * (1 + 3)  # per iteration, every env: one observation, then 3 turns
+    assert results["collocated"] == results["collocated_1worker"] == results["disaggregated"]
+    assert len({r["w"] for r in results["collocated"]}) > 1  # the weight synced back each iteration changed
 
 
 def test_offload_context_switching_changes_nothing_but_memory(assets, tmp_path):
-    _, _, plain = _fit(assets, tmp_path / "plain", strategy="collocated", devices=1, max_iterations=2)
-    trainer, _, offl = _fit(
+    _, _, _, plain = _fit(assets, tmp_path / "plain", strategy="collocated", devices=1, max_iterations=2)
+    trainer, _, _, offl = _fit(
         assets, tmp_path / "offload", strategy="collocated_offload", devices=1, max_iterations=2
     )
-    assert trainer.plan.workers[0].context_switch
-    assert all(torch.equal(plain[k], offl[k]) for k in plain)
+    assert trainer.plan.groups[0].context_switch
+    assert all(torch.equal(plain[-1][k], offl[-1][k]) for k in plain[-1])
 
 
 def test_offloader_spill_file_holds_state_and_leaves_nothing_on_disk(tmp_path):
@@ -194,67 +281,3 @@ def test_offloader_spill_file_holds_state_and_leaves_nothing_on_disk(tmp_path):
     off.onload(model, opt)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(torch.equal(a, b) for a, b in zip(saved, moments(), strict=True))
-
-
-def _training_fit(assets, tmp_path, *overrides: str):
-    """A long disaggregated `rlinf fit` on the processes launcher, returned once it trains.
-
-    Returns the CLI process and the processes it spawned (workers, and ranks of their engines).
-    """
-    import subprocess
-
-    import psutil
-
-    fit = subprocess.Popen(
-        cli_fit_args(
-            assets,
-            tmp_path,
-            "--trainer.max_iterations=100000",
-            "--trainer.rollout_batch_size=16",
-            "--trainer.group_size=4",
-            "--trainer.devices=2",
-            "--trainer.strategy=disaggregated",
-            "--trainer.launcher=processes",
-            "--task.eval_size=8",
-            "--trainer.enable_progress_bar=true",
-            *overrides,
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        while "it " not in (line := fit.stdout.readline()):  # iterations print once workers are up
-            assert line, fit.communicate(timeout=30)[1]  # the fit ended before training
-        descendants = psutil.Process(fit.pid).children(recursive=True)
-    except BaseException:
-        fit.kill()
-        raise
-    return fit, [p for p in descendants if "spawn_main" in " ".join(p.cmdline())]
-
-
-def test_killing_a_worker_ends_rlinf_fit_with_its_name(assets, tmp_path):
-    """End to end: SIGKILL one worker process of a running `rlinf fit`; the CLI exits, naming it."""
-    fit, workers = _training_fit(assets, tmp_path)
-    try:
-        assert len(workers) == 2
-        workers[0].kill()
-        t0 = time.monotonic()
-        _, err = fit.communicate(timeout=30)
-    finally:
-        fit.kill()
-    assert time.monotonic() - t0 < 30
-    assert fit.returncode == 1
-    assert "died: killed by SIGKILL" in err and "hosting stage(s)" in err
-
-
-def test_killing_rlinf_fit_ends_its_workers_and_train_ranks(assets, tmp_path):
-    """SIGKILL the driver of a fit whose actor trains on ddp ranks: no process is left behind."""
-    import psutil
-
-    fit, spawned = _training_fit(assets, tmp_path, "--trainer.train_strategy=ddp")
-    fit.kill()
-    fit.wait()
-    assert len(spawned) == 4  # two workers, and the actor worker's two ddp ranks
-    _, alive = psutil.wait_procs(spawned, timeout=20)
-    assert not alive, [p.cmdline() for p in alive]

@@ -1,15 +1,17 @@
-"""RLTrainer: validates the config, asks the strategy for a plan, launches it, runs iterations.
+"""RLTrainer: validates the config, asks the task for its workflow and the strategy for a plan,
+launches it, runs iterations, logs, evaluates and checkpoints.
 
     trainer = RLTrainer(algorithm="grpo", strategy="collocated", rollout="hf", max_iterations=100)
     trainer.fit(LMPolicy("artifacts/tiny-qwen2-sft"), MathTask("train.jsonl", "test.jsonl"))
 
 Strategies, launchers, rollout engines, train engines, algorithms and rewards are resolved by name
-through their registries, so this module never branches on which one was chosen.
+through their registries, and the task supplies the workflow, each iteration's input and the
+evaluation; the trainer reaches stages only through the workflow's roles (``train``). So this
+module never branches on which strategy, engine, task or stage it drives.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import time
 from pathlib import Path
@@ -21,12 +23,13 @@ from rlinf_lightning.algorithms import ALGORITHMS
 from rlinf_lightning.callbacks import ProgressBar
 from rlinf_lightning.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint, set_rng_state
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, SamplingParams
-from rlinf_lightning.engines.train import TRAIN_ENGINES, build_train_engine
+from rlinf_lightning.engines.train import TRAIN_ENGINES, resolve_train_engine
 from rlinf_lightning.errors import ConfigError
+from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.trace import write_chrome_trace
+from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
-from rlinf_lightning.workflows.reasoning import reasoning_workflow
 
 LoggerSpec = (
     Any  # True/False, "csv" | "wandb" | "tensorboard", a {class_path, init_args} dict, a Logger, or a list
@@ -38,17 +41,20 @@ class RLTrainer:
 
     Args:
         algorithm: algorithm name (``grpo``) or an algorithm object such as ``GRPO(kl_coef=0.01)``.
-        strategy: execution plan strategy: a name (``collocated``, ``collocated_offload``,
-            ``disaggregated``, ``hybrid``), a ``Strategy`` object, or a ``{class_path, init_args}`` dict.
+        strategy: execution plan strategy: a name (``collocated``: data-parallel replicas on every
+            slot; ``collocated_offload``, ``disaggregated``, ``hybrid``), a ``Strategy`` object (e.g.
+            ``HybridStrategy(placement="rollout: 0, reward,advantage,inference,actor: 1")`` or
+            ``CollocatedStrategy(replicas=1)``), or a ``{class_path, init_args}`` dict.
         launcher: how workers start: ``inprocess`` (default; threads of this process), ``processes``
             (one OS process per worker), ``ray`` (Ray actors), or a launcher object.
         rollout: rollout engine name (``hf``; ``vllm`` with the plugin).
-        train_strategy: how the actor trains: ``single`` (one process), ``ddp`` or ``fsdp``
-            (data parallel over ``devices x num_nodes`` rank processes; FSDP2 shards the state).
-        train_engine_options: keyword arguments of the train engine, e.g. ``{timeout_s: 900}`` or,
-            for ``ddp``/``fsdp``, ``{malloc_mmap_threshold_mb: null}`` (``ranks`` is always
-            ``devices x num_nodes``).
-        devices: device slots per node (GPUs, or worker processes on CPU).
+        train_strategy: how the actor trains over the replicas of the group the plan puts it on:
+            ``auto`` (``single`` on one replica, ``ddp`` on more), ``single``, ``ddp``, or ``fsdp``
+            (FSDP2 shards the state; one process per replica).
+        train_engine_options: keyword arguments of the train engine, e.g. for ``ddp``/``fsdp``
+            ``{malloc_mmap_threshold_mb: null}``.
+        accelerator: what a device slot is: ``cpu``, ``cuda``, or ``auto`` (``cuda`` when available).
+        devices: device slots per node (GPUs, or shares of the cores on CPU).
         num_nodes: number of machines.
         max_iterations: RL iterations (one optimizer step each).
         group_size: completions sampled per prompt (GRPO's group; at least 2).
@@ -79,8 +85,9 @@ class RLTrainer:
         strategy: Any = "collocated",
         launcher: Any = "inprocess",
         rollout: str = "hf",
-        train_strategy: str = "single",
+        train_strategy: str = "auto",
         train_engine_options: dict[str, Any] | None = None,
+        accelerator: str = "auto",
         devices: int = 1,
         num_nodes: int = 1,
         max_iterations: int = 100,
@@ -106,6 +113,7 @@ class RLTrainer:
         self.rollout = rollout
         self.train_strategy = train_strategy
         self.train_engine_options = dict(train_engine_options or {})
+        self.accelerator = accelerator
         self.devices = devices
         self.num_nodes = num_nodes
         self.max_iterations = max_iterations
@@ -139,10 +147,9 @@ class RLTrainer:
             ("train_strategy", TRAIN_ENGINES),
         ):
             value = getattr(self, key)
-            if isinstance(value, str) and value not in reg:
+            name = resolve_train_engine(value, 1) if key == "train_strategy" else value
+            if isinstance(name, str) and name not in reg:
                 p.append((f"trainer.{key}", reg.unknown_message(value)))
-        if self.train_strategy in TRAIN_ENGINES and min(self.devices, self.num_nodes) >= 1:
-            p.extend(self._check_train_engine_options())
         positive = ("devices", "num_nodes", "max_iterations", "rollout_batch_size")
         for key in positive + ("micro_batch_size", "train_micro_batch_size"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
@@ -185,61 +192,46 @@ class RLTrainer:
                 p.append((f"trainer.{key}", f"must be >= 0, got {getattr(self, key)}"))
         if self.timeout_s <= 0:
             p.append(("trainer.timeout_s", f"must be > 0, got {self.timeout_s}"))
+        if self.accelerator not in ("auto", "cpu", "cuda"):
+            p.append(("trainer.accelerator", f"must be auto, cpu or cuda, got {self.accelerator!r}"))
+        elif self.accelerator == "cuda" and not torch.cuda.is_available():
+            p.append(("trainer.accelerator", "cuda was asked for but torch sees no GPU; use cpu or auto"))
         for section, obj in (("policy", policy), ("task", task)):
             if obj is not None and hasattr(obj, "validate_config"):
                 p += [(f"{section}.{k}", m) for k, m in obj.validate_config()]
         if not p and policy is not None and task is not None:
-            try:
-                self._build_plan(policy, task)
-            except ValueError as exc:  # the strategy cannot place this workflow on these resources
-                p.append(("trainer.strategy", str(exc)))
+            p += self._check_plan(policy, task)
         if p:
             raise ConfigError(p)
 
-    def _check_train_engine_options(self) -> list[tuple[str, str]]:
-        """Unknown option names, then bad values (building the engine starts nothing)."""
-        cls = TRAIN_ENGINES.get(self.train_strategy)
-        params = inspect.signature(cls).parameters
-        accepted = sorted(set(params) - {"ranks"})
-        unknown = sorted(set(self.train_engine_options) - set(accepted))
-        if unknown:
-            return [
-                (
-                    f"trainer.train_engine_options.{key}",
-                    f"train engine {self.train_strategy!r} takes no option {key!r}; "
-                    f"it takes {accepted or 'none'}",
-                )
-                for key in unknown
-            ]
+    def _check_plan(self, policy: Any, task: Any) -> list[tuple[str, str]]:
+        """Whether the task's workflow has a plan on these resources that every stage can run on."""
         try:
-            build_train_engine(self.train_strategy, self.devices * self.num_nodes, self.train_engine_options)
-        except (TypeError, ValueError) as exc:
-            return [("trainer.train_engine_options", str(exc))]
-        return []
+            workflow, plan = self._build_plan(policy, task)
+        except ValueError as exc:  # the strategy cannot place this workflow on these resources
+            return [("trainer.strategy", str(exc))]
+        separate = LAUNCHERS.resolve(instantiate(self.launcher)).separate_processes
+        return [
+            problem
+            for g in plan.groups
+            for s in g.stages
+            for problem in workflow.stages[s].check_placement(g.replicas, separate)
+        ]
 
-    def _build_plan(self, policy: Any, task: Any):
-        """The workflow (stages built from config only, nothing loaded) and the strategy's plan."""
-        workflow = reasoning_workflow(
-            policy=policy,
-            algorithm=ALGORITHMS.resolve(self.algorithm),
-            rollout=self.rollout,
-            train_strategy=self.train_strategy,
-            train_engine_options=self.train_engine_options,
-            sampling=self.sampling,
-            group_size=self.group_size,
-            train_micro_batch_size=self.train_micro_batch_size,
-            reward=task.reward,
-            format_reward=task.format_reward,
-            format_weight=task.format_weight,
-            seed=self.seed,
-            train_ranks=self.devices * self.num_nodes,
-        )
-        resources = Resources(
-            devices=self.devices, num_nodes=self.num_nodes, threads_per_slot=self.num_threads
-        )
+    def _build_plan(self, policy: Any, task: Any) -> tuple[Workflow, ExecutionPlan]:
+        """The task's workflow (stages built from config only, nothing loaded) and the strategy's plan."""
+        workflow = task.build_workflow(policy, self)
+        workflow.validate()
+        workflow.check_keys(task.input_keys)
+        if "train" not in workflow.roles:
+            raise ValueError(f"workflow {workflow.name!r} names no stage with role 'train'")
+        accelerator = self.accelerator
+        if accelerator == "auto":
+            accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+        resources = Resources(self.devices, self.num_nodes, accelerator, self.num_threads)
         batch = BatchShape(self.rollout_batch_size, self.group_size, self.micro_batch_size)
         plan = STRATEGIES.resolve(instantiate(self.strategy)).plan(workflow, resources, batch)
-        plan.validate(list(workflow.stages))
+        plan.validate(workflow, len(resources.slots))
         return workflow, plan
 
     # -- loggers and callbacks -------------------------------------------------------------------
@@ -294,33 +286,30 @@ class RLTrainer:
         start_it, history = 0, []
         self._spans: list[Any] = []
         resume = resolve_checkpoint(ckpt_path, self.ckpt_dir) if ckpt_path else None
+        train = workflow.roles["train"]
         t_start = time.perf_counter()
         runtime = launcher.launch(workflow, self.plan, timeout_s=self.timeout_s)
         try:
             if resume is not None:
-                actor_state, state, rng = load_checkpoint(resume)
+                train_state, state, rng = load_checkpoint(resume)
                 if (resume / "sharded").is_dir():
-                    runtime.call("actor", "load_sharded", str(resume / "sharded"))
+                    runtime.call(train, "load_sharded", str(resume / "sharded"), replicas="all")
                 else:
-                    runtime.call("actor", "load_state_dict", actor_state)
-                for e in workflow.sync_edges():
-                    runtime.call(e.dst, "apply_sync", e.src, runtime.call(e.src, "sync_state"))
+                    runtime.call(train, "load_state_dict", train_state, replicas="all")
+                runtime.resync()
                 set_rng_state(rng)
                 start_it, history = state["iteration"], state["eval_history"]
                 print(f"resumed from {resume} at iteration {start_it}", flush=True)
             self._call("on_fit_start", policy)
             if not history:
-                history.append({"iteration": 0, "accuracy": self._evaluate(runtime, task, 0)})
-            prompts_per_it = self.rollout_batch_size // self.group_size
-            first = workflow.input_edge(workflow.order[0]).channel
-            prompts_per_mb = self.plan.micro_batch_size[first] // self.group_size
+                history.append(self._evaluate(runtime, task, 0))
+            micro_batch = self.plan.micro_batch_size[workflow.source_edge.channel]
             samples, train_s = 0, 0.0
             for it in range(start_it + 1, self.max_iterations + 1):
                 self.iteration = it
                 self._call("on_iteration_start", it)
                 t0 = time.perf_counter()
-                prompts = task.prompts((it - 1) * prompts_per_it, prompts_per_it, self.seed)
-                stage_metrics = runtime.run_iteration(it, list(prompts.split(prompts_per_mb)))
+                stage_metrics = runtime.run_iteration(it, task.inputs(it, micro_batch, self))
                 dt = time.perf_counter() - t0
                 samples += self.rollout_batch_size
                 train_s += dt
@@ -331,36 +320,16 @@ class RLTrainer:
                 self._log(metrics, it)
                 self._call("on_iteration_end", it, metrics)
                 if self.eval_every and it % self.eval_every == 0 and it != self.max_iterations:
-                    history.append({"iteration": it, "accuracy": self._evaluate(runtime, task, it)})
+                    history.append(self._evaluate(runtime, task, it))
                 if it == self.max_iterations or (self.ckpt_every and it % self.ckpt_every == 0):
                     if it == self.max_iterations:
-                        history.append({"iteration": it, "accuracy": self._evaluate(runtime, task, it)})
-                    self._save(runtime, it, history)
-            summary = {
-                "eval_accuracy_before": history[0]["accuracy"],
-                "eval_accuracy_after": history[-1]["accuracy"],
-                "eval_problems": len(task.test),
-                "eval_history": history,
-                "iterations": self.max_iterations,
-                "resumed_from_iteration": start_it,
-                "wall_s": time.perf_counter() - t_start,
-                "train_wall_s": train_s,
-                "samples_per_s": samples / train_s if train_s else 0.0,
-                "strategy": self.plan.strategy,
-                "rollout": self.rollout,
-                "train_strategy": self.train_strategy,
-            }
+                        history.append(self._evaluate(runtime, task, it))
+                    self._save(runtime, train, it, history)
+            summary = self._summary(task, history, start_it, time.perf_counter() - t_start, train_s, samples)
             (self.default_root_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             for lg in self.loggers:
                 lg.finalize("success")
             self._call("on_fit_end", summary)
-            print(
-                f"held-out accuracy: {summary['eval_accuracy_before']:.3f}"
-                f" -> {summary['eval_accuracy_after']:.3f}"
-                f" ({len(task.test)} problems, {self.max_iterations - start_it} iterations,"
-                f" {summary['wall_s']:.0f} s); summary: {self.default_root_dir / 'summary.json'}",
-                flush=True,
-            )
             return summary
         except BaseException as exc:
             self._call("on_exception", exc)
@@ -372,42 +341,68 @@ class RLTrainer:
             if self.trace:
                 write_chrome_trace(self.trace, self._spans, self.plan)
 
+    def _summary(
+        self,
+        task: Any,
+        history: list[dict[str, float]],
+        start_it: int,
+        wall_s: float,
+        train_s: float,
+        samples: int,
+    ) -> dict[str, Any]:
+        head = task.eval_metric
+        extras = {k: v for k, v in history[-1].items() if k not in (head, "iteration")}
+        summary = {
+            f"eval_{head}_before": history[0][head],
+            f"eval_{head}_after": history[-1][head],
+            **{f"eval_{k}": v for k, v in extras.items()},
+            "eval_history": history,
+            "iterations": self.max_iterations,
+            "resumed_from_iteration": start_it,
+            "wall_s": wall_s,
+            "train_wall_s": train_s,
+            "samples_per_s": samples / train_s if train_s else 0.0,
+            "strategy": self.plan.strategy,
+            "rollout": self.rollout,
+            "train_strategy": self.train_strategy,
+        }
+        counts = ", ".join(f"{int(v)} {k}" for k, v in extras.items() if float(v).is_integer())
+        print(
+            f"held-out {head}: {history[0][head]:.3f} -> {history[-1][head]:.3f}"
+            f" ({counts + ', ' if counts else ''}{self.max_iterations - start_it} iterations,"
+            f" {wall_s:.0f} s); summary: {self.default_root_dir / 'summary.json'}",
+            flush=True,
+        )
+        return summary
+
     @property
     def ckpt_dir(self) -> Path:
         return self.default_root_dir / "checkpoints"
 
-    def _evaluate(self, runtime: Any, task: Any, it: int) -> float:
-        problems = task.test
-        acc = runtime.call(
-            "rollout", "evaluate", [p.prompt for p in problems], [p.answer for p in problems], task.reward
-        )
-        runtime.pop_spans()  # evaluation is not part of an iteration's stage times
-        self._log({"eval/accuracy": acc}, it)
-        self._call("on_evaluation_end", it, acc)
-        return acc
+    def _evaluate(self, runtime: Any, task: Any, it: int) -> dict[str, float]:
+        metrics = task.evaluate(runtime)
+        self._log({f"eval/{k}": v for k, v in metrics.items()}, it)
+        self._call("on_evaluation_end", it, metrics[task.eval_metric])
+        return {"iteration": it, **metrics}
 
     def _stage_seconds(self, runtime: Any) -> dict[str, float]:
-        """Busy seconds per stage this iteration (summed over its spans)."""
+        """Busy seconds per stage this iteration, per replica of the stage's group."""
         out: dict[str, float] = {}
         spans = runtime.pop_spans()
         if self.trace:
             self._spans.extend(spans)
         for s in spans:
             out[f"time/{s.stage}"] = out.get(f"time/{s.stage}", 0.0) + (s.end - s.start)
-        return out
+        return {k: v / self.plan.group_of(k[5:]).replicas for k, v in out.items()}
 
-    def _save(self, runtime: Any, it: int, history: list[dict[str, float]]) -> None:
-        state = {
-            "eval_history": history,
-            "data_position": it * (self.rollout_batch_size // self.group_size),
-            "seed": self.seed,
-        }
+    def _save(self, runtime: Any, train: str, it: int, history: list[dict[str, float]]) -> None:
+        state = {"eval_history": history, "seed": self.seed}
         path = save_checkpoint(
             self.ckpt_dir,
             it,
-            runtime.call("actor", "state_dict"),
+            runtime.call(train, "state_dict", replicas="all")[0],
             state,
-            write_extra=lambda tmp: runtime.call("actor", "save_sharded", str(tmp / "sharded")),
+            write_extra=lambda tmp: runtime.call(train, "save_sharded", str(tmp / "sharded"), replicas="all"),
         )
         self._call("on_save_checkpoint", str(path))
 

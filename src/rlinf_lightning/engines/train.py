@@ -1,13 +1,15 @@
 """Train engines: how the actor's policy trains (``single`` here; ``ddp``/``fsdp`` register alike).
 
-The actor stage hands an engine micro-batches of ``(loss_sum, count)``; the engine accumulates
-gradients of the sums and, once per global batch, divides by the total count, clips and steps.
-Dividing once at the end makes the update independent of how the batch was split.
+An engine runs in every replica of the actor's worker group; the replicas are its ranks. The actor
+stage hands it micro-batches and a picklable ``loss_fn(policy, batch) -> (loss_sum, count,
+metrics)``; the engine backpropagates the *sum*, and once per global batch (``step``) the ranks
+add up their gradients and counts, divide once by the global count, clip by the global norm and
+step. Summing first and dividing once makes the update independent of how the batch was split
+into micro-batches and over replicas, so every plan computes the same update.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,29 +17,34 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.engines.offload import Offloader
+from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.policies.module import RLModule
 from rlinf_lightning.registry import Registry
 
+LossFn = Callable[[RLModule, TensorDict], tuple]
+
 
 class TrainEngine:
-    """Interface: ``setup`` -> (``accumulate`` ...) -> ``step`` per global batch."""
+    """Interface: ``setup`` -> (``accumulate`` ...) -> ``step`` per global batch, on every rank."""
 
-    def setup(self, policy: RLModule, device: str) -> None:
+    def check(self, replicas: int, own_process: bool) -> tuple[str, str] | None:
+        """``(config key, problem)`` if this engine cannot train over ``replicas`` replicas."""
+        return None
+
+    def setup(self, policy: RLModule, ctx: StageContext) -> None:
         raise NotImplementedError
 
-    def accumulate(self, batch: TensorDict, loss_fn: Callable[[RLModule, TensorDict], tuple]) -> dict:
-        """Backward of ``loss_fn(policy, batch) -> (loss_sum, count, metrics)``, gradients summed.
-
-        Returns ``{"loss_sum", "count", **metrics}`` as floats (summed over ranks when distributed).
-        ``loss_fn`` is picklable, so distributed engines can run it on every rank's shard.
-        """
+    def accumulate(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:
+        """Backward of the loss sum of ``batch``; returns the micro-batch's metrics (e.g. clip_frac)."""
         raise NotImplementedError
 
     def step(self) -> dict[str, float]:
+        """One optimizer step over everything accumulated on every rank; returns ``grad_norm`` and
+        the global ``loss`` (loss sum over count)."""
         raise NotImplementedError
 
     def shutdown(self) -> None:
-        """Stop anything ``setup`` started (rank processes); safe to call twice."""
+        """Release what ``setup`` acquired; safe to call twice."""
 
     def onload(self) -> None:
         """Bring weights and optimizer state back onto the device (collocated context switch)."""
@@ -46,10 +53,11 @@ class TrainEngine:
         """Move weights and optimizer state off the device while other stages run."""
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (unsharded) weights, one tensor at a time, for syncing the rollout engine."""
+        """Full (unsharded) weights, one tensor at a time (a collective where sharded: every rank)."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
+        """The full, rank-count independent state (a collective where sharded: every rank)."""
         raise NotImplementedError
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -59,27 +67,46 @@ class TrainEngine:
 TRAIN_ENGINES: Registry[type[TrainEngine]] = Registry("train strategy")
 
 
-def build_train_engine(name: str, ranks: int, options: dict[str, Any]) -> TrainEngine:
-    """The registered engine ``name`` with ``options``; data-parallel engines (those taking
-    ``ranks``) also get ``ranks``. Building starts nothing: processes start in ``setup``."""
-    cls = TRAIN_ENGINES.get(name)
-    takes_ranks = "ranks" in inspect.signature(cls).parameters
-    return cls(**options, **({"ranks": ranks} if takes_ranks else {}))
+def resolve_train_engine(name: str, replicas: int) -> str:
+    """``auto`` is ``single`` on one replica and ``ddp`` on more; other names are themselves."""
+    if name == "auto":
+        return "single" if replicas == 1 else "ddp"
+    return name
+
+
+def build_train_engine(name: str, replicas: int, options: dict[str, Any]) -> TrainEngine:
+    """The registered engine ``name`` (``auto`` resolved for ``replicas``) with ``options``.
+    Building acquires nothing: that is ``setup``'s job on each rank."""
+    return TRAIN_ENGINES.get(resolve_train_engine(name, replicas))(**options)
 
 
 @TRAIN_ENGINES.register("single")
 class SingleTrainEngine(TrainEngine):
-    """One process, one replica of the model."""
+    """One replica of the model; the base of the data-parallel engines, which add ``_reduce``."""
 
-    def setup(self, policy: RLModule, device: str) -> None:
-        self.policy = policy
+    name = "single"
+
+    def check(self, replicas: int, own_process: bool) -> tuple[str, str] | None:
+        if replicas > 1:
+            return (
+                "trainer.train_strategy",
+                f"'single' trains one replica, but the plan runs the actor on {replicas} replicas; "
+                "use 'ddp', 'fsdp' or 'auto'",
+            )
+        return None
+
+    def setup(self, policy: RLModule, ctx: StageContext) -> None:
+        self.policy, self.ctx = policy, ctx
         policy.configure_model()
-        policy.to(device)
+        policy.to(ctx.device)
         policy.train()
-        self.optimizer = policy.configure_optimizers()
+        self._make_optimizer()
+        self._offloader = Offloader(ctx.device)
+
+    def _make_optimizer(self) -> None:
+        self.optimizer = self.policy.configure_optimizers()
         self.optimizer.zero_grad(set_to_none=True)
-        self._count = 0.0
-        self._offloader = Offloader(device)
+        self._count, self._loss_sum = 0.0, 0.0
 
     def onload(self) -> None:
         self._offloader.onload(self.policy, self.optimizer)
@@ -87,29 +114,35 @@ class SingleTrainEngine(TrainEngine):
     def offload(self) -> None:
         self._offloader.offload(self.policy, self.optimizer)
 
-    def accumulate(self, batch, loss_fn):
+    def accumulate(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:
         loss_sum, count, metrics = loss_fn(self.policy, batch)
         loss_sum.backward()
         self._count += float(count)
-        return {
-            "loss_sum": float(loss_sum.detach()),
-            "count": float(count),
-            **{k: float(v) for k, v in metrics.items()},
-        }
+        self._loss_sum += float(loss_sum.detach())
+        return {k: float(v) for k, v in metrics.items()}
+
+    def _reduce(self, params: list[torch.nn.Parameter], totals: torch.Tensor) -> None:
+        """Sum gradients and ``totals`` (count, loss sum) over the ranks; one rank: nothing to do."""
 
     def step(self) -> dict[str, float]:
-        params = [p for p in self.policy.parameters() if p.grad is not None]
-        if self._count > 0:
-            for p in params:
-                p.grad.div_(self._count)
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        totals = torch.tensor([self._count, self._loss_sum], dtype=torch.float64)
+        self._reduce(params, totals)
+        count, loss_sum = totals.tolist()
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(max(count, 1.0))
         max_norm = getattr(self.policy, "max_grad_norm", 0.0) or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
+        with_grad = [p for p in params if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm) if with_grad else torch.tensor(0.0)
+        if hasattr(grad_norm, "full_tensor"):  # sharded parameters: the norm over every shard
+            grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._count = 0.0
-        return {"grad_norm": float(grad_norm)}
+        self._count, self._loss_sum = 0.0, 0.0
+        return {"grad_norm": float(grad_norm), "loss": loss_sum / max(count, 1.0)}
 
-    def named_weights(self):
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.policy.model.named_parameters():
             yield name, p.detach()
 

@@ -1,10 +1,11 @@
-"""Channel: a FIFO of micro-batches between two stages.
+"""Channel: a FIFO queue of messages between workers, one transport per placement.
 
 The transport is chosen from the plan (adaptive communication): stages on the same worker pass
 objects through an in-process queue; stages in different processes on one machine use a
-:class:`SharedMemoryChannel` (tensors travel as shared-memory handles, not pickled copies); the
-Ray launcher uses Ray's object store. Every ``get`` has a timeout, so a stalled producer becomes a
-clear error, never a hang.
+:class:`SharedMemoryChannel` (tensors travel as shared-memory handles, not pickled copies, and CUDA
+tensors as CUDA IPC handles); the Ray launcher uses Ray's object store. Every ``get`` has a timeout
+and stops early when the run is aborted, so a stalled producer or a failed peer becomes a clear
+error, never a hang. How channels connect a group's replicas is ``flow.wiring``'s job.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pickle
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -25,13 +27,25 @@ class ChannelAborted(RuntimeError):
 
 
 class EndOfIteration:
-    """Marker a stage forwards after the last micro-batch of an iteration."""
-
-    def __init__(self, iteration: int) -> None:
-        self.iteration = iteration
+    """Marker each producer replica sends after its last micro-batch of an iteration."""
 
     def __repr__(self) -> str:
-        return f"EndOfIteration({self.iteration})"
+        return "EndOfIteration()"
+
+
+@dataclass
+class Message:
+    """A micro-batch and its routing header.
+
+    ``key``: the micro-batch's index in the iteration's input, kept downstream (sticky stages are
+    dealt by it); ``turn``: how many times it has been round a loop; ``origin``: the replica of the
+    loop head that sent it, where the body's answer goes back.
+    """
+
+    payload: Any
+    key: int = 0
+    turn: int = 0
+    origin: int = 0
 
 
 class Channel:
@@ -61,11 +75,14 @@ class Channel:
                 if time.monotonic() >= deadline:
                     raise ChannelTimeout(f"channel {self.name!r}: nothing arrived within {t:.0f} s") from None
 
-    def poll(self) -> tuple[bool, Any]:
-        """``(True, item)`` if an item is waiting, else ``(False, None)``, without blocking."""
+    def poll(self, timeout: float = 0.0) -> tuple[bool, Any]:
+        """``(True, item)`` if an item arrives within ``timeout`` s, else ``(False, None)``;
+        raises :class:`ChannelAborted` when the run was aborted."""
         try:
-            return True, self._q.get_nowait()
+            return True, (self._q.get(timeout=timeout) if timeout > 0 else self._q.get_nowait())
         except queue.Empty:
+            if self.abort.is_set():
+                raise ChannelAborted(f"channel {self.name!r}: run aborted") from None
             return False, None
 
     def empty(self) -> bool:
@@ -103,13 +120,16 @@ class SharedMemoryChannel(Channel):
     def get(self, timeout: float | None = None) -> Any:
         return decode(super().get(timeout))
 
-    def poll(self) -> tuple[bool, Any]:
-        got, item = super().poll()
+    def poll(self, timeout: float = 0.0) -> tuple[bool, Any]:
+        got, item = super().poll(timeout)
         return (True, decode(item)) if got else (False, None)
 
 
 def encode(item: Any, copy: bool = False, shm_min_bytes: int = 64 * 1024) -> bytes:
     """Bytes for a pipe: small parts pickled inline, large tensors as shared-memory handles."""
+    if isinstance(item, Message):
+        header = (item.key, item.turn, item.origin)
+        return pickle.dumps(("msg", header, encode(item.payload, copy, shm_min_bytes)))
     from multiprocessing.reduction import ForkingPickler
 
     import torch
@@ -137,6 +157,9 @@ def encode(item: Any, copy: bool = False, shm_min_bytes: int = 64 * 1024) -> byt
 
 def decode(data: bytes) -> Any:
     kind, *rest = pickle.loads(data)
+    if kind == "msg":
+        (key, turn, origin), payload = rest
+        return Message(decode(payload), key, turn, origin)
     if kind == "td":
         small, shared = rest
         td = pickle.loads(small)

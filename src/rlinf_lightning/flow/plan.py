@@ -1,71 +1,177 @@
-"""ExecutionPlan: where each stage runs and how big the micro-batches on each channel are."""
+"""ExecutionPlan: which worker group hosts each stage, on which slots, in how many replicas, and
+how big the micro-batches on each channel are.
+
+A *slot* is a GPU, or on CPU a core's worth of threads; slots are numbered node-major
+(``slot = node * slots_per_node + local``). A :class:`WorkerGroup` spans some slots and has one
+worker (a *replica*) per ``slots_per_replica`` of them; every stage of the group runs on every
+replica, data-parallel: the channel into the group deals each micro-batch to the replica that asks
+first. Groups either share no slot or are the same group.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlinf_lightning.flow.workflow import Workflow
+
 Schedule = Literal["sequential", "interleaved"]
 
 
 @dataclass
-class WorkerGroupSpec:
-    """One worker process (or in-process worker) and the stages it hosts.
+class WorkerGroup:
+    """Stages that share workers.
 
-    ``schedule="sequential"`` runs its stages one after another, each to the end of the iteration,
-    with ``onload``/``offload`` around each turn (context switching on a shared device);
-    ``"interleaved"`` serves whichever hosted stage has input waiting, so micro-batches stream.
+    ``schedule="sequential"`` runs the stages one after another on each replica, each to the end
+    of the iteration (a loop's head and body together), with ``onload``/``offload`` around each
+    turn when ``context_switch`` is set; ``"interleaved"`` serves whichever hosted stage has input
+    waiting, downstream first, so micro-batches stream through.
     """
 
     name: str
     stages: list[str]
     slots: list[int]
+    slots_per_replica: int = 1
     schedule: Schedule = "sequential"
     context_switch: bool = False
-    num_threads: int = 0
+    num_threads: int = 0  # torch intra-op threads per replica (CPU); 0: torch's default
 
-    def device(self) -> str:
-        """The torch device of this worker: its first slot's GPU, or the CPU (slots are processes)."""
-        import torch
+    @property
+    def replicas(self) -> int:
+        return len(self.slots) // self.slots_per_replica
 
-        if torch.cuda.is_available():
-            return f"cuda:{self.slots[0] % torch.cuda.device_count()}" if self.slots else "cuda"
-        return "cpu"
+    def replica_slots(self, replica: int) -> list[int]:
+        k = self.slots_per_replica
+        return self.slots[replica * k : (replica + 1) * k]
+
+    def worker_name(self, replica: int) -> str:
+        return f"{self.name}/{replica}"
 
 
 @dataclass
 class ExecutionPlan:
     strategy: str
-    workers: list[WorkerGroupSpec]
+    groups: list[WorkerGroup]
     micro_batch_size: dict[str, int] = field(default_factory=dict)  # channel -> samples per message
+    slots_per_node: int = 0  # 0: every slot on one node
+    accelerator: str = "cpu"  # "cpu" or "cuda": what a slot is
     notes: str = ""
 
-    def worker_of(self, stage: str) -> WorkerGroupSpec:
-        for w in self.workers:
-            if stage in w.stages:
-                return w
+    def group_of(self, stage: str) -> WorkerGroup:
+        for g in self.groups:
+            if stage in g.stages:
+                return g
         raise KeyError(f"stage {stage!r} is not placed by plan {self.strategy!r}")
 
-    def validate(self, stage_names: list[str]) -> None:
-        placed = [s for w in self.workers for s in w.stages]
-        missing = sorted(set(stage_names) - set(placed))
-        dup = sorted({s for s in placed if placed.count(s) > 1})
-        if missing or dup:
-            raise ValueError(f"plan {self.strategy!r}: unplaced stages {missing}, stages placed twice {dup}")
+    def node_of(self, slot: int) -> int:
+        return slot // self.slots_per_node if self.slots_per_node else 0
+
+    def device_of(self, slots: list[int], remapped: bool = False) -> str:
+        """The torch device of a replica on ``slots``: the CPU, or its first slot's GPU on its node
+        (``cuda:0`` when the launcher made only the replica's GPUs visible to it)."""
+        if self.accelerator == "cpu":
+            return "cpu"
+        if remapped:
+            return "cuda:0"
+        return f"cuda:{slots[0] % self.slots_per_node if self.slots_per_node else slots[0]}"
+
+    def visible_devices(self, slots: list[int]) -> str:
+        """``CUDA_VISIBLE_DEVICES`` for a replica process on ``slots`` (node-local GPU indices)."""
+        per = self.slots_per_node or (max(slots) + 1)
+        return ",".join(str(s % per) for s in slots)
+
+    @property
+    def workers(self) -> list[tuple[WorkerGroup, int]]:
+        """Every (group, replica) pair: one worker each."""
+        return [(g, r) for g in self.groups for r in range(g.replicas)]
+
+    def validate(self, workflow: Workflow, num_slots: int) -> None:
+        """Raise ``ValueError`` naming the stage, slot or group that makes this plan impossible."""
+        problems: list[str] = []
+        placed = [s for g in self.groups for s in g.stages]
+        for s in sorted(set(placed) - set(workflow.stages)):
+            problems.append(
+                f"stage {s!r} is not in workflow {workflow.name!r} (stages: {sorted(workflow.stages)})"
+            )
+        for s in sorted(set(workflow.stages) - set(placed)):
+            problems.append(f"stage {s!r} is not placed on any slots")
+        for s in sorted({s for s in placed if placed.count(s) > 1}):
+            problems.append(f"stage {s!r} is placed in more than one group")
+        names = [g.name for g in self.groups]
+        for n in sorted({n for n in names if names.count(n) > 1}):
+            problems.append(f"two groups are named {n!r}")
+        for g in self.groups:
+            if not g.slots:
+                problems.append(f"group {g.name!r} ({', '.join(g.stages)}) has no slots")
+                continue
+            bad = sorted(s for s in g.slots if not 0 <= s < num_slots)
+            if bad:
+                problems.append(
+                    f"group {g.name!r} ({', '.join(g.stages)}) uses slot(s) {bad}, but there are "
+                    f"{num_slots} slots (0-{num_slots - 1}): raise trainer.devices or trainer.num_nodes"
+                )
+            if len(set(g.slots)) != len(g.slots):
+                problems.append(f"group {g.name!r} lists a slot twice: {g.slots}")
+            if g.slots_per_replica < 1 or len(g.slots) % g.slots_per_replica:
+                problems.append(
+                    f"group {g.name!r}: {len(g.slots)} slots do not split into replicas of "
+                    f"{g.slots_per_replica} slot(s)"
+                )
+            elif self.slots_per_node:
+                for r in range(g.replicas):
+                    nodes = {self.node_of(s) for s in g.replica_slots(r)}
+                    if len(nodes) > 1:
+                        problems.append(
+                            f"group {g.name!r}: replica {r} spans nodes {sorted(nodes)}; a replica's "
+                            "slots must be on one node"
+                        )
+        for i, a in enumerate(self.groups):
+            for b in self.groups[i + 1 :]:
+                shared = sorted(set(a.slots) & set(b.slots))
+                if shared:
+                    problems.append(
+                        f"groups {a.name!r} ({', '.join(a.stages)}) and {b.name!r} ({', '.join(b.stages)}) "
+                        f"share slot(s) {shared}: place stages on the same slots as one group, or on "
+                        "disjoint slots"
+                    )
+        if problems:
+            raise ValueError(f"plan {self.strategy!r}: " + "; ".join(problems))
 
     def describe(self) -> str:
-        """A table: one row per worker with its slots, stages and schedule, then channel granularity."""
-        rows = [("worker", "slots", "stages", "schedule")]
-        for w in self.workers:
-            sched = w.schedule + (" +offload" if w.context_switch else "")
-            rows.append((w.name, ",".join(map(str, w.slots)), " -> ".join(w.stages), sched))
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        """A table: one row per group (replicas, slots, threads, stages, schedule), then granularity."""
+        rows = [("group", "replicas", "slots", "threads", "stages", "schedule")]
+        multinode = any(self.node_of(s) for g in self.groups for s in g.slots)
+        for g in self.groups:
+            sched = g.schedule + (" +offload" if g.context_switch else "")
+            slots = format_slots(g.slots)
+            if multinode:
+                nodes = sorted({self.node_of(s) for s in g.slots})
+                slots += f" (node {','.join(map(str, nodes))})"
+            per = f"x{g.slots_per_replica}" if g.slots_per_replica > 1 else ""
+            threads = str(g.num_threads) if g.num_threads else "-"
+            rows.append((g.name, f"{g.replicas}{per}", slots, threads, " -> ".join(g.stages), sched))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"execution plan: {self.strategy}" + (f" ({self.notes})" if self.notes else "")]
         for i, r in enumerate(rows):
-            lines.append("  " + "  ".join(c.ljust(widths[j]) for j, c in enumerate(r)))
+            lines.append("  " + "  ".join(c.ljust(widths[j]) for j, c in enumerate(r)).rstrip())
             if i == 0:
                 lines.append("  " + "  ".join("-" * w for w in widths))
         if self.micro_batch_size:
             mb = ", ".join(f"{c}: {n}" for c, n in self.micro_batch_size.items())
             lines.append(f"  micro-batch (samples): {mb}")
         return "\n".join(lines)
+
+
+def format_slots(slots: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (the placement syntax)."""
+    out, run = [], []
+    for s in sorted(slots):
+        if run and s == run[-1] + 1:
+            run.append(s)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [s]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)

@@ -1,10 +1,13 @@
 """Stage: one named step of a workflow.
 
-A stage is built on the driver from configuration only (cheap, picklable) and comes alive on the
-worker that hosts it: ``setup()`` builds its models there. It then sees micro-batches one at a time
-through ``process`` and, when the iteration's last micro-batch has passed, ``end_iteration``.
-``onload``/``offload`` bracket its turn on a shared device under a collocated plan (context
-switching). A stage never learns which strategy, launcher or transport runs it.
+A stage is built on the driver from configuration only (cheap, picklable) and comes alive on each
+replica of the worker group that hosts it: ``setup()`` builds its models there. It then sees
+micro-batches one at a time through ``process`` and, when the iteration's last micro-batch has
+passed, ``end_iteration``. ``onload``/``offload`` bracket its turn on a shared device under a
+collocated plan (context switching). A stage never learns which strategy, launcher or transport
+runs it; a data-parallel stage learns its replica index and may ask for a process group over its
+group's replicas (:meth:`StageContext.process_group`), which is how a train engine's ranks are the
+replicas the plan placed.
 """
 
 from __future__ import annotations
@@ -15,12 +18,29 @@ from tensordict import TensorDict
 
 
 class Stage:
-    """Base class; subclasses override the hooks they need."""
+    """Base class; subclasses override the hooks they need.
+
+    Class attributes:
+        name: the stage's name in the workflow.
+        in_keys / out_keys: batch keys the stage reads and writes (checked when the workflow is
+            built; empty: not checked).
+        sticky: keep state per input micro-batch (e.g. an env stage owning its envs): micro-batch
+            ``k`` of an iteration always goes to replica ``k % replicas`` instead of whichever
+            replica asks first.
+    """
 
     name: str = "stage"
+    in_keys: tuple[str, ...] = ()
+    out_keys: tuple[str, ...] = ()
+    sticky: bool = False
 
     def setup(self, ctx: StageContext) -> None:
         """Build heavy state (models, engines) on the hosting worker."""
+
+    def check_placement(self, replicas: int, own_process: bool) -> list[tuple[str, str]]:
+        """``(config key, problem)`` pairs if this stage cannot run on ``replicas`` replicas
+        (``own_process``: each replica is its own process). Called before anything starts."""
+        return []
 
     def onload(self) -> None:
         """Bring this stage's state onto its device before its turn (collocated plans)."""
@@ -36,11 +56,13 @@ class Stage:
         return batch
 
     def end_iteration(self) -> dict[str, float]:
-        """Called after the iteration's last micro-batch; returns metrics to log."""
+        """Called after the iteration's last micro-batch; returns metrics to log (averaged over
+        replicas weighted by the samples each processed)."""
         return {}
 
     def sync_state(self) -> TensorDict | None:
-        """State this stage hands to its sync targets after ``end_iteration`` (e.g. new weights)."""
+        """State this stage hands to its sync targets after ``end_iteration`` (e.g. new weights).
+        Called on every replica (a sharded engine gathers collectively)."""
         return None
 
     def apply_sync(self, source: str, state: TensorDict) -> None:
@@ -55,14 +77,66 @@ class Stage:
         """Restore from :meth:`state_dict`."""
 
     def teardown(self) -> None:
-        """Release what ``setup`` started (processes, engines) when the run ends."""
+        """Release what ``setup`` started (engines, process groups) when the run ends."""
 
 
 class StageContext:
-    """What a worker tells the stages it hosts about where they run."""
+    """What a worker tells the stages it hosts: its device, and its place in a data-parallel group.
 
-    def __init__(self, device: str = "cpu", rank: int = 0, world_size: int = 1, num_threads: int = 0):
+    Args:
+        device: the torch device of this replica (``cpu``, ``cuda:0``).
+        replica: this replica's index in its group (the rank of its process group).
+        replicas: how many replicas the group has (the world size).
+        num_threads: torch intra-op threads of this replica (CPU).
+        slots: the device slots this replica spans (several for a tensor-parallel engine).
+        own_process: each replica of the group is its own process (processes / Ray launchers);
+            ``False`` when replicas are threads of one process.
+        rendezvous: how the group's replicas find each other (see ``flow.collective``).
+        timeout_s: longest wait of a collective before it fails.
+    """
+
+    def __init__(
+        self,
+        device: str = "cpu",
+        replica: int = 0,
+        replicas: int = 1,
+        num_threads: int = 0,
+        slots: list[int] | None = None,
+        own_process: bool = True,
+        rendezvous: Any = None,
+        timeout_s: float = 600.0,
+    ) -> None:
         self.device = device
-        self.rank = rank
-        self.world_size = world_size
+        self.replica = replica
+        self.replicas = replicas
         self.num_threads = num_threads
+        self.slots = list(slots or [0])
+        self.own_process = own_process
+        self.rendezvous = rendezvous
+        self.timeout_s = timeout_s
+        self._group: Any = None
+
+    def process_group(self) -> Any:
+        """A ``torch.distributed`` process group over the group's replicas (``None`` for one replica).
+
+        Every replica must call it (the first call is a rendezvous). In a replica that is its own
+        process the group is also the default (world) group, which FSDP2 and
+        ``torch.distributed.checkpoint`` use; replicas that are threads get a private gloo group,
+        and since thread replicas are set up one after another, they must first call it after
+        ``setup`` (e.g. at the first ``end_iteration``).
+        """
+        if self.replicas == 1:
+            return None
+        if self._group is None:
+            from rlinf_lightning.flow.collective import init_group
+
+            self._group = init_group(self)
+        return self._group
+
+    def close(self) -> None:
+        """Leave the process group, if one was made."""
+        if self._group is not None:
+            from rlinf_lightning.flow.collective import destroy_group
+
+            destroy_group(self, self._group)
+            self._group = None

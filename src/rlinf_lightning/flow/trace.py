@@ -1,8 +1,9 @@
 """Chrome trace-event JSON of a run's stage calls (open in https://ui.perfetto.dev).
 
-One row per worker, one complete ("X") event per stage call: each micro-batch a stage processes,
-its end-of-iteration work, weight syncs and context switches. Overlapping rows show the plan's
-pipelining; a collocated plan shows one row whose stages never overlap.
+One row per worker (a replica of a group), one complete ("X") event per stage call: each
+micro-batch a stage processes, its end-of-iteration work, weight syncs and context switches.
+Overlapping rows show the plan's pipelining, or its replicas working side by side; within one
+row of a collocated plan the stages never overlap.
 """
 
 from __future__ import annotations
@@ -19,20 +20,22 @@ from rlinf_lightning.flow.worker import Span
 def chrome_trace(spans: Iterable[Span], plan: ExecutionPlan) -> dict:
     spans = sorted(spans, key=lambda s: s.start)
     t0 = spans[0].start if spans else 0.0
-    pid = {w.name: i for i, w in enumerate(plan.workers)}
+    workers = [(g, r, g.worker_name(r)) for g, r in plan.workers]
+    pid = {name: i for i, (_, _, name) in enumerate(workers)}
     events: list[dict] = []
-    for w in plan.workers:
-        label = f"{w.name} (slots {','.join(map(str, w.slots))}: {', '.join(w.stages)})"
-        events.append({"ph": "M", "name": "process_name", "pid": pid[w.name], "args": {"name": label}})
+    for g, r, name in workers:
+        slots = ",".join(map(str, g.replica_slots(r)))
+        label = f"{name} (slot {slots}: {', '.join(g.stages)})"
+        events.append({"ph": "M", "name": "process_name", "pid": pid[name], "args": {"name": label}})
         events.append(
-            {"ph": "M", "name": "process_sort_index", "pid": pid[w.name], "args": {"sort_index": pid[w.name]}}
+            {"ph": "M", "name": "process_sort_index", "pid": pid[name], "args": {"sort_index": pid[name]}}
         )
     for s in spans:
         events.append(
             {
                 "ph": "X",
-                "name": s.stage if s.what == "process" else f"{s.stage}.{s.what}",
-                "cat": s.what,
+                "name": s.stage if s.kind == "process" else f"{s.stage}.{s.kind}",
+                "cat": s.kind,
                 "pid": pid.get(s.worker, len(pid)),
                 "tid": 0,
                 "ts": (s.start - t0) * 1e6,

@@ -1,28 +1,39 @@
-"""Worker: hosts stages on one slot and runs the plan's schedule for an iteration.
+"""Worker: one replica of a worker group; hosts the group's stages and runs one iteration.
 
-It pulls micro-batches from each hosted stage's input channel, calls the stage, pushes results to
-the output channel, forwards the end-of-iteration marker, hands sync state along sync edges, and
-records a span per stage call so the run can report seconds per stage and write a trace.
+A worker reads each hosted stage's inputs (its stream, a loop's messages), calls the stage, sends
+the result on (down the stream, round the loop, or back to the loop head that asked), marks the
+end of the iteration on its outputs once a stage has seen the end of all its inputs, hands sync
+state along sync edges, and records a span per stage call, so the run can report seconds per
+stage and write a trace. Every launcher runs the same worker; they differ only in where it lives
+(a thread, a process, a Ray actor) and in the queues it is given.
 """
 
 from __future__ import annotations
 
+import copy
+import os
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from rlinf_lightning.flow.channel import Channel, EndOfIteration
-from rlinf_lightning.flow.plan import WorkerGroupSpec
+from rlinf_lightning.flow.channel import Channel, ChannelTimeout, EndOfIteration, Message
+from rlinf_lightning.flow.plan import WorkerGroup
 from rlinf_lightning.flow.stage import Stage, StageContext
-from rlinf_lightning.flow.workflow import Workflow
+from rlinf_lightning.flow.wiring import Link, Port
+from rlinf_lightning.flow.workflow import SOURCE, Workflow
+
+IDLE_SLICE_S = 0.002  # how long an idle interleaved worker waits on one input before looking at the next
 
 
 @dataclass
 class Span:
+    """One timed call: ``kind`` is ``process`` (a micro-batch), ``end_iteration``, ``sync_state``
+    (gather and send state), ``apply_sync``, ``onload`` or ``offload``."""
+
     worker: str
     stage: str
-    what: str  # "process" | "end_iteration" | "onload" | "offload" | "sync"
+    kind: str
     start: float
     end: float
     samples: int = 0
@@ -39,40 +50,128 @@ class StageError(RuntimeError):
         return (StageError, (self.stage, self.worker, self.tb))
 
 
+@dataclass
+class _StageRun:
+    """One stage's progress through the current iteration."""
+
+    inputs: list[Port]
+    ends: dict[str, int] = field(default_factory=dict)
+    in_flight: int = 0
+    samples: int = 0
+    done: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 class Worker:
+    """Replica ``replica`` of ``group``.
+
+    Args:
+        group: the plan's group.
+        replica: this worker's index in the group.
+        workflow: the workflow; this worker hosts ``group.stages`` (copies, if ``copy_stages``).
+        links: the wired edges (``flow.wiring.wire``).
+        queues: the cross-worker queues this worker reads or writes, by name.
+        ctx: device and data-parallel context handed to the stages.
+        timeout_s: longest wait for any input before the iteration fails.
+        abort: the run's abort event (set when any worker fails).
+        copy_stages: use private copies of the stage objects (replicas that share one process).
+    """
+
     def __init__(
         self,
-        spec: WorkerGroupSpec,
+        group: WorkerGroup,
+        replica: int,
         workflow: Workflow,
-        channels: dict[str, Channel],
+        links: dict[str, Link],
+        queues: dict[str, Channel],
         ctx: StageContext,
+        timeout_s: float,
+        abort: Any,
+        copy_stages: bool = False,
     ) -> None:
-        self.spec = spec
-        self.workflow = workflow
-        self.channels = channels
-        self.ctx = ctx
-        self.stages: dict[str, Stage] = {n: workflow.stages[n] for n in spec.stages}
+        self.group, self.replica, self.name = group, replica, group.worker_name(replica)
+        self.workflow, self.ctx, self.timeout_s = workflow, ctx, timeout_s
+        stages = {n: workflow.stages[n] for n in group.stages}
+        self.stages: dict[str, Stage] = copy.deepcopy(stages) if copy_stages else stages
         self.spans: list[Span] = []
+        self.ports: dict[str, Port] = {}
+        for ch, link in links.items():
+            e = link.edge
+            if e.dst in self.stages or (e.src != SOURCE and e.src in self.stages):
+                local = Channel(ch, timeout_s, abort) if link.mode == "local" else None
+                self.ports[ch] = Port(link, queues, replica, local)
+        self.turns = self._turns()
 
+    # -- what runs when --------------------------------------------------------------------------
+    def _turns(self) -> list[list[str]]:
+        """Stages that run together: all of them (interleaved), or one at a time in data order
+        (sequential) with a loop's head and body on this worker as one turn."""
+        order = [n for n in self.workflow.order if n in self.stages]
+        if self.group.schedule == "interleaved":
+            return [order]
+        turns: list[list[str]] = []
+        for n in order:
+            lp = self.workflow.loop_of(n)
+            if lp is not None and n == lp.body and lp.head in self.stages:
+                continue  # runs in its head's turn
+            turns.append([n] + ([lp.body] if lp and n == lp.head and lp.body in self.stages else []))
+        return turns
+
+    def _inputs(self, name: str) -> list[Port]:
+        wf = self.workflow
+        edges = [wf.input_edge(name)] + [
+            e for e in wf.edges if e.dst == name and e.kind in ("loop", "return")
+        ]
+        return [self.ports[e.channel] for e in edges if e is not None]
+
+    def _output(self, name: str, kind: str = "stream") -> Port | None:
+        e = next((e for e in self.workflow.edges if e.src == name and e.kind == kind), None)
+        return self.ports[e.channel] if e is not None else None
+
+    # -- guarded, timed calls ----------------------------------------------------------------------
     def _guard(self, stage: str, fn, *args):
         try:
             return fn(*args)
         except StageError:
             raise
         except Exception:
-            raise StageError(stage, self.spec.name, traceback.format_exc()) from None
+            raise StageError(stage, self.name, traceback.format_exc()) from None
 
-    def _timed(self, stage: str, what: str, fn, *args, samples: int = 0):
+    def _timed(self, stage: str, kind: str, fn, *args, samples: int = 0):
         t0 = time.time()  # wall clock: comparable across processes (and, roughly, machines)
         out = self._guard(stage, fn, *args)
-        self.spans.append(Span(self.spec.name, stage, what, t0, time.time(), samples))
+        self.spans.append(Span(self.name, stage, kind, t0, time.time(), samples))
         return out
 
-    def setup(self) -> None:
+    def _switch(self, names: list[str], kind: str) -> None:
+        if self.group.context_switch:
+            for n in names:
+                self._timed(n, kind, getattr(self.stages[n], kind))
+
+    # -- commands (the same for every launcher) ----------------------------------------------------
+    def handle(self, cmd: str, args: tuple = ()) -> Any:
+        """Run one driver command: ``setup``, ``run_iteration``, ``call``, ``resync``, ``shutdown``."""
+        if cmd == "setup":
+            return self.setup()
+        if cmd == "run_iteration":
+            return self.run_iteration(*args)
+        if cmd == "call":
+            stage, method, a, kw = args
+            return self.call(stage, method, *a, **kw)
+        if cmd == "resync":
+            return self.resync()
+        if cmd == "shutdown":
+            return self.teardown()
+        raise ValueError(f"unknown worker command {cmd!r}")
+
+    def setup(self) -> dict[str, Any]:
+        import torch
+
         for name, st in self.stages.items():
             self._guard(name, st.setup, self.ctx)
-            if self.spec.context_switch:
-                self._guard(name, st.offload)
+        for name in self.stages:
+            self._switch([name], "offload")
+        return {"pid": os.getpid(), "torch_threads": torch.get_num_threads(), "device": self.ctx.device}
 
     def teardown(self) -> None:
         """Each stage's ``teardown``; errors are reported, not raised (the run is ending)."""
@@ -80,86 +179,133 @@ class Worker:
             try:
                 st.teardown()
             except Exception:
-                print(f"teardown of stage {name!r} failed:\n{traceback.format_exc()}", flush=True)
+                print(
+                    f"teardown of stage {name!r} on {self.name} failed:\n{traceback.format_exc()}", flush=True
+                )
+        self.ctx.close()
 
     def call(self, stage: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        st = self.stages[stage]
-        if self.spec.context_switch:
-            self._guard(stage, st.onload)
+        self._switch([stage], "onload")
         try:
-            return self._guard(stage, lambda: getattr(st, method)(*args, **kwargs))
+            return self._guard(stage, lambda: getattr(self.stages[stage], method)(*args, **kwargs))
         finally:
-            if self.spec.context_switch:
-                self._guard(stage, st.offload)
+            self._switch([stage], "offload")
 
-    # -- one iteration -------------------------------------------------------------------------
-    def run_iteration(self, iteration: int) -> dict[str, dict[str, float]]:
-        metrics: dict[str, dict[str, float]] = {}
+    # -- one iteration -------------------------------------------------------------------------------
+    def run_iteration(self, iteration: int) -> tuple[dict[str, tuple[dict[str, float], int]], list[Span]]:
+        """Returns ``({stage: (metrics, samples processed)}, spans)``."""
         for name, st in self.stages.items():
             self._guard(name, st.begin_iteration, iteration)
-        if self.spec.schedule == "sequential":
-            for name in self.spec.stages:
-                if self.spec.context_switch:
-                    self._timed(name, "onload", self.stages[name].onload)
-                while not self._step(
-                    name, self.channels[self.workflow.input_edge(name).channel].get(), metrics
-                ):
-                    pass
-                if self.spec.context_switch:
-                    self._timed(name, "offload", self.stages[name].offload)
-        else:
-            self._run_interleaved(metrics)
+        self._runs = {n: _StageRun(self._inputs(n)) for n in self.stages}
+        for turn in self.turns:
+            self._switch(turn, "onload")
+            self._run_turn(turn)
+            self._switch(turn, "offload")
         self._receive_sync()
-        return metrics
+        results = {n: (r.metrics, r.samples) for n, r in self._runs.items()}
+        spans, self.spans = self.spans, []
+        return results, spans
 
-    def _run_interleaved(self, metrics: dict[str, dict[str, float]]) -> None:
-        pending = list(self.spec.stages)
-        idle_since = time.monotonic()
+    def _run_turn(self, turn: list[str]) -> None:
+        pending = [n for n in reversed(turn)]  # downstream first: finish work before taking more
+        idle_since, rotate = time.monotonic(), 0
         while pending:
-            progressed = False
-            for name in list(pending):
-                got, item = self.channels[self.workflow.input_edge(name).channel].poll()
-                if got:
-                    progressed = True
-                    if self._step(name, item, metrics):
-                        pending.remove(name)
-            if progressed:
-                idle_since = time.monotonic()
+            ports = [(n, p) for n in pending for p in self._runs[n].inputs]
+            if len(ports) == 1:  # one input: block on it (with the channel's timeout)
+                name, port = ports[0]
+                self._handle(name, port, port.inbox.get())
             else:
-                # nothing waiting anywhere: block on the first pending stage's channel (with its timeout)
-                name = pending[0]
-                ch = self.channels[self.workflow.input_edge(name).channel]
-                item = ch.get(timeout=max(0.0, ch.timeout_s - (time.monotonic() - idle_since)))
-                idle_since = time.monotonic()
-                if self._step(name, item, metrics):
-                    pending.remove(name)
+                for name, port in ports:
+                    got, item = port.inbox.poll()
+                    if got:
+                        self._handle(name, port, item)
+                        idle_since = time.monotonic()
+                        break
+                else:
+                    name, port = ports[rotate % len(ports)]
+                    rotate += 1
+                    got, item = port.inbox.poll(IDLE_SLICE_S)
+                    if got:
+                        self._handle(name, port, item)
+                        idle_since = time.monotonic()
+                    elif time.monotonic() - idle_since > self.timeout_s:
+                        waiting = ", ".join(sorted({p.link.edge.channel for _, p in ports}))
+                        raise ChannelTimeout(
+                            f"channels {waiting}: nothing arrived within {self.timeout_s:.0f} s"
+                        )
+            pending = [n for n in pending if not self._runs[n].done]
 
-    def _step(self, name: str, item: Any, metrics: dict[str, dict[str, float]]) -> bool:
-        """Handle one channel item for stage ``name``; True when the iteration ended for it."""
-        st = self.stages[name]
-        out_edge = self.workflow.output_edge(name)
-        out = self.channels[out_edge.channel] if out_edge else None
+    def _handle(self, name: str, port: Port, item: Any) -> None:
+        run = self._runs[name]
+        edge = port.link.edge
         if isinstance(item, EndOfIteration):
-            metrics[name] = self._timed(name, "end_iteration", st.end_iteration) or {}
-            if out is not None:
-                out.put(item)
-            for e in self.workflow.sync_edges():
-                if e.src == name:
-                    state = self._timed(name, "sync", st.sync_state)
-                    self.channels[e.channel].put(state)
-            return True
-        n = int(item.batch_size[0]) if item.batch_dims else 0
-        result = self._timed(name, "process", st.process, item, samples=n)
-        if result is not None and out is not None:
-            out.put(result)
-        return False
+            run.ends[edge.channel] = run.ends.get(edge.channel, 0) + 1
+            self._maybe_finish(name)
+            return
+        msg: Message = item
+        batch = msg.payload
+        n = int(batch.batch_size[0]) if getattr(batch, "batch_dims", 0) else 0
+        out = self._timed(name, "process", self.stages[name].process, batch, samples=n)
+        run.samples += n
+        lp = self.workflow.loop_of(name)
+        if lp is not None and lp.head == name:
+            turn = 1 if edge.kind == "stream" else msg.turn + 1
+            run.in_flight += 1 if edge.kind == "stream" else 0
+            if turn <= lp.turns:
+                self._output(name, "loop").put(Message(out, msg.key, turn, self.replica))
+                return
+            run.in_flight -= 1
+            self._emit(name, out, msg.key)
+            self._maybe_finish(name)
+        elif lp is not None:  # the body answers the head replica that asked
+            if out is None:
+                raise StageError(
+                    name, self.name, f"loop body {name!r} returned None; it must answer the head"
+                )
+            self._output(name, "return").put(Message(out, msg.key, msg.turn, msg.origin))
+        else:
+            self._emit(name, out, msg.key)
+
+    def _emit(self, name: str, out: Any, key: int) -> None:
+        port = self._output(name)
+        if out is not None and port is not None:
+            port.put(Message(out, key))
+
+    def _maybe_finish(self, name: str) -> None:
+        run = self._runs[name]
+        counted = [p for p in run.inputs if p.link.edge.kind != "return"]
+        if run.in_flight or any(run.ends.get(p.link.edge.channel, 0) < p.link.ends_expected for p in counted):
+            return
+        st = self.stages[name]
+        run.metrics = self._timed(name, "end_iteration", st.end_iteration) or {}
+        for kind in ("stream", "loop"):
+            port = self._output(name, kind)
+            if port is not None:
+                port.end()
+        self._send_sync(name)
+        run.done = True
+
+    # -- sync edges ------------------------------------------------------------------------------------
+    def _send_sync(self, name: str) -> None:
+        for e in self.workflow.edges_of("sync"):
+            if e.src == name:
+                state = self._timed(name, "sync_state", self.stages[name].sync_state)
+                port = self.ports[e.channel]
+                for target in port.link.sync_targets(self.replica):
+                    port.put(Message(state), target=target)
 
     def _receive_sync(self) -> None:
-        for e in self.workflow.sync_edges():
+        for e in self.workflow.edges_of("sync"):
             if e.dst in self.stages:
-                state = self.channels[e.channel].get()
-                if self.spec.context_switch:
-                    self._timed(e.dst, "onload", self.stages[e.dst].onload)
-                self._timed(e.dst, "sync", self.stages[e.dst].apply_sync, e.src, state)
-                if self.spec.context_switch:
-                    self._timed(e.dst, "offload", self.stages[e.dst].offload)
+                state = self.ports[e.channel].inbox.get().payload
+                self._switch([e.dst], "onload")
+                self._timed(e.dst, "apply_sync", self.stages[e.dst].apply_sync, e.src, state)
+                self._switch([e.dst], "offload")
+
+    def resync(self) -> None:
+        """Every sync edge once, outside an iteration (after restoring a checkpoint)."""
+        for name in self.stages:
+            self._switch([name], "onload")
+            self._send_sync(name)
+            self._switch([name], "offload")
+        self._receive_sync()

@@ -1,8 +1,8 @@
 """Launchers start a plan's workers; looked up by name in :data:`LAUNCHERS`."""
 
-from rlinf_lightning.launchers.base import Launcher, Runtime
+from rlinf_lightning.launchers.base import Launcher, Runtime, WorkerDied
 from rlinf_lightning.launchers.inprocess import InProcessLauncher
-from rlinf_lightning.launchers.processes import ProcessLauncher, WorkerDied
+from rlinf_lightning.launchers.processes import ProcessLauncher
 from rlinf_lightning.launchers.ray import RayLauncher
 from rlinf_lightning.registry import Registry
 

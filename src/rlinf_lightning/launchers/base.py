@@ -1,36 +1,166 @@
-"""Launcher and Runtime: who starts the workers of a plan, and the handle to drive them."""
+"""Launcher and Runtime: who starts the workers of a plan, and the handle that drives them.
+
+:class:`Runtime` holds everything the launchers share: wiring the plan, feeding an iteration's
+micro-batches, merging the replicas' metrics, choosing which of several errors to raise, calling a
+stage's methods on one or all of its replicas. A launcher's runtime adds only its transport: how a
+command reaches a worker (``_submit``), how the answers come back (``_collect``), and how a waiting
+worker is told to give up (``_abort``).
+"""
 
 from __future__ import annotations
 
+import signal
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Literal
 
 from tensordict import TensorDict
 
+from rlinf_lightning.flow.channel import ChannelAborted, Message
 from rlinf_lightning.flow.plan import ExecutionPlan
-from rlinf_lightning.flow.worker import Span
+from rlinf_lightning.flow.wiring import Port, wire
+from rlinf_lightning.flow.worker import Span, StageError
 from rlinf_lightning.flow.workflow import Workflow
+
+ABORT_GRACE_S = 5.0  # after a failure, how long the other workers get to come back before the run ends
+
+
+class WorkerDied(RuntimeError):
+    """A worker process exited without replying (killed, crashed in native code, out of memory)."""
+
+    def __init__(self, worker: str, stages: list[str], exitcode: int | None, reason: str = "") -> None:
+        self.worker, self.stages, self.exitcode, self.reason = worker, stages, exitcode, reason
+        how = reason or f"exit code {exitcode}"
+        if exitcode is not None and exitcode < 0:
+            how = f"killed by {signal.Signals(-exitcode).name} (exit code {exitcode})"
+        super().__init__(f"worker {worker!r} hosting stage(s) {', '.join(stages)} died: {how}")
+
+    def __reduce__(self):
+        return (WorkerDied, (self.worker, self.stages, self.exitcode, self.reason))
+
+
+def first_cause(errors: list[BaseException]) -> BaseException:
+    """The error that started a failure: a stage's own error or a death, not the aborted waits."""
+    for kind in (StageError, WorkerDied):
+        for e in errors:
+            if isinstance(e, kind):
+                return e
+    return next((e for e in errors if not isinstance(e, ChannelAborted)), errors[0])
+
+
+def merge_metrics(results: list[dict[str, tuple[dict[str, float], int]]]) -> dict[str, dict[str, float]]:
+    """Per stage, the replicas' metrics averaged with weights = samples each replica processed."""
+    sums: dict[str, dict[str, list[float]]] = {}
+    for per_stage in results:
+        for stage, (metrics, samples) in per_stage.items():
+            for k, v in metrics.items():
+                acc = sums.setdefault(stage, {}).setdefault(k, [0.0, 0.0, 0.0, 0.0])
+                acc[0] += v * samples
+                acc[1] += samples
+                acc[2] += v
+                acc[3] += 1
+    return {
+        stage: {k: (a[0] / a[1] if a[1] else a[2] / a[3]) for k, a in m.items()} for stage, m in sums.items()
+    }
 
 
 class Runtime(ABC):
     """A launched plan: feed it an iteration's micro-batches, call stage methods, shut it down."""
 
+    def __init__(self, workflow: Workflow, plan: ExecutionPlan, timeout_s: float) -> None:
+        self.workflow, self.plan, self.timeout_s = workflow, plan, timeout_s
+        self.links = wire(workflow, plan)
+        self.workers = [g.worker_name(r) for g, r in plan.workers]
+        self.stages_of = {g.worker_name(r): g.stages for g, r in plan.workers}
+        self.info: dict[str, dict[str, Any]] = {}  # per worker: pid, torch threads, device
+        self._spans: list[Span] = []
+        self._closed = False
+
+    # -- transport (each launcher) -----------------------------------------------------------------
     @abstractmethod
+    def _submit(self, workers: list[str], cmd: str, *args: Any) -> Any:
+        """Send ``cmd`` to ``workers``; returns a handle for :meth:`_collect`."""
+
+    @abstractmethod
+    def _collect(self, handle: Any, deadline_s: float | None = None) -> dict[str, Any]:
+        """Each worker's answer; raises :func:`first_cause` of the failures (after
+        :meth:`_abort` and up to ``ABORT_GRACE_S`` for the others to come back)."""
+
+    @abstractmethod
+    def _abort(self) -> None:
+        """Release every worker waiting on a channel (they raise ``ChannelAborted``)."""
+
+    @abstractmethod
+    def _source(self) -> Port:
+        """The driver's end of the channel into the first stage."""
+
+    def _close(self) -> None:
+        """Stop the workers (after their teardown was asked for)."""
+
+    # -- shared ---------------------------------------------------------------------------------------
+    def _command(self, workers: list[str], cmd: str, *args: Any, deadline_s: float | None = None) -> dict:
+        return self._collect(self._submit(workers, cmd, *args), deadline_s)
+
+    def _setup(self) -> None:
+        """Set up every worker at once (replicas of a group meet in their process group)."""
+        try:
+            self.info = self._command(self.workers, "setup", deadline_s=max(self.timeout_s, 120.0))
+        except BaseException:
+            self.shutdown()
+            raise
+
     def run_iteration(self, iteration: int, batches: list[TensorDict]) -> dict[str, dict[str, float]]:
-        """Stream ``batches`` through the workflow; returns per-stage metrics once every stage ended."""
+        """Stream ``batches`` through the workflow; per-stage metrics once every worker ended."""
+        handle = self._submit(self.workers, "run_iteration", iteration)
+        source = self._source()
+        for i, b in enumerate(batches):
+            source.put(Message(b, key=i))
+        source.end()
+        results = self._collect(handle)
+        for _, spans in results.values():
+            self._spans.extend(spans)
+        return merge_metrics([m for m, _ in results.values()])
 
-    @abstractmethod
-    def call(self, stage: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call ``method`` on ``stage`` where it lives (evaluation, checkpoint state)."""
+    def replicas_of(self, stage: str) -> list[str]:
+        g = self.plan.group_of(stage)
+        return [g.worker_name(r) for r in range(g.replicas)]
 
-    @abstractmethod
+    def call(
+        self, stage: str, method: str, *args: Any, replicas: Literal["first", "all"] = "first", **kwargs: Any
+    ) -> Any:
+        """Call ``method`` on ``stage`` where it lives: on its first replica, or on all of them at
+        once (methods that are collectives, e.g. gathering or saving a sharded state); with
+        ``"all"`` the answers come back as a list in replica order."""
+        workers = self.replicas_of(stage)[: 1 if replicas == "first" else None]
+        out = self._command(workers, "call", stage, method, args, kwargs)
+        answers = [out[w] for w in workers]
+        return answers[0] if replicas == "first" else answers
+
+    def resync(self) -> None:
+        """Run every sync edge once (after a checkpoint was loaded into the sending stages)."""
+        self._command(self.workers, "resync")
+
     def pop_spans(self) -> list[Span]:
-        """Spans recorded since the last call, from every worker."""
+        """Spans of the iterations run since the last call, from every worker."""
+        spans, self._spans = self._spans, []
+        return spans
 
     def shutdown(self) -> None:
-        """Stop the workers; safe to call twice."""
+        """Tear the stages down and stop the workers; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._abort()  # a worker still inside an iteration stops at its next channel wait
+        try:
+            self._collect(self._submit(self.workers, "shutdown"), deadline_s=10.0)
+        except BaseException:
+            pass  # dead or stuck workers are stopped by _close
+        self._close()
 
 
 class Launcher(ABC):
+    """Starts a plan's workers. ``separate_processes``: each worker is its own process."""
+
+    separate_processes: bool = True
+
     @abstractmethod
     def launch(self, workflow: Workflow, plan: ExecutionPlan, *, timeout_s: float) -> Runtime: ...

@@ -1,90 +1,127 @@
 """In-process launcher: every worker is a thread of this process, channels pass objects.
 
 The embedded default for one machine and for tests. A plan with one worker runs in the calling
-thread; with several, each worker runs its part of an iteration in its own thread.
+thread; with several, each command runs on every worker in its own thread, except ``setup``, which
+runs one worker after another in the calling thread (loading a ``transformers`` model is not
+thread-safe), so stages on thread replicas make their process group on first use, not in
+``setup``. Replicas share the process's torch thread pool (set to the largest per-replica thread
+count) and each has its own copy of its stages; a data-parallel group's replicas meet in private
+gloo groups (enough for ``ddp``; ``fsdp`` needs one process per replica).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
-from tensordict import TensorDict
 
-from rlinf_lightning.flow.channel import Channel, EndOfIteration
+from rlinf_lightning.flow.channel import Channel
+from rlinf_lightning.flow.collective import Rendezvous
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.stage import StageContext
-from rlinf_lightning.flow.worker import Span, Worker
-from rlinf_lightning.flow.workflow import SOURCE, Workflow
-from rlinf_lightning.launchers.base import Launcher, Runtime
+from rlinf_lightning.flow.wiring import Port
+from rlinf_lightning.flow.worker import Worker
+from rlinf_lightning.flow.workflow import Workflow
+from rlinf_lightning.launchers.base import ABORT_GRACE_S, Launcher, Runtime, first_cause
+
+
+class _Call:
+    """One command on one worker, run in a thread (or inline, see ``InProcessRuntime``)."""
+
+    def __init__(self, worker: Worker, cmd: str, args: tuple) -> None:
+        self.worker, self.cmd, self.args = worker, cmd, args
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.worker.handle(self.cmd, self.args)
+        except BaseException as exc:
+            self.error = exc
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.run, name=f"rlinf-{self.worker.name}", daemon=True)
+        self.thread.start()
+
+    @property
+    def finished(self) -> bool:
+        return self.thread is not None and not self.thread.is_alive()
 
 
 class InProcessRuntime(Runtime):
     def __init__(self, workflow: Workflow, plan: ExecutionPlan, timeout_s: float) -> None:
-        self.workflow = workflow
-        threads = max(w.num_threads for w in plan.workers)
+        import torch.distributed as dist
+
+        super().__init__(workflow, plan, timeout_s)
+        threads = max(g.num_threads for g in plan.groups)
         if threads:  # one process: torch's intra-op pool is shared by every worker thread
             torch.set_num_threads(threads)
         self.abort = threading.Event()
-        self.channels = {e.channel: Channel(e.channel, timeout_s, self.abort) for e in workflow.edges}
-        self.source = self.channels[next(e.channel for e in workflow.edges if e.src == SOURCE)]
-        self.workers = [
-            Worker(
-                spec,
-                workflow,
-                self.channels,
-                StageContext(spec.device(), i, len(plan.workers), spec.num_threads),
+        self.queues = {
+            n: Channel(n, timeout_s, self.abort) for link in self.links.values() for n in link.queue_names
+        }
+        meet = {g.name: Rendezvous(g.name, store=dist.HashStore()) for g in plan.groups if g.replicas > 1}
+        self.objects: dict[str, Worker] = {}
+        for g, r in plan.workers:
+            slots = g.replica_slots(r)
+            ctx = StageContext(
+                plan.device_of(slots), r, g.replicas, g.num_threads, slots,
+                own_process=False, rendezvous=meet.get(g.name), timeout_s=timeout_s,
+            )  # fmt: skip
+            self.objects[g.worker_name(r)] = Worker(
+                g, r, workflow, self.links, self.queues, ctx, timeout_s, self.abort, copy_stages=True
             )
-            for i, spec in enumerate(plan.workers)
-        ]
-        self._stage_worker = {s: w for w in self.workers for s in w.stages}
-        for w in self.workers:
-            w.setup()
+        self._source_port = Port(self.links[workflow.source_edge.channel], self.queues, 0, None)
+        self._setup()
 
-    def run_iteration(self, iteration: int, batches: list[TensorDict]) -> dict[str, dict[str, float]]:
-        for b in batches:
-            self.source.put(b)
-        self.source.put(EndOfIteration(iteration))
-        if len(self.workers) == 1:
-            return self.workers[0].run_iteration(iteration)
-        results: dict[str, dict[str, float]] = {}
-        errors: list[BaseException] = []
+    def _submit(self, workers: list[str], cmd: str, *args: Any) -> list[_Call]:
+        calls = [_Call(self.objects[w], cmd, args) for w in workers]
+        if len(calls) > 1 and cmd != "setup":
+            for c in calls:
+                c.start()
+        return calls
 
-        def run(w: Worker) -> None:
-            try:
-                results.update(w.run_iteration(iteration))
-            except BaseException as exc:
-                errors.append(exc)
-                self.abort.set()
-
-        threads = [threading.Thread(target=run, args=(w,), name=w.spec.name) for w in self.workers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    def _collect(self, calls: list[_Call], deadline_s: float | None = None) -> dict[str, Any]:
+        if all(c.thread is None for c in calls):  # here, in this thread, one worker after another
+            for c in calls:
+                c.run()
+                if c.error is not None:
+                    break
+        else:
+            deadline = time.monotonic() + (deadline_s or self.timeout_s + 30.0)
+            grace_end = None
+            while not all(c.finished for c in calls):
+                if grace_end is None and any(c.error is not None for c in calls if c.finished):
+                    self._abort()
+                    grace_end = time.monotonic() + ABORT_GRACE_S
+                now = time.monotonic()
+                if (grace_end is not None and now > grace_end) or now > deadline:
+                    break
+                next(c for c in calls if not c.finished).thread.join(timeout=0.01)
+            if not all(c.finished for c in calls) and not any(c.error for c in calls if c.finished):
+                self._abort()
+                stuck = [c.worker.name for c in calls if not c.finished]
+                raise TimeoutError(f"workers {stuck} did not answer within {deadline_s or self.timeout_s} s")
+        errors = [c.error for c in calls if c.error is not None]
         if errors:
-            # the first failure is the cause; the others are waits it aborted
-            raise next((e for e in errors if type(e).__name__ == "StageError"), errors[0])
-        return results
+            self._abort()
+            raise first_cause(errors)
+        return {c.worker.name: c.result for c in calls}
 
-    def shutdown(self) -> None:
-        for w in self.workers:
-            w.teardown()
-        self.workers = []
+    def _abort(self) -> None:
+        self.abort.set()
 
-    def call(self, stage: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self._stage_worker[stage].call(stage, method, *args, **kwargs)
-
-    def pop_spans(self) -> list[Span]:
-        spans = [s for w in self.workers for s in w.spans]
-        for w in self.workers:
-            w.spans.clear()
-        return spans
+    def _source(self) -> Port:
+        return self._source_port
 
 
 class InProcessLauncher(Launcher):
     """Workers as threads of the driver process; objects pass by reference."""
+
+    separate_processes = False
 
     def launch(self, workflow: Workflow, plan: ExecutionPlan, *, timeout_s: float) -> Runtime:
         return InProcessRuntime(workflow, plan, timeout_s)

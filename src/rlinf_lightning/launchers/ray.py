@@ -1,10 +1,15 @@
-"""Ray launcher: one Ray actor per worker of the plan, on this machine or a Ray cluster.
+"""Ray launcher: one Ray actor per worker (replica) of the plan, on this machine or a Ray cluster.
 
 ``ray.init()`` starts a local Ray unless one is running; ``address="auto"`` (or ``ray://...``)
-joins an existing cluster. Channels between workers carry ``ObjectRef``\\ s through a Ray queue,
-so payloads travel through Ray's object store (zero-copy for tensors on the same node).
-A stage that raises comes back as a :class:`StageError` with the worker's traceback; an actor
-that dies ends the run with :class:`WorkerDied`, and the remaining actors are killed.
+joins an existing cluster. The plan's slots become placement-group bundles: plan node ``i`` is the
+``i``-th alive Ray node (the driver's node first), and its replicas' bundles form one placement
+group pinned to that node (``STRICT_PACK``, label ``ray.io/node-id``), one bundle per replica of
+``slots_per_replica`` CPUs or GPUs; each worker actor is scheduled into its bundle. Channels
+between workers carry ``ObjectRef``\\ s through Ray queues, so payloads travel through Ray's object
+store (zero-copy for tensors on the same node). A data-parallel group's replicas meet at a TCP
+store on its first replica's node. A stage that raises comes back as a :class:`StageError` with
+the worker's traceback; an actor that dies ends the run with :class:`WorkerDied`; a failure
+releases every other worker's channel waits through the actors' ``control`` thread.
 """
 
 from __future__ import annotations
@@ -15,15 +20,17 @@ import threading
 import time
 from typing import Any
 
-from tensordict import TensorDict
-
-from rlinf_lightning.flow.channel import Channel, EndOfIteration
-from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroupSpec
+from rlinf_lightning.flow.channel import Channel
+from rlinf_lightning.flow.collective import Rendezvous, free_port, node_address
+from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.stage import StageContext
-from rlinf_lightning.flow.worker import Span, StageError
+from rlinf_lightning.flow.wiring import Port, worker_queues
+from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.flow.workflow import Workflow
-from rlinf_lightning.launchers.base import Launcher, Runtime
-from rlinf_lightning.launchers.processes import WorkerDied, build_worker, placement, remote_channels
+from rlinf_lightning.launchers.base import ABORT_GRACE_S, Launcher, Runtime, WorkerDied, first_cause
+from rlinf_lightning.launchers.processes import build_worker
+
+PLACEMENT_TIMEOUT_S = 60.0
 
 
 class RayChannel(Channel):
@@ -36,7 +43,7 @@ class RayChannel(Channel):
 
         super().__init__(name, timeout_s, q=Queue(actor_options={"num_cpus": 0}))
 
-    def __getstate__(self) -> dict:  # the abort event is per process; Ray kills actors on failure
+    def __getstate__(self) -> dict:  # the abort event belongs to each process (see _RayWorker.abort)
         return {k: v for k, v in self.__dict__.items() if k != "abort"}
 
     def __setstate__(self, state: dict) -> None:
@@ -52,47 +59,47 @@ class RayChannel(Channel):
 
         return ray.get(super().get(timeout)[0])
 
-    def poll(self) -> tuple[bool, Any]:
+    def poll(self, timeout: float = 0.0) -> tuple[bool, Any]:
         import ray
 
-        got, item = super().poll()
+        got, item = super().poll(timeout)
         return (True, ray.get(item[0])) if got else (False, None)
 
 
 class _RayWorker:
-    """Body of the Ray actor hosting one worker's stages."""
+    """Body of the Ray actor hosting one worker (its commands run on one thread, ``abort`` on another)."""
 
-    def __init__(
-        self,
-        spec: WorkerGroupSpec,
-        workflow: Workflow,
-        remote: dict,
-        index: int,
-        world: int,
-        timeout_s: float,
-    ) -> None:
-        import torch
+    def __init__(self, build: dict[str, Any]) -> None:
+        self.build = build
+        self.abort_event = threading.Event()
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray sets CUDA_VISIBLE_DEVICES per actor
-        ctx = StageContext(device, index, world, spec.num_threads)
-        self.worker = build_worker(spec, workflow, remote, ctx, timeout_s)
-        self.worker.setup()
+    def address(self) -> tuple[str, int]:
+        """Where this actor's node can host a TCP store (for its group's rendezvous)."""
+        host = node_address()
+        return host, free_port(host)
 
-    def pid(self) -> int:
-        return os.getpid()
+    def start(self, rendezvous: Rendezvous | None) -> None:
+        build = self.build
+        build["ctx"].rendezvous = rendezvous
+        for ch in build["queues"].values():
+            ch.abort = self.abort_event
+        build["abort"] = self.abort_event
+        self.worker = build_worker(build)
 
-    def run_iteration(self, iteration: int) -> dict[str, dict[str, float]]:
-        return self.worker.run_iteration(iteration)
+    def handle(self, cmd: str, args: tuple) -> Any:
+        try:
+            return self.worker.handle(cmd, args)
+        except BaseException:
+            self.abort_event.set()
+            raise
 
-    def call(self, stage: str, method: str, args: tuple, kwargs: dict) -> Any:
-        return self.worker.call(stage, method, *args, **kwargs)
+    def abort(self) -> None:
+        self.abort_event.set()
 
-    def pop_spans(self) -> list[Span]:
-        spans, self.worker.spans = self.worker.spans, []
-        return spans
+    def node_id(self) -> str:
+        import ray
 
-    def teardown(self) -> None:
-        self.worker.teardown()
+        return ray.get_runtime_context().get_node_id()
 
 
 class RayRuntime(Runtime):
@@ -100,6 +107,7 @@ class RayRuntime(Runtime):
         self, workflow: Workflow, plan: ExecutionPlan, timeout_s: float, address: str | None
     ) -> None:
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
             path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
@@ -109,96 +117,165 @@ class RayRuntime(Runtime):
                 log_to_driver=True,
                 runtime_env={"env_vars": {"PYTHONPATH": path}} if address is None else None,
             )
-        self.timeout_s = timeout_s
-        self.specs = {w.name: w for w in plan.workers}
-        where = placement(workflow, plan)
-        self._stage_worker = where
-        self.channels = {
-            e.channel: RayChannel(e.channel, timeout_s)
-            for e in workflow.edges
-            if where[e.src] != where[e.dst]
-        }
-        self.source = self.channels[workflow.input_edge(workflow.order[0]).channel]
-        gpu = ray.cluster_resources().get("GPU", 0) > 0
-        actor_cls = ray.remote(_RayWorker)
+        super().__init__(workflow, plan, timeout_s)
+        self.queues = {n: RayChannel(n, timeout_s) for link in self.links.values() for n in link.queue_names}
         self.actors: dict[str, Any] = {}
-        for i, spec in enumerate(plan.workers):
-            remote = remote_channels(workflow, where, self.channels, spec.name)
-            opts = (
-                {"num_gpus": len(spec.slots)}
-                if gpu
-                else {"num_cpus": min(len(spec.slots), os.cpu_count() or 1)}
-            )
-            self.actors[spec.name] = actor_cls.options(name=None, max_restarts=0, **opts).remote(
-                spec, workflow, remote, i, len(plan.workers), timeout_s
-            )
-        self._closed = False
+        self.placement_groups: list[Any] = []
         try:
-            self._wait({n: a.pid.remote() for n, a in self.actors.items()}, max(timeout_s, 120.0))
+            bundles = self._place()
+            actor_cls = ray.remote(concurrency_groups={"control": 1})(_RayWorker)
+            gpu = plan.accelerator != "cpu"
+            for g, r in plan.workers:
+                name, slots = g.worker_name(r), g.replica_slots(r)
+                pg, index = bundles[name]
+                build = {
+                    "group": g,
+                    "workflow": workflow,
+                    "links": self.links,
+                    "queues": {n: self.queues[n] for n in worker_queues(self.links, plan, g.name)},
+                    "ctx": StageContext(
+                        plan.device_of(slots, remapped=True),
+                        r,
+                        g.replicas,
+                        g.num_threads,
+                        slots,
+                        own_process=True,
+                        timeout_s=timeout_s,
+                    ),  # fmt: skip
+                    "timeout_s": timeout_s,
+                    "abort": None,
+                }
+                k = g.slots_per_replica
+                self.actors[name] = actor_cls.options(
+                    name=None,
+                    max_restarts=0,
+                    num_cpus=k,
+                    num_gpus=k if gpu else 0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        pg, placement_group_bundle_index=index
+                    ),
+                ).remote(build)
+            meet: dict[str, Rendezvous] = {}
+            for g in plan.groups:
+                if g.replicas > 1:
+                    host, port = ray.get(self.actors[g.worker_name(0)].address.remote(), timeout=timeout_s)
+                    meet[g.name] = Rendezvous(g.name, host, port)
+            starts = {g.worker_name(r): self.actors[g.worker_name(r)].start.remote(meet.get(g.name))
+                      for g, r in plan.workers}  # fmt: skip
+            self._wait(starts, max(timeout_s, 120.0))
         except BaseException:
-            self.shutdown()
+            self._close()
             raise
+        self._source_port = Port(self.links[workflow.source_edge.channel], self.queues, 0, None)
+        self._setup()
+
+    def _place(self) -> dict[str, tuple[Any, int]]:
+        """One placement group per plan node, pinned to a distinct Ray node: worker -> (group, bundle)."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        here = ray.get_runtime_context().get_node_id()
+        nodes = sorted((n["NodeID"] for n in ray.nodes() if n["Alive"]), key=lambda n: n != here)
+        per_node: dict[int, list[tuple[str, int]]] = {}
+        for g, r in self.plan.workers:
+            node = self.plan.node_of(g.replica_slots(r)[0])
+            per_node.setdefault(node, []).append((g.worker_name(r), g.slots_per_replica))
+        if max(per_node) >= len(nodes):
+            raise RuntimeError(
+                f"the plan uses {max(per_node) + 1} nodes but the Ray cluster has {len(nodes)} alive; "
+                "lower trainer.num_nodes or add nodes"
+            )
+        kind = "CPU" if self.plan.accelerator == "cpu" else "GPU"
+        out: dict[str, tuple[Any, int]] = {}
+        for node, workers in sorted(per_node.items()):
+            specs = [{"CPU": k, **({"GPU": k} if kind == "GPU" else {})} for _, k in workers]
+            pg = placement_group(
+                specs,
+                strategy="STRICT_PACK",
+                bundle_label_selector=[{"ray.io/node-id": nodes[node]}] * len(specs),
+            )
+            self.placement_groups.append(pg)
+            try:
+                ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            except Exception as exc:
+                need = sum(k for _, k in workers)
+                raise RuntimeError(
+                    f"Ray could not reserve {need} {kind} slot(s) on node {node} ({nodes[node][:8]}) for "
+                    f"workers {[w for w, _ in workers]} within {PLACEMENT_TIMEOUT_S:.0f} s: "
+                    f"{type(exc).__name__}; lower trainer.devices or give the node more {kind}s"
+                ) from None
+            for i, (w, _) in enumerate(workers):
+                out[w] = (pg, i)
+        return out
 
     def _wait(self, futures: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
-        """Results per worker; the first failure (stage error or dead actor) ends the wait."""
+        """Results per worker; after a failure the others are released and get ``ABORT_GRACE_S``."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
         by_ref = {ref: name for name, ref in futures.items()}
         out: dict[str, Any] = {}
+        errors: list[BaseException] = []
         deadline = time.monotonic() + (timeout_s or self.timeout_s + 30.0)
         while by_ref:
             ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
+                if errors:
+                    break
+                self._abort()
                 raise TimeoutError(f"workers {sorted(by_ref.values())} did not answer within {timeout_s} s")
             name = by_ref.pop(ready[0])
             try:
                 out[name] = ray.get(ready[0])
+                continue
             except RayActorError as exc:
-                raise WorkerDied(
-                    name, self.specs[name].stages, None, reason=f"Ray actor died ({exc})"
-                ) from None
+                errors.append(WorkerDied(name, self.stages_of[name], None, reason=f"Ray actor died ({exc})"))
             except RayTaskError as exc:
                 cause = exc.as_instanceof_cause()
-                if isinstance(cause, StageError):
-                    raise StageError(cause.stage, cause.worker, cause.tb) from None
-                raise StageError("<worker>", name, str(exc)) from None
+                errors.append(
+                    cause if isinstance(cause, BaseException) else StageError("<worker>", name, str(exc))
+                )
+            if len(errors) == 1:
+                self._abort()
+                deadline = min(deadline, time.monotonic() + ABORT_GRACE_S)
+        if errors:
+            raise _plain(first_cause(errors))
         return out
 
-    def run_iteration(self, iteration: int, batches: list[TensorDict]) -> dict[str, dict[str, float]]:
-        futures = {n: a.run_iteration.remote(iteration) for n, a in self.actors.items()}
-        for b in batches:
-            self.source.put(b)
-        self.source.put(EndOfIteration(iteration))
-        metrics: dict[str, dict[str, float]] = {}
-        for m in self._wait(futures).values():
-            metrics.update(m)
-        return metrics
+    def _submit(self, workers: list[str], cmd: str, *args: Any) -> dict[str, Any]:
+        return {w: self.actors[w].handle.remote(cmd, args) for w in workers}
 
-    def call(self, stage: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        name = self._stage_worker[stage]
-        return self._wait({name: self.actors[name].call.remote(stage, method, args, kwargs)})[name]
+    def _collect(self, futures: dict[str, Any], deadline_s: float | None = None) -> dict[str, Any]:
+        return self._wait(futures, deadline_s)
 
-    def pop_spans(self) -> list[Span]:
-        got = self._wait({n: a.pop_spans.remote() for n, a in self.actors.items()})
-        return [s for spans in got.values() for s in spans]
+    def _abort(self) -> None:
+        for a in self.actors.values():
+            a.abort.options(concurrency_group="control").remote()
 
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _source(self) -> Port:
+        return self._source_port
+
+    def _close(self) -> None:
         import ray
+        from ray.util.placement_group import remove_placement_group
 
-        done = [a.teardown.remote() for a in self.actors.values()]
-        ray.wait(done, num_returns=len(done), timeout=10.0)  # best effort: dead actors cannot answer
         for a in self.actors.values():
             ray.kill(a)
-        for ch in self.channels.values():
+        for ch in self.queues.values():
             ch._q.shutdown()
+        for pg in self.placement_groups:
+            remove_placement_group(pg)
+
+
+def _plain(exc: BaseException) -> BaseException:
+    """Ray wraps a remote exception in a subclass of its own; give callers the original type."""
+    if isinstance(exc, StageError):
+        return StageError(exc.stage, exc.worker, exc.tb)
+    return exc
 
 
 class RayLauncher(Launcher):
-    """Workers as Ray actors; channels through Ray's object store.
+    """Workers as Ray actors in placement groups; channels through Ray's object store.
 
     Args:
         address: ``None`` starts (or reuses) a local Ray; ``"auto"`` or ``"ray://host:port"`` joins

@@ -5,7 +5,8 @@ from functools import partial
 from rlinf_lightning.registry import Registry
 from rlinf_lightning.strategies.base import BatchShape, Resources, Strategy
 from rlinf_lightning.strategies.collocated import CollocatedStrategy
-from rlinf_lightning.strategies.pipelined import DisaggregatedStrategy, HybridStrategy
+from rlinf_lightning.strategies.disaggregated import DisaggregatedStrategy
+from rlinf_lightning.strategies.hybrid import HybridStrategy
 
 STRATEGIES: Registry[type[Strategy]] = Registry("strategy")
 STRATEGIES.register("collocated", CollocatedStrategy)

@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
 
+from rlinf_lightning.flow.workflow import Workflow
+from rlinf_lightning.tasks.base import Task
 from rlinf_lightning.tasks.data import Problem, load_problems
 
+if TYPE_CHECKING:
+    from rlinf_lightning.launchers.base import Runtime
+    from rlinf_lightning.trainer import RLTrainer
 
-class MathTask:
+
+class MathTask(Task):
     """Math reasoning from JSONL (native, GSM8K-style or MATH-style lines).
 
     Args:
@@ -22,6 +29,9 @@ class MathTask:
         format_weight: weight of the format reward.
         eval_size: evaluate on the first ``eval_size`` test problems (``None``: all of them).
     """
+
+    input_keys = ("prompt", "answer", "group_id")
+    eval_metric = "accuracy"
 
     def __init__(
         self,
@@ -90,3 +100,43 @@ class MathTask:
             },
             batch_size=[count],
         )
+
+    # -- Task ------------------------------------------------------------------------------------
+    def build_workflow(self, policy: Any, trainer: RLTrainer) -> Workflow:
+        """The reasoning workflow (rollout, reward, advantage, inference, actor) for ``trainer``'s
+        algorithm, engines, sampling and group size."""
+        from rlinf_lightning.algorithms import ALGORITHMS
+        from rlinf_lightning.workflows.reasoning import reasoning_workflow
+
+        return reasoning_workflow(
+            policy=policy,
+            algorithm=ALGORITHMS.resolve(trainer.algorithm),
+            rollout=trainer.rollout,
+            train_strategy=trainer.train_strategy,
+            train_engine_options=trainer.train_engine_options,
+            sampling=trainer.sampling,
+            group_size=trainer.group_size,
+            train_micro_batch_size=trainer.train_micro_batch_size,
+            reward=self.reward,
+            format_reward=self.format_reward,
+            format_weight=self.format_weight,
+            seed=trainer.seed,
+        )
+
+    def inputs(self, iteration: int, micro_batch_size: int, trainer: RLTrainer) -> list[TensorDict]:
+        """``rollout_batch_size / group_size`` prompts, in micro-batches of whole prompt groups."""
+        per_iteration = trainer.rollout_batch_size // trainer.group_size
+        prompts = self.prompts((iteration - 1) * per_iteration, per_iteration, trainer.seed)
+        return list(prompts.split(max(1, micro_batch_size // trainer.group_size)))
+
+    def evaluate(self, runtime: Runtime) -> dict[str, float]:
+        """Greedy accuracy on the held-out problems, on the evaluate-role stage (the rollout)."""
+        problems = self.test
+        accuracy = runtime.call(
+            runtime.workflow.roles["evaluate"],
+            "evaluate",
+            [p.prompt for p in problems],
+            [p.answer for p in problems],
+            self.reward,
+        )
+        return {"accuracy": accuracy, "problems": len(problems)}

@@ -4,12 +4,15 @@
     actor ==weights==> rollout                                        (sync, once per iteration)
 
 Each stage reads micro-batches of whole prompt groups, so every stage (the group-normalising
-advantage included) can work on a micro-batch as soon as it arrives.
+advantage included) can work on a micro-batch as soon as it arrives, on whichever replica of its
+group took it. The actor trains and is checkpointed (role ``train``); the rollout evaluates (role
+``evaluate``).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 import torch
@@ -17,7 +20,7 @@ from tensordict import TensorDict
 
 from rlinf_lightning.engines.offload import Offloader
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, Completion, SamplingParams
-from rlinf_lightning.engines.train import build_train_engine
+from rlinf_lightning.engines.train import TRAIN_ENGINES, build_train_engine, resolve_train_engine
 from rlinf_lightning.evaluation import greedy_accuracy
 from rlinf_lightning.flow.stage import Stage, StageContext
 from rlinf_lightning.flow.workflow import Workflow
@@ -68,6 +71,16 @@ class RolloutStage(Stage):
     """Generates ``group_size`` completions per prompt with the chosen rollout engine."""
 
     name = "rollout"
+    in_keys = ("prompt", "answer", "group_id")
+    out_keys = (
+        "input_ids",
+        "attention_mask",
+        "response_mask",
+        "rollout_logprobs",
+        "group_id",
+        "completion",
+        "answer",
+    )
 
     def __init__(
         self, policy: LMPolicy, engine: str, sampling: SamplingParams, group_size: int, seed: int
@@ -134,6 +147,8 @@ class RewardStage(Stage):
     """Scores each completion: ``reward`` (correctness) plus ``format_weight`` x ``format_reward``."""
 
     name = "reward"
+    in_keys = ("completion", "answer")
+    out_keys = ("reward", "correct")
 
     def __init__(self, reward: str, format_reward: str | None = None, format_weight: float = 0.0) -> None:
         self.reward, self.format_reward, self.format_weight = reward, format_reward, format_weight
@@ -165,6 +180,8 @@ class AdvantageStage(Stage):
     """Turns rewards into advantages with the algorithm's estimator (group-normalised for GRPO)."""
 
     name = "advantage"
+    in_keys = ("reward", "group_id")
+    out_keys = ("advantage",)
 
     def __init__(self, algorithm: Any) -> None:
         self.algorithm = algorithm
@@ -187,6 +204,8 @@ class InferenceStage(Stage):
     """Reference-policy log-probs for the KL penalty; passes batches through when KL is off."""
 
     name = "inference"
+    in_keys = ("input_ids", "attention_mask", "response_mask")
+    out_keys = ("ref_logprobs",)
 
     def __init__(self, policy: LMPolicy, algorithm: Any, temperature: float) -> None:
         self.policy, self.algorithm, self.temperature = policy, algorithm, temperature
@@ -229,9 +248,13 @@ class PolicyLoss:
 
 
 class ActorStage(Stage):
-    """Accumulates the policy-loss gradient over micro-batches; one optimizer step per iteration."""
+    """Accumulates the policy-loss gradient over micro-batches; one optimizer step per iteration.
+
+    Every replica of the group hosting it is a rank of its train engine (``train_strategy``).
+    """
 
     name = "actor"
+    in_keys = ("input_ids", "attention_mask", "response_mask", "rollout_logprobs", "advantage")
 
     def __init__(
         self,
@@ -240,38 +263,52 @@ class ActorStage(Stage):
         train_strategy: str,
         temperature: float,
         train_micro_batch_size: int | None,
-        train_ranks: int = 1,
         train_engine_options: dict[str, Any] | None = None,
     ) -> None:
         self.policy, self.algorithm, self.train_strategy = policy, algorithm, train_strategy
         self.train_engine_options = dict(train_engine_options or {})
         self.temperature, self.train_micro_batch_size = temperature, train_micro_batch_size
-        self.train_ranks = train_ranks
+
+    def check_placement(self, replicas: int, own_process: bool) -> list[tuple[str, str]]:
+        name = resolve_train_engine(self.train_strategy, replicas)
+        accepted = sorted(inspect.signature(TRAIN_ENGINES.get(name)).parameters)
+        unknown = sorted(set(self.train_engine_options) - set(accepted))
+        if unknown:
+            return [
+                (
+                    f"trainer.train_engine_options.{key}",
+                    f"train engine {name!r} (on {replicas} replica(s)) takes no option {key!r}; "
+                    f"it takes {accepted or 'none'}",
+                )
+                for key in unknown
+            ]
+        try:
+            engine = build_train_engine(self.train_strategy, replicas, self.train_engine_options)
+        except (TypeError, ValueError) as exc:
+            return [("trainer.train_engine_options", str(exc))]
+        problem = engine.check(replicas, own_process)
+        return [problem] if problem else []
 
     def setup(self, ctx: StageContext) -> None:
-        self.engine = build_train_engine(self.train_strategy, self.train_ranks, self.train_engine_options)
+        self.ctx = ctx
+        self.engine = build_train_engine(self.train_strategy, ctx.replicas, self.train_engine_options)
         self.loss = PolicyLoss(self.algorithm, self.temperature)
-        self.engine.setup(copy.deepcopy(self.policy), ctx.device)
+        self.engine.setup(copy.deepcopy(self.policy), ctx)
         self.stats = _Mean()
-        self._loss_total, self._count_total = 0.0, 0.0
 
-    def begin_iteration(self, iteration: int) -> None:
-        self._loss_total, self._count_total = 0.0, 0.0
+    def engine_info(self) -> dict[str, Any]:
+        """Which engine trains here, and this replica's rank among how many."""
+        name = resolve_train_engine(self.train_strategy, self.ctx.replicas)
+        return {"engine": name, "rank": self.ctx.replica, "world_size": self.ctx.replicas}
 
     def process(self, batch: TensorDict) -> None:
         for chunk in batch.split(self.train_micro_batch_size or len(batch)):
-            m = self.engine.accumulate(chunk, self.loss)
-            self._loss_total += m.pop("loss_sum")
-            self._count_total += m.pop("count")
-            for k, v in m.items():
+            for k, v in self.engine.accumulate(chunk, self.loss).items():
                 self.stats.add(k, v, len(chunk))
         return None
 
     def end_iteration(self) -> dict[str, float]:
-        metrics = self.stats.pop()
-        metrics["loss"] = self._loss_total / max(self._count_total, 1.0)
-        metrics.update(self.engine.step())
-        return metrics
+        return {**self.stats.pop(), **self.engine.step()}
 
     def sync_state(self) -> TensorDict:
         return TensorDict(dict(self.engine.named_weights()), batch_size=[])
@@ -291,9 +328,11 @@ class ActorStage(Stage):
         return hasattr(self.engine, "save_sharded")
 
     def state_dict(self) -> dict[str, Any]:
-        if self.sharded:  # full weights for export; the optimizer lives in the shards
-            return {"model": dict(self.engine.named_weights()), "optimizer": None}
-        return self.engine.state_dict()
+        """The full state on replica 0 (the others return ``{}``, or join the gather if sharded)."""
+        if self.sharded:  # full weights for export (a collective); the optimizer lives in the shards
+            weights = dict(self.engine.named_weights())
+            return {"model": weights, "optimizer": None} if self.ctx.replica == 0 else {}
+        return self.engine.state_dict() if self.ctx.replica == 0 else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.engine.load_state_dict(state)
@@ -309,7 +348,7 @@ class ActorStage(Stage):
         if not self.sharded:
             raise ValueError(
                 f"checkpoint {path} holds sharded train state; resume it with trainer.train_strategy "
-                "ddp or fsdp (any number of devices)"
+                "fsdp (any number of devices)"
             )
         self.engine.load_sharded(path)
 
@@ -328,7 +367,6 @@ def reasoning_workflow(
     format_reward: str | None,
     format_weight: float,
     seed: int,
-    train_ranks: int = 1,
 ) -> Workflow:
     temperature = sampling.temperature if sampling.temperature > 0 else 1.0
     return (
@@ -339,14 +377,10 @@ def reasoning_workflow(
             AdvantageStage(algorithm),
             InferenceStage(policy, algorithm, temperature),
             ActorStage(
-                policy,
-                algorithm,
-                train_strategy,
-                temperature,
-                train_micro_batch_size,
-                train_ranks,
-                train_engine_options,
+                policy, algorithm, train_strategy, temperature, train_micro_batch_size, train_engine_options
             ),
         )
         .sync("actor", "rollout", "weights")
+        .role("train", "actor")
+        .role("evaluate", "rollout")
     )

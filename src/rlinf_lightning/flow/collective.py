@@ -1,0 +1,98 @@
+"""Process groups over a worker group's replicas (the ranks of a data-parallel stage).
+
+The launcher gives each multi-replica group a :class:`Rendezvous`; a stage that needs collectives
+asks its :class:`~rlinf_lightning.flow.stage.StageContext` for the group (every replica must), and
+gets a ``torch.distributed`` process group whose ranks are exactly the plan's replicas:
+
+- replicas that are processes (``processes`` and ``ray`` launchers) meet at a TCP store hosted by
+  replica 0 and initialise the default (world) group: gloo on CPU, NCCL on GPU. FSDP2 and
+  ``torch.distributed.checkpoint`` work there.
+- replicas that are threads of one process (``inprocess`` launcher) share an in-memory store and
+  each builds its own gloo group object, since a process has only one default group. Enough for
+  gradient all-reduce (``ddp``), not for FSDP.
+
+Every collective waits at most the run's ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+
+@dataclass
+class Rendezvous:
+    """Where a group's replicas meet: a TCP store at ``host:port`` (hosted by replica 0), or an
+    in-process ``store`` shared by thread replicas."""
+
+    name: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    store: Any = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` (the store binds it right after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def node_address() -> str:
+    """This machine's address as other nodes of a cluster reach it."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def init_group(ctx: Any) -> Any:
+    """The process group of ``ctx``'s replicas (see the module docstring)."""
+    import torch.distributed as dist
+
+    rv: Rendezvous | None = ctx.rendezvous
+    if rv is None:
+        raise RuntimeError("this group has several replicas but its launcher gave it no rendezvous")
+    timeout = timedelta(seconds=ctx.timeout_s)
+    if rv.store is not None:  # thread replicas: a private gloo group each, on the shared store
+        store = dist.PrefixStore(rv.name, rv.store)
+        return dist.ProcessGroupGloo(store, ctx.replica, ctx.replicas, timeout)
+    store = dist.TCPStore(rv.host, rv.port, ctx.replicas, is_master=ctx.replica == 0, timeout=timeout)
+    dist.init_process_group(
+        backend_for(ctx.device), store=store, rank=ctx.replica, world_size=ctx.replicas, timeout=timeout
+    )
+    return dist.group.WORLD
+
+
+def destroy_group(ctx: Any, group: Any) -> None:
+    import torch.distributed as dist
+
+    if ctx.rendezvous is not None and ctx.rendezvous.store is None and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce(group: Any, tensors: list[Any], op: str = "sum") -> None:
+    """Reduce ``tensors`` in place over ``group`` (no-op for ``None``, a one-replica group).
+
+    Works on both kinds of group: the default group (own processes) and a private gloo group
+    (threads), through the process-group object's own ``allreduce``.
+    """
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    if group is dist.group.WORLD:
+        group = dist.distributed_c10d._get_default_group()
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    group.allreduce(tensors, opts).wait()

@@ -1,0 +1,116 @@
+"""Wiring: how each edge of a workflow connects the replicas of the groups a plan put it on.
+
+Every launcher wires a plan the same way; only the queue transport differs. For an edge from a
+stage on group A (or the driver's input) to a stage on group B:
+
+- ``local``: A and B are the same group. Replica ``r``'s output stays on replica ``r`` through an
+  in-process queue: a micro-batch runs through a collocated group without leaving its worker.
+- ``shared``: one queue that every replica of B reads: each micro-batch goes to whichever replica
+  asks first (pull), so one slow replica never stalls the others.
+- ``keyed``: one queue per replica of B, chosen per message: by the message's ``key`` into a
+  ``sticky`` stage, by its ``origin`` for a loop body's answer, by the receiving replica for a sync
+  edge (each replica of B gets the state from replica ``b % |A|`` of A).
+
+End of iteration: each producer replica marks the end on every queue it may write; a consumer
+replica is done with an edge when it has seen one mark per producer that writes its queue (for a
+``shared`` queue a producer writes one mark per consumer, so every consumer gets its count).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rlinf_lightning.flow.channel import Channel, EndOfIteration, Message
+from rlinf_lightning.flow.plan import ExecutionPlan
+from rlinf_lightning.flow.workflow import SOURCE, Edge, Workflow
+
+Mode = Literal["local", "shared", "keyed"]
+
+
+@dataclass(frozen=True)
+class Link:
+    """One edge, wired: its mode and how many replicas write (``producers``) and read it."""
+
+    edge: Edge
+    mode: Mode
+    producers: int
+    consumers: int
+
+    @property
+    def queue_names(self) -> list[str]:
+        """The names of the cross-worker queues a launcher creates for this link (none if local)."""
+        if self.mode == "shared":
+            return [self.edge.channel]
+        if self.mode == "keyed":
+            return [f"{self.edge.channel}#{r}" for r in range(self.consumers)]
+        return []
+
+    def reads(self, replica: int) -> str | None:
+        """The queue replica ``replica`` of the consumer reads (``None``: an in-process queue)."""
+        if self.mode == "local":
+            return None
+        return self.queue_names[0] if self.mode == "shared" else self.queue_names[replica]
+
+    @property
+    def ends_expected(self) -> int:
+        return 1 if self.mode == "local" else self.producers
+
+    def sync_targets(self, replica: int) -> list[int]:
+        """The consumer replicas that producer ``replica`` hands sync state to."""
+        if self.mode == "local":
+            return [replica]
+        return [b for b in range(self.consumers) if b % self.producers == replica]
+
+
+def wire(workflow: Workflow, plan: ExecutionPlan) -> dict[str, Link]:
+    """Channel name -> :class:`Link` for every edge of ``workflow`` under ``plan``."""
+    links = {}
+    for e in workflow.edges:
+        dst = plan.group_of(e.dst)
+        src = None if e.src == SOURCE else plan.group_of(e.src)
+        producers = 1 if src is None else src.replicas
+        if src is dst:
+            mode: Mode = "local"
+        elif e.kind in ("return", "sync") or (e.kind == "stream" and workflow.stages[e.dst].sticky):
+            mode = "keyed"
+        else:
+            mode = "shared"
+        links[e.channel] = Link(e, mode, producers, dst.replicas)
+    return links
+
+
+def worker_queues(links: dict[str, Link], plan: ExecutionPlan, group: str) -> list[str]:
+    """The cross-worker queues that a worker of ``group`` writes or reads."""
+    names = []
+    for link in links.values():
+        e = link.edge
+        touches = {plan.group_of(e.dst).name} | (set() if e.src == SOURCE else {plan.group_of(e.src).name})
+        if group in touches:
+            names.extend(link.queue_names)
+    return names
+
+
+class Port:
+    """One worker's end of a link: what it reads, and how it writes and marks the end."""
+
+    def __init__(self, link: Link, queues: dict[str, Channel], replica: int, local: Channel | None) -> None:
+        self.link, self.replica = link, replica
+        names = link.queue_names
+        self._out = [local] if link.mode == "local" else [queues[n] for n in names if n in queues]
+        self.inbox = local if link.mode == "local" else queues.get(link.reads(replica) or "")
+
+    def put(self, msg: Message, target: int | None = None) -> None:
+        if self.link.mode == "keyed":
+            if target is None:
+                target = msg.origin if self.link.edge.kind == "return" else msg.key
+            self._out[target % self.link.consumers].put(msg)
+        else:
+            self._out[0].put(msg)
+
+    def end(self) -> None:
+        """Mark the end of this producer's iteration on every queue it writes."""
+        copies = self.link.consumers if self.link.mode == "shared" else 1
+        for q in self._out:
+            for _ in range(copies):
+                q.put(EndOfIteration())

@@ -1,0 +1,174 @@
+"""Failures end the run with the failing worker's own error, release every waiting worker within
+seconds, and leave no process behind, on every launcher."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlinf_lightning.flow import Stage, Workflow
+from rlinf_lightning.flow.worker import StageError
+from rlinf_lightning.launchers import LAUNCHERS, WorkerDied
+from rlinf_lightning.launchers.base import ABORT_GRACE_S
+from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
+from trainer_defaults import cli_fit_args
+
+LAUNCHER_NAMES = ["inprocess", "processes", "ray"]
+
+
+class Source(Stage):
+    name = "source"
+
+    def process(self, batch):
+        return batch
+
+
+class Boom(Stage):
+    name = "boom"
+
+    def process(self, batch):
+        raise ValueError("bad batch in boom")
+
+
+class Slow(Stage):
+    name = "slow"
+
+    def process(self, batch):
+        time.sleep(60)
+
+
+class Sink(Stage):
+    name = "sink"
+
+    def ping(self) -> str:
+        return "pong"
+
+
+def _toy_runtime(launcher: str, *stages: Stage, timeout_s: float = 60.0):
+    """The first stage on one worker, the others on a second (disaggregated)."""
+    wf = Workflow("toy").chain(*stages)
+    plan = STRATEGIES.resolve("disaggregated").plan(
+        wf, Resources(devices=2, threads_per_slot=1), BatchShape(8, 4)
+    )
+    return LAUNCHERS.resolve(launcher).launch(wf, plan, timeout_s=timeout_s)
+
+
+def _batches():
+    return [TensorDict({"x": torch.zeros(4)}, batch_size=[4]) for _ in range(2)]
+
+
+@pytest.mark.parametrize("launcher", LAUNCHER_NAMES)
+def test_a_raising_worker_ends_the_run_with_its_traceback(launcher):
+    rt = _toy_runtime(launcher, Source(), Boom())
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(StageError) as info:
+            rt.run_iteration(1, _batches())
+    finally:
+        rt.shutdown()
+    assert time.monotonic() - t0 < 30
+    assert info.value.stage == "boom" and info.value.worker == "train/0"
+    assert "ValueError: bad batch in boom" in info.value.tb and "test_faults.py" in info.value.tb
+
+
+@pytest.mark.parametrize("launcher", LAUNCHER_NAMES)
+def test_a_worker_waiting_on_a_channel_is_released_when_another_fails(launcher):
+    """The sink waits for the boom stage's output (channel timeout 60 s); boom raises at once. The
+    abort must release the sink within ABORT_GRACE_S: its worker answers the next command."""
+    rt = _toy_runtime(launcher, Boom(), Sink(), timeout_s=60.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(StageError, match="bad batch in boom"):
+            rt.run_iteration(1, _batches())
+        if launcher == "inprocess":  # the sink's thread has ended (not left behind, blocked)
+            assert not [t for t in threading.enumerate() if t.name == "rlinf-train/0"]
+        assert rt.call("sink", "ping") == "pong"  # its worker is free for the next command
+        released = time.monotonic() - t0
+    finally:
+        rt.shutdown()
+    assert released < ABORT_GRACE_S, f"released after {released:.1f} s"
+
+
+@pytest.mark.parametrize("launcher", ["processes", "ray"])
+def test_a_killed_worker_process_ends_the_run_naming_it(launcher):
+    rt = _toy_runtime(launcher, Source(), Slow())
+    pid = rt.info["train/0"]["pid"]
+    how = "Ray actor died" if launcher == "ray" else "killed by SIGKILL"
+    threading.Timer(2.0, os.kill, (pid, signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerDied, match=rf"worker 'train/0' hosting stage\(s\) slow died: {how}"):
+            rt.run_iteration(1, _batches())
+    finally:
+        rt.shutdown()
+    assert time.monotonic() - t0 < 30
+
+
+def _training_fit(assets, tmp_path, *overrides: str):
+    """A long `rlinf fit` (disaggregated unless overridden) on the processes launcher, returned
+    once it trains, with the processes it spawned (its workers)."""
+    import subprocess
+
+    import psutil
+
+    fit = subprocess.Popen(
+        cli_fit_args(
+            assets,
+            tmp_path,
+            "--trainer.max_iterations=100000",
+            "--trainer.rollout_batch_size=16",
+            "--trainer.group_size=4",
+            "--trainer.devices=2",
+            "--trainer.strategy=disaggregated",
+            "--trainer.launcher=processes",
+            "--task.eval_size=8",
+            "--trainer.enable_progress_bar=true",
+            *overrides,
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        while "it " not in (line := fit.stdout.readline()):  # iterations print once workers are up
+            assert line, fit.communicate(timeout=30)[1]  # the fit ended before training
+        descendants = psutil.Process(fit.pid).children(recursive=True)
+    except BaseException:
+        fit.kill()
+        raise
+    return fit, [p for p in descendants if "spawn_main" in " ".join(p.cmdline())]
+
+
+def test_killing_a_worker_ends_rlinf_fit_with_its_name(assets, tmp_path):
+    """End to end: SIGKILL one worker process of a running `rlinf fit`; the CLI exits, naming it."""
+    fit, workers = _training_fit(assets, tmp_path)
+    try:
+        assert len(workers) == 2
+        workers[0].kill()
+        t0 = time.monotonic()
+        _, err = fit.communicate(timeout=30)
+    finally:
+        fit.kill()
+    assert time.monotonic() - t0 < 30
+    assert fit.returncode == 1
+    assert "died: killed by SIGKILL" in err and "hosting stage(s)" in err
+
+
+def test_killing_rlinf_fit_ends_its_workers_and_train_ranks(assets, tmp_path):
+    """SIGKILL the driver of a fit whose actor trains with ddp over two replicas: none is left."""
+    import psutil
+
+    fit, spawned = _training_fit(
+        assets, tmp_path, "--trainer.strategy=collocated", "--trainer.train_strategy=ddp"
+    )
+    fit.kill()
+    fit.wait()
+    assert len(spawned) == 2  # two replicas, which are also the actor's two ddp ranks
+    _, alive = psutil.wait_procs(spawned, timeout=20)
+    assert not alive, [p.cmdline() for p in alive]

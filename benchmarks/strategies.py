@@ -6,9 +6,12 @@ Every candidate runs in a fresh process (same start-up for all), rounds alternat
 so machine noise hits all of them alike, and the median round counts. All plans get the same two
 device slots (``devices=2``; on CPU a slot is one core):
 
-- collocated: one worker on both slots, torch intra-op threads over both cores (no IPC at all);
+- collocated_1worker (the baseline): one worker on both slots, torch intra-op threads over both
+  cores, in the driver's process (no IPC at all): the best a one-process user could do;
+- collocated: two data-parallel replicas, one process of one thread per slot, every stage on
+  both, the actor's ddp ranks the replicas (``processes`` launcher);
 - disaggregated: rollout on slot 0, reward/advantage/inference/actor on slot 1, pipelined;
-- hybrid: the cost-balanced split (rollout/reward/advantage | inference/actor), pipelined.
+- hybrid: each explicit placement in HYBRID_PLACEMENTS (RLinf's syntax), pipelined; the best counts.
 
 A second part measures peak RSS of a collocated run with and without offload (context
 switching) on a 14 M-parameter model, where weights and optimizer state dominate memory (both
@@ -34,10 +37,29 @@ ROOT = Path(__file__).resolve().parents[1]
 # Both offload candidates run with it.
 FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
+HYBRID = "rlinf_lightning.strategies.HybridStrategy"
+HYBRID_PLACEMENTS = [
+    "rollout,reward: 0, advantage,inference,actor: 1",
+    "rollout,reward,advantage: 0, inference,actor: 1",
+]
+BASELINE = "collocated_1worker"
 PLANS = {
-    "collocated": {"strategy": "collocated", "launcher": "inprocess"},
+    BASELINE: {
+        "strategy": {
+            "class_path": "rlinf_lightning.strategies.CollocatedStrategy",
+            "init_args": {"replicas": 1},
+        },
+        "launcher": "inprocess",
+    },
+    "collocated": {"strategy": "collocated", "launcher": "processes"},
     "disaggregated": {"strategy": "disaggregated", "launcher": "processes"},
-    "hybrid": {"strategy": "hybrid", "launcher": "processes"},
+    **{
+        f"hybrid[{p}]": {
+            "strategy": {"class_path": HYBRID, "init_args": {"placement": p}},
+            "launcher": "processes",
+        }
+        for p in HYBRID_PLACEMENTS
+    },
 }
 
 
@@ -140,9 +162,10 @@ def main() -> None:
             runs[name].append(res["samples_per_s"])
             if r == 0:
                 print(f"\n[{name}]\n{res['plan']}")
-            print(f"round {r}: {name:<14} {res['samples_per_s']:7.1f} samples/s", flush=True)
+            print(f"round {r}: {name:<60} {res['samples_per_s']:7.1f} samples/s", flush=True)
     sps = {k: statistics.median(v) for k, v in runs.items()}
-    best = max(("disaggregated", "hybrid"), key=lambda k: sps[k])
+    best_hybrid = max((k for k in sps if k.startswith("hybrid[")), key=lambda k: sps[k])
+    best = max((k for k in sps if k != BASELINE), key=lambda k: sps[k])
 
     # Offload: a 14 M-parameter model, so weights + Adam state dominate the process's memory.
     from rlinf_lightning.assets import TinyModelConfig, build_tiny_qwen2
@@ -161,9 +184,14 @@ def main() -> None:
         print(f"peak RSS {strategy:<20} {rss[strategy]:7.1f} MB (14 M-parameter model, 3 iterations)")
 
     result = {
-        **{k: round(v, 1) for k, v in sps.items()},
-        "best_over_collocated": round(sps[best] / sps["collocated"], 3),
+        **{k: round(v, 1) for k, v in sps.items() if not k.startswith("hybrid[")},
+        "hybrid": round(sps[best_hybrid], 1),
+        "hybrid_placement": best_hybrid[len("hybrid[") : -1],
+        "hybrid_placements": {
+            k[len("hybrid[") : -1]: round(v, 1) for k, v in sps.items() if k.startswith("hybrid[")
+        },
         "best_plan": best,
+        "best_over_baseline": round(sps[best] / sps[BASELINE], 3),
         "rounds": {k: [round(x, 1) for x in v] for k, v in runs.items()},
         "peak_rss_mb_collocated": round(rss["collocated"], 1),
         "peak_rss_mb_collocated_offload": round(rss["collocated_offload"], 1),

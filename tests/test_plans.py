@@ -12,7 +12,6 @@ from tensordict import TensorDict
 
 from rlinf_lightning import Callback, LMPolicy, RLTrainer
 from rlinf_lightning.flow import Stage, Workflow
-from rlinf_lightning.flow.collective import all_reduce
 from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.strategies import STRATEGIES, BatchShape, CollocatedStrategy, HybridStrategy, Resources
 from rlinf_lightning.tasks.math import MathTask
@@ -210,7 +209,7 @@ class ToyLearner(Stage):
         self.total += batch["final"].sum() + batch["actions"].sum()
 
     def end_iteration(self):
-        all_reduce(self.ctx.process_group(), [self.total])
+        self.ctx.all_reduce([self.total])
         self.w = int(self.total) // 10 % 3 + 1
         return {"total": float(self.total), "w": float(self.w)}
 

@@ -15,11 +15,16 @@ class Callback:
 
     def on_fit_start(self, trainer: RLTrainer, policy: Any) -> None: ...
 
-    def on_iteration_start(self, trainer: RLTrainer, iteration: int) -> None: ...
+    def on_iteration_start(self, trainer: RLTrainer, iteration: int) -> None:
+        """Called in order before ``on_iteration_end`` of the same iteration. The workers may
+        already be running it: the trainer queues each iteration while the previous one runs
+        (unless evaluation or a checkpoint comes between), so the workers go straight on and the
+        driver logs meanwhile."""
 
     def on_iteration_end(self, trainer: RLTrainer, iteration: int, metrics: dict[str, float]) -> None: ...
 
-    def on_evaluation_end(self, trainer: RLTrainer, iteration: int, accuracy: float) -> None: ...
+    def on_evaluation_end(self, trainer: RLTrainer, iteration: int, accuracy: float) -> None:
+        """``accuracy``: the task's headline evaluation metric (``Task.eval_metric``)."""
 
     def on_save_checkpoint(self, trainer: RLTrainer, path: str) -> None: ...
 

@@ -304,13 +304,19 @@ class RLTrainer:
             if not history:
                 history.append(self._evaluate(runtime, task, 0))
             micro_batch = self.plan.micro_batch_size[workflow.source_edge.channel]
-            samples, train_s = 0, 0.0
+            samples, train_s, started = 0, 0.0, False
             for it in range(start_it + 1, self.max_iterations + 1):
                 self.iteration = it
                 self._call("on_iteration_start", it)
-                t0 = time.perf_counter()
-                stage_metrics = runtime.run_iteration(it, task.inputs(it, micro_batch, self))
-                dt = time.perf_counter() - t0
+                if not started:
+                    t_ready = time.perf_counter()
+                    runtime.start_iteration(it, task.inputs(it, micro_batch, self))
+                started = not self._idle_after(it)
+                if started:  # queued now, the workers start it the moment they finish this one
+                    runtime.start_iteration(it + 1, task.inputs(it + 1, micro_batch, self))
+                stage_metrics = runtime.finish_iteration()
+                dt = time.perf_counter() - t_ready
+                t_ready += dt
                 samples += self.rollout_batch_size
                 train_s += dt
                 metrics = {f"{st}/{k}": v for st, m in stage_metrics.items() for k, v in m.items()}
@@ -374,6 +380,14 @@ class RLTrainer:
             flush=True,
         )
         return summary
+
+    def _idle_after(self, it: int) -> bool:
+        """Whether the workers must be idle after iteration ``it`` (evaluation, checkpoint, the end)."""
+        return (
+            it == self.max_iterations
+            or bool(self.eval_every and it % self.eval_every == 0)
+            or bool(self.ckpt_every and it % self.ckpt_every == 0)
+        )
 
     @property
     def ckpt_dir(self) -> Path:

@@ -6,9 +6,9 @@ micro-batches' token losses; ``step`` adds up gradients, token counts and loss s
 and divides once by the global count, so ``ddp`` and ``fsdp`` on N replicas equal ``single`` on
 one, whichever replica got which micro-batch.
 
-- ``ddp``: every rank holds the full model; gradients are all-reduced (summed) at ``step`` through
-  the group's process group (gloo on CPU, NCCL on GPU; in-process thread replicas use private gloo
-  groups). Checkpoints are the full state (every rank holds it).
+- ``ddp``: every rank holds the full model; gradients are summed at ``step`` over the group
+  (``StageContext.all_reduce``: shared memory between CPU replicas of one machine, else the
+  group's process group, gloo or NCCL). Checkpoints are the full state (every rank holds it).
 - ``fsdp``: ``torch.distributed.fsdp.fully_shard`` on each decoder layer and the root, so each rank
   holds 1/N of parameters, gradients and optimizer state (bf16 compute on GPU). Its forward and
   backward passes are collectives, so every rank must run the same number of them: micro-batches
@@ -36,7 +36,6 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.engines.train import TRAIN_ENGINES, LossFn, SingleTrainEngine
-from rlinf_lightning.flow.collective import all_reduce
 from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.policies.module import RLModule
 
@@ -91,8 +90,7 @@ class DDPTrainEngine(SingleTrainEngine):
         super().setup(policy, ctx)
 
     def _reduce(self, params: list[torch.nn.Parameter], totals: torch.Tensor) -> None:
-        group = self.ctx.process_group()  # made on first use (thread replicas set up one at a time)
-        all_reduce(group, [totals])
+        self.ctx.all_reduce([totals])  # the group is made on first use (thread replicas set up one by one)
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -101,7 +99,7 @@ class DDPTrainEngine(SingleTrainEngine):
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
         for grads in by_dtype.values():  # one flat buffer per dtype: one collective, not one per tensor
             flat = torch.cat([g.reshape(-1) for g in grads])
-            all_reduce(group, [flat])
+            self.ctx.all_reduce([flat])
             for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 g.copy_(reduced)
 

@@ -11,11 +11,17 @@ gets a ``torch.distributed`` process group whose ranks are exactly the plan's re
   each builds its own gloo group object, since a process has only one default group. Enough for
   gradient all-reduce (``ddp``), not for FSDP.
 
+Sums of CPU tensors between replicas on one machine go through shared memory instead
+(:class:`SharedSum`: each replica writes its slot, one barrier, each adds the slots up in the same
+order), several times faster than gloo's loopback TCP for the gradient all-reduce of a
+data-parallel actor, and bitwise identical on every replica.
+
 Every collective waits at most the run's ``timeout_s``.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -96,3 +102,59 @@ def all_reduce(group: Any, tensors: list[Any], op: str = "sum") -> None:
     opts = dist.AllreduceOptions()
     opts.reduceOp = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
     group.allreduce(tensors, opts).wait()
+
+
+SHM_DIR = "/dev/shm"
+
+
+class SharedSum:
+    """In-place sum of a CPU tensor over the replicas of one machine, through a shared file.
+
+    The file holds two buffers of one slot per replica (alternating between calls, so one barrier
+    per call suffices: a replica can only overwrite a buffer after every replica passed the next
+    call's barrier, i.e. finished reading it). It is unlinked as soon as every replica mapped it,
+    so nothing is left in ``/dev/shm`` however the run ends.
+    """
+
+    def __init__(self, ctx: Any, group: Any, numel: int, dtype: Any) -> None:
+        self.ctx, self.group, self.numel, self.dtype = ctx, group, numel, dtype
+        self.buf: Any = None
+        self.calls = 0
+
+    @staticmethod
+    def available() -> bool:
+        return os.path.isdir(SHM_DIR)
+
+    def _barrier(self) -> None:
+        import torch
+
+        all_reduce(self.group, [torch.zeros(1)])
+
+    def _map(self) -> None:
+        """Replica 0 makes the file, every replica maps it, replica 0 unlinks it (two barriers)."""
+        import torch
+
+        rv, replicas = self.ctx.rendezvous, self.ctx.replicas
+        tag = rv.port if rv.store is None else id(rv.store)
+        name = f"rlinf-sum-{os.getuid()}-{rv.name}-{tag}-{str(self.dtype)[6:]}-{self.numel}"
+        path = os.path.join(SHM_DIR, name)
+        size = 2 * replicas * self.numel
+        if self.ctx.replica == 0:
+            with open(path, "wb") as f:
+                f.truncate(size * torch.empty((), dtype=self.dtype).element_size())
+        self._barrier()
+        self.buf = torch.from_file(path, shared=True, size=size, dtype=self.dtype).view(2, replicas, -1)
+        self._barrier()
+        if self.ctx.replica == 0:
+            os.unlink(path)
+
+    def __call__(self, t: Any) -> None:
+        import torch
+
+        if self.buf is None:
+            self._map()
+        slots = self.buf[self.calls % 2]
+        self.calls += 1
+        slots[self.ctx.replica].copy_(t.reshape(-1))
+        self._barrier()
+        torch.sum(slots, dim=0, out=t.view(-1))

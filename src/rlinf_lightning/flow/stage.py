@@ -93,6 +93,7 @@ class StageContext:
             ``False`` when replicas are threads of one process.
         rendezvous: how the group's replicas find each other (see ``flow.collective``).
         timeout_s: longest wait of a collective before it fails.
+        one_machine: every replica of the group runs on this machine (sums may use shared memory).
     """
 
     def __init__(
@@ -105,6 +106,7 @@ class StageContext:
         own_process: bool = True,
         rendezvous: Any = None,
         timeout_s: float = 600.0,
+        one_machine: bool = True,
     ) -> None:
         self.device = device
         self.replica = replica
@@ -114,7 +116,9 @@ class StageContext:
         self.own_process = own_process
         self.rendezvous = rendezvous
         self.timeout_s = timeout_s
+        self.one_machine = one_machine
         self._group: Any = None
+        self._shared_sums: dict[tuple, Any] = {}  # (numel, dtype) -> SharedSum
 
     def process_group(self) -> Any:
         """A ``torch.distributed`` process group over the group's replicas (``None`` for one replica).
@@ -132,6 +136,27 @@ class StageContext:
 
             self._group = init_group(self)
         return self._group
+
+    def all_reduce(self, tensors: list[Any]) -> None:
+        """Sum ``tensors`` in place over the group's replicas (nothing to do for one replica).
+
+        CPU tensors of replicas on one machine go through shared memory, others through the
+        process group; either way every replica ends with bitwise the same values. Every replica
+        must make the same calls in the same order (the first one is a rendezvous).
+        """
+        if self.replicas == 1:
+            return
+        from rlinf_lightning.flow.collective import SharedSum, all_reduce
+
+        group = self.process_group()
+        for t in tensors:
+            if t.device.type == "cpu" and self.one_machine and t.is_contiguous() and SharedSum.available():
+                key = (t.numel(), t.dtype)
+                if key not in self._shared_sums:
+                    self._shared_sums[key] = SharedSum(self, group, *key)
+                self._shared_sums[key](t)
+            else:
+                all_reduce(group, [t])
 
     def close(self) -> None:
         """Leave the process group, if one was made."""

@@ -14,6 +14,12 @@ stage on group A (or the driver's input) to a stage on group B:
 End of iteration: each producer replica marks the end on every queue it may write; a consumer
 replica is done with an edge when it has seen one mark per producer that writes its queue (for a
 ``shared`` queue a producer writes one mark per consumer, so every consumer gets its count).
+
+Every cross-worker queue exists twice, one per iteration parity: iteration ``i`` uses set ``i % 2``.
+So the driver can queue iteration ``i + 1`` while ``i`` runs, and a replica that has finished ``i``
+and started ``i + 1`` never takes a micro-batch or an end mark that a slower replica still needs
+for ``i`` (no replica can be two iterations ahead: the driver starts ``i + 2`` only after every
+worker finished ``i``).
 """
 
 from __future__ import annotations
@@ -37,20 +43,23 @@ class Link:
     producers: int
     consumers: int
 
-    @property
-    def queue_names(self) -> list[str]:
-        """The names of the cross-worker queues a launcher creates for this link (none if local)."""
+    def queue_names(self, parity: int | None = None) -> list[str]:
+        """The names of the cross-worker queues a launcher creates for this link (none if local):
+        of one iteration parity, or of both when ``parity`` is ``None``."""
+        if parity is None:
+            return self.queue_names(0) + self.queue_names(1)
         if self.mode == "shared":
-            return [self.edge.channel]
+            return [f"{self.edge.channel}@{parity}"]
         if self.mode == "keyed":
-            return [f"{self.edge.channel}#{r}" for r in range(self.consumers)]
+            return [f"{self.edge.channel}#{r}@{parity}" for r in range(self.consumers)]
         return []
 
-    def reads(self, replica: int) -> str | None:
+    def reads(self, replica: int, parity: int) -> str | None:
         """The queue replica ``replica`` of the consumer reads (``None``: an in-process queue)."""
         if self.mode == "local":
             return None
-        return self.queue_names[0] if self.mode == "shared" else self.queue_names[replica]
+        names = self.queue_names(parity)
+        return names[0] if self.mode == "shared" else names[replica]
 
     @property
     def ends_expected(self) -> int:
@@ -87,18 +96,21 @@ def worker_queues(links: dict[str, Link], plan: ExecutionPlan, group: str) -> li
         e = link.edge
         touches = {plan.group_of(e.dst).name} | (set() if e.src == SOURCE else {plan.group_of(e.src).name})
         if group in touches:
-            names.extend(link.queue_names)
+            names.extend(link.queue_names())
     return names
 
 
 class Port:
-    """One worker's end of a link: what it reads, and how it writes and marks the end."""
+    """One worker's end of a link for one iteration parity: what it reads, how it writes and
+    marks the end."""
 
-    def __init__(self, link: Link, queues: dict[str, Channel], replica: int, local: Channel | None) -> None:
+    def __init__(
+        self, link: Link, queues: dict[str, Channel], replica: int, local: Channel | None, parity: int = 0
+    ) -> None:
         self.link, self.replica = link, replica
-        names = link.queue_names
+        names = link.queue_names(parity)
         self._out = [local] if link.mode == "local" else [queues[n] for n in names if n in queues]
-        self.inbox = local if link.mode == "local" else queues.get(link.reads(replica) or "")
+        self.inbox = local if link.mode == "local" else queues.get(link.reads(replica, parity) or "")
 
     def put(self, msg: Message, target: int | None = None) -> None:
         if self.link.mode == "keyed":

@@ -94,12 +94,14 @@ class Worker:
         stages = {n: workflow.stages[n] for n in group.stages}
         self.stages: dict[str, Stage] = copy.deepcopy(stages) if copy_stages else stages
         self.spans: list[Span] = []
-        self.ports: dict[str, Port] = {}
+        self.port_sets: tuple[dict[str, Port], dict[str, Port]] = ({}, {})  # by iteration parity
         for ch, link in links.items():
             e = link.edge
             if e.dst in self.stages or (e.src != SOURCE and e.src in self.stages):
                 local = Channel(ch, timeout_s, abort) if link.mode == "local" else None
-                self.ports[ch] = Port(link, queues, replica, local)
+                for parity, ports in enumerate(self.port_sets):
+                    ports[ch] = Port(link, queues, replica, local, parity)
+        self.ports = self.port_sets[0]
         self.turns = self._turns()
 
     # -- what runs when --------------------------------------------------------------------------
@@ -194,6 +196,7 @@ class Worker:
     # -- one iteration -------------------------------------------------------------------------------
     def run_iteration(self, iteration: int) -> tuple[dict[str, tuple[dict[str, float], int]], list[Span]]:
         """Returns ``({stage: (metrics, samples processed)}, spans)``."""
+        self.ports = self.port_sets[iteration % 2]
         for name, st in self.stages.items():
             self._guard(name, st.begin_iteration, iteration)
         self._runs = {n: _StageRun(self._inputs(n)) for n in self.stages}
@@ -303,7 +306,9 @@ class Worker:
                 self._switch([e.dst], "offload")
 
     def resync(self) -> None:
-        """Every sync edge once, outside an iteration (after restoring a checkpoint)."""
+        """Every sync edge once, outside an iteration (after restoring a checkpoint; every worker
+        is idle then, so either parity's queues will do)."""
+        self.ports = self.port_sets[0]
         for name in self.stages:
             self._switch([name], "onload")
             self._send_sync(name)

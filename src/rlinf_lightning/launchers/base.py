@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import Any, Literal
 
 from tensordict import TensorDict
@@ -73,6 +74,8 @@ class Runtime(ABC):
         self.stages_of = {g.worker_name(r): g.stages for g, r in plan.workers}
         self.info: dict[str, dict[str, Any]] = {}  # per worker: pid, torch threads, device
         self._spans: list[Span] = []
+        self.queues: dict[str, Any] = {}  # the cross-worker queues, by name (each launcher's transport)
+        self._running: deque[Any] = deque()  # handles of started, unfinished iterations
         self._closed = False
 
     # -- transport (each launcher) -----------------------------------------------------------------
@@ -89,10 +92,6 @@ class Runtime(ABC):
     def _abort(self) -> None:
         """Release every worker waiting on a channel (they raise ``ChannelAborted``)."""
 
-    @abstractmethod
-    def _source(self) -> Port:
-        """The driver's end of the channel into the first stage."""
-
     def _close(self) -> None:
         """Stop the workers (after their teardown was asked for)."""
 
@@ -108,17 +107,33 @@ class Runtime(ABC):
             self.shutdown()
             raise
 
-    def run_iteration(self, iteration: int, batches: list[TensorDict]) -> dict[str, dict[str, float]]:
-        """Stream ``batches`` through the workflow; per-stage metrics once every worker ended."""
-        handle = self._submit(self.workers, "run_iteration", iteration)
-        source = self._source()
+    def start_iteration(self, iteration: int, batches: list[TensorDict]) -> None:
+        """Queue iteration ``iteration`` with its input ``batches`` and return at once.
+
+        At most two iterations are outstanding: the one running and the next, which the workers
+        start the moment they finish the first (see ``flow.wiring`` for why that is safe). The
+        driver meanwhile logs, off the workers' critical path."""
+        if len(self._running) == 2:
+            raise RuntimeError("two iterations are already outstanding; finish_iteration() first")
+        self._running.append(self._submit(self.workers, "run_iteration", iteration))
+        source = Port(self.links[self.workflow.source_edge.channel], self.queues, 0, None, iteration % 2)
         for i, b in enumerate(batches):
             source.put(Message(b, key=i))
         source.end()
-        results = self._collect(handle)
+
+    def finish_iteration(self) -> dict[str, dict[str, float]]:
+        """Wait for the oldest outstanding iteration; per-stage metrics once every worker ended it."""
+        if not self._running:
+            raise RuntimeError("no iteration is outstanding; start_iteration() first")
+        results = self._collect(self._running.popleft())
         for _, spans in results.values():
             self._spans.extend(spans)
         return merge_metrics([m for m, _ in results.values()])
+
+    def run_iteration(self, iteration: int, batches: list[TensorDict]) -> dict[str, dict[str, float]]:
+        """Stream ``batches`` through the workflow; per-stage metrics once every worker ended."""
+        self.start_iteration(iteration, batches)
+        return self.finish_iteration()
 
     def replicas_of(self, stage: str) -> list[str]:
         g = self.plan.group_of(stage)

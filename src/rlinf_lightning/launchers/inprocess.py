@@ -1,8 +1,9 @@
 """In-process launcher: every worker is a thread of this process, channels pass objects.
 
 The embedded default for one machine and for tests. A plan with one worker runs in the calling
-thread; with several, each command runs on every worker in its own thread, except ``setup``, which
-runs one worker after another in the calling thread (loading a ``transformers`` model is not
+thread; with several, each command runs on every worker in its own thread when the driver collects
+it (so iterations run one at a time here), except ``setup``, which runs one worker after another
+in the calling thread (loading a ``transformers`` model is not
 thread-safe), so stages on thread replicas make their process group on first use, not in
 ``setup``. Replicas share the process's torch thread pool (set to the largest per-replica thread
 count) and each has its own copy of its stages; a data-parallel group's replicas meet in private
@@ -21,7 +22,6 @@ from rlinf_lightning.flow.channel import Channel
 from rlinf_lightning.flow.collective import Rendezvous
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.stage import StageContext
-from rlinf_lightning.flow.wiring import Port
 from rlinf_lightning.flow.worker import Worker
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers.base import ABORT_GRACE_S, Launcher, Runtime, first_cause
@@ -61,7 +61,7 @@ class InProcessRuntime(Runtime):
             torch.set_num_threads(threads)
         self.abort = threading.Event()
         self.queues = {
-            n: Channel(n, timeout_s, self.abort) for link in self.links.values() for n in link.queue_names
+            n: Channel(n, timeout_s, self.abort) for link in self.links.values() for n in link.queue_names()
         }
         meet = {g.name: Rendezvous(g.name, store=dist.HashStore()) for g in plan.groups if g.replicas > 1}
         self.objects: dict[str, Worker] = {}
@@ -74,23 +74,22 @@ class InProcessRuntime(Runtime):
             self.objects[g.worker_name(r)] = Worker(
                 g, r, workflow, self.links, self.queues, ctx, timeout_s, self.abort, copy_stages=True
             )
-        self._source_port = Port(self.links[workflow.source_edge.channel], self.queues, 0, None)
         self._setup()
 
     def _submit(self, workers: list[str], cmd: str, *args: Any) -> list[_Call]:
-        calls = [_Call(self.objects[w], cmd, args) for w in workers]
-        if len(calls) > 1 and cmd != "setup":
-            for c in calls:
-                c.start()
-        return calls
+        """Nothing runs yet: threads share the worker objects, so a command runs when collected
+        (after an iteration's input is fed, and one iteration at a time)."""
+        return [_Call(self.objects[w], cmd, args) for w in workers]
 
     def _collect(self, calls: list[_Call], deadline_s: float | None = None) -> dict[str, Any]:
-        if all(c.thread is None for c in calls):  # here, in this thread, one worker after another
+        if len(calls) == 1 or calls[0].cmd == "setup":  # here, in this thread, one after another
             for c in calls:
                 c.run()
                 if c.error is not None:
                     break
         else:
+            for c in calls:
+                c.start()
             deadline = time.monotonic() + (deadline_s or self.timeout_s + 30.0)
             grace_end = None
             while not all(c.finished for c in calls):
@@ -113,9 +112,6 @@ class InProcessRuntime(Runtime):
 
     def _abort(self) -> None:
         self.abort.set()
-
-    def _source(self) -> Port:
-        return self._source_port
 
 
 class InProcessLauncher(Launcher):

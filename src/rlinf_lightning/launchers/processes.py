@@ -19,6 +19,7 @@ import os
 import queue
 import time
 import traceback
+from collections import deque
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -28,7 +29,7 @@ from rlinf_lightning.flow.collective import Rendezvous, free_port
 from rlinf_lightning.flow.lifetime import exit_with_parent
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.stage import StageContext
-from rlinf_lightning.flow.wiring import Port, worker_queues
+from rlinf_lightning.flow.wiring import worker_queues
 from rlinf_lightning.flow.worker import StageError, Worker
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers.base import ABORT_GRACE_S, Launcher, Runtime, WorkerDied, first_cause
@@ -84,9 +85,10 @@ class ProcessRuntime(Runtime):
         self.queues = {
             n: SharedMemoryChannel(n, timeout_s, self.abort, self.mp, copy=link.edge.kind == "sync")
             for link in self.links.values()
-            for n in link.queue_names
+            for n in link.queue_names()
         }
         self.replies = self.mp.Queue()
+        self._backlog: dict[str, deque] = {}
         self.commands = {w: self.mp.Queue() for w in self.workers}
         meet = {g.name: Rendezvous(g.name, "127.0.0.1", free_port()) for g in plan.groups if g.replicas > 1}
         self.procs: dict[str, Any] = {}
@@ -119,7 +121,6 @@ class ProcessRuntime(Runtime):
             p.start()
             self.procs[name] = p
         atexit.register(self.shutdown)  # before multiprocessing's exit hook joins the workers
-        self._source_port = Port(self.links[workflow.source_edge.channel], self.queues, 0, None)
         self._setup()
 
     def _submit(self, workers: list[str], cmd: str, *args: Any) -> list[str]:
@@ -128,6 +129,18 @@ class ProcessRuntime(Runtime):
                 self.commands[w].put((cmd, args))
         return list(workers)
 
+    def _reply(self, pending: set[str]) -> tuple[str, str, Any]:
+        """The next reply of a pending worker; a worker's answers to later commands (the next
+        iteration, already queued) wait in its backlog until those are collected."""
+        for name in pending:
+            if self._backlog.get(name):
+                return self._backlog[name].popleft()
+        while True:
+            reply = self.replies.get(timeout=0.2)
+            if reply[0] in pending:
+                return reply
+            self._backlog.setdefault(reply[0], deque()).append(reply)
+
     def _collect(self, workers: list[str], deadline_s: float | None = None) -> dict[str, Any]:
         """One reply from each worker; a failure (an error or a dead process) releases the others
         and waits up to ``ABORT_GRACE_S`` for them before raising."""
@@ -135,7 +148,7 @@ class ProcessRuntime(Runtime):
         deadline = time.monotonic() + (deadline_s or self.timeout_s + 30.0)
         while pending:
             try:
-                name, status, value = self.replies.get(timeout=0.2)
+                name, status, value = self._reply(pending)
             except queue.Empty:
                 for n in sorted(pending):
                     if not self.procs[n].is_alive():
@@ -151,8 +164,6 @@ class ProcessRuntime(Runtime):
                         f"workers {sorted(pending)} did not answer within {deadline_s} s"
                     ) from None
                 continue
-            if name not in pending:
-                continue  # a late answer to an earlier, failed command
             pending.discard(name)
             if status == "error":
                 errors.append(value)
@@ -170,9 +181,6 @@ class ProcessRuntime(Runtime):
 
     def _abort(self) -> None:
         self.abort.set()
-
-    def _source(self) -> Port:
-        return self._source_port
 
     def _close(self) -> None:
         atexit.unregister(self.shutdown)

@@ -24,7 +24,7 @@ from rlinf_lightning.flow.channel import Channel
 from rlinf_lightning.flow.collective import Rendezvous, free_port, node_address
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.stage import StageContext
-from rlinf_lightning.flow.wiring import Port, worker_queues
+from rlinf_lightning.flow.wiring import worker_queues
 from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers.base import ABORT_GRACE_S, Launcher, Runtime, WorkerDied, first_cause
@@ -118,7 +118,9 @@ class RayRuntime(Runtime):
                 runtime_env={"env_vars": {"PYTHONPATH": path}} if address is None else None,
             )
         super().__init__(workflow, plan, timeout_s)
-        self.queues = {n: RayChannel(n, timeout_s) for link in self.links.values() for n in link.queue_names}
+        self.queues = {
+            n: RayChannel(n, timeout_s) for link in self.links.values() for n in link.queue_names()
+        }
         self.actors: dict[str, Any] = {}
         self.placement_groups: list[Any] = []
         try:
@@ -141,7 +143,8 @@ class RayRuntime(Runtime):
                         slots,
                         own_process=True,
                         timeout_s=timeout_s,
-                    ),  # fmt: skip
+                        one_machine=len({plan.node_of(s) for s in g.slots}) == 1,
+                    ),
                     "timeout_s": timeout_s,
                     "abort": None,
                 }
@@ -166,7 +169,6 @@ class RayRuntime(Runtime):
         except BaseException:
             self._close()
             raise
-        self._source_port = Port(self.links[workflow.source_edge.channel], self.queues, 0, None)
         self._setup()
 
     def _place(self) -> dict[str, tuple[Any, int]]:
@@ -251,9 +253,6 @@ class RayRuntime(Runtime):
     def _abort(self) -> None:
         for a in self.actors.values():
             a.abort.options(concurrency_group="control").remote()
-
-    def _source(self) -> Port:
-        return self._source_port
 
     def _close(self) -> None:
         import ray

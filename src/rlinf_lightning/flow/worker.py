@@ -290,11 +290,17 @@ class Worker:
 
     # -- sync edges ------------------------------------------------------------------------------------
     def _send_sync(self, name: str) -> None:
+        """Hand ``name``'s sync state to its targets: the object itself to a stage on this worker,
+        else a host copy (a GPU tensor cannot cross to a worker that does not see its GPU; the
+        receiving stage moves it onto its own device)."""
         for e in self.workflow.edges_of("sync"):
             if e.src == name:
                 state = self._timed(name, "sync_state", self.stages[name].sync_state)
                 port = self.ports[e.channel]
-                for target in port.link.sync_targets(self.replica):
+                targets = port.link.sync_targets(self.replica)
+                if targets and port.link.mode != "local" and state is not None and hasattr(state, "to"):
+                    state = state.to("cpu")
+                for target in targets:
                     port.put(Message(state), target=target)
 
     def _receive_sync(self) -> None:

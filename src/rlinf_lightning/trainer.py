@@ -2,7 +2,7 @@
 launches it, runs iterations, logs, evaluates and checkpoints.
 
     trainer = RLTrainer(algorithm="grpo", strategy="collocated", rollout="hf", max_iterations=100)
-    trainer.fit(LMPolicy("artifacts/tiny-qwen2-sft"), MathTask("train.jsonl", "test.jsonl"))
+    trainer.fit(policy, task)  # an RLModule, and a Task (rlinf_lightning.tasks)
 
 Strategies, launchers, rollout engines, train engines, algorithms and rewards are resolved by name
 through their registries, and the task supplies the workflow, each iteration's input and the

@@ -243,3 +243,29 @@ def test_shared_memory_transport_sends_handles_for_large_tensors():
     snapshot = decode(encode(weights, copy=True))
     weights.add_(1.0)  # the sender keeps training; the receiver holds the values as of put
     assert not torch.equal(snapshot, weights) and not weights.is_shared()
+
+
+def test_a_replica_may_span_several_slots():
+    """slots_per_replica: a group on 4 slots with replicas of 2 (a tensor-parallel engine's shape)
+    has 2 workers, each with both slots' threads, and a data-parallel stage sees 2 replicas."""
+
+    class Ranks(Stage):
+        name = "sum"
+
+        def setup(self, ctx):
+            self.ctx = ctx
+
+        def end_iteration(self):
+            return {"replicas": float(self.ctx.replicas), "slots": float(len(self.ctx.slots))}
+
+    wf = Workflow("toy").chain(AddOne(), Ranks())
+    strategy = STRATEGIES.resolve("hybrid", placement="add: 0-1, sum: 2-3", slots_per_replica={"add": 2})
+    plan = strategy.plan(wf, Resources(devices=4, threads_per_slot=1), BatchShape(16, 4, 4))
+    plan.validate(wf, 4)
+    assert [(g.name, g.replicas, g.num_threads) for g in plan.groups] == [("add", 1, 2), ("sum", 2, 1)]
+    assert "1x2" in plan.describe()
+    rt = LAUNCHERS.get("inprocess")().launch(wf, plan, timeout_s=10)
+    try:
+        assert rt.run_iteration(1, _batches(4, 4))["sum"] == {"replicas": 2.0, "slots": 1.0}
+    finally:
+        rt.shutdown()

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 class ChannelTimeout(TimeoutError):
     pass
@@ -126,13 +128,18 @@ class SharedMemoryChannel(Channel):
 
 
 def encode(item: Any, copy: bool = False, shm_min_bytes: int = 64 * 1024) -> bytes:
-    """Bytes for a pipe: small parts pickled inline, large tensors as shared-memory handles."""
+    """Bytes for a pipe: small parts pickled inline, large tensors as shared-memory handles.
+
+    A ``TensorDict`` travels as its plain parts (batch size, device, and a dict of tensors and
+    lists for its non-tensor entries, nested ones alike) and is rebuilt on arrival: pickling the
+    ``TensorDict`` object itself costs about 1 ms a micro-batch, its parts (small tensors as NumPy
+    arrays) a fifth of that.
+    """
     if isinstance(item, Message):
         header = (item.key, item.turn, item.origin)
         return pickle.dumps(("msg", header, encode(item.payload, copy, shm_min_bytes)))
     from multiprocessing.reduction import ForkingPickler
 
-    import torch
     import torch.multiprocessing  # noqa: F401  (registers the shared-memory tensor reductions)
     from tensordict import TensorDictBase
 
@@ -142,17 +149,58 @@ def encode(item: Any, copy: bool = False, shm_min_bytes: int = 64 * 1024) -> byt
         return t if t.is_shared() else t.share_memory_()
 
     if isinstance(item, TensorDictBase):
-        large = [
-            k
-            for k, v in item.items(include_nested=True, leaves_only=True)
-            if isinstance(v, torch.Tensor) and v.numel() * v.element_size() >= shm_min_bytes
-        ]
-        small = pickle.dumps(item.exclude(*large) if large else item)
-        shared = item.select(*large).apply(share) if large else None
-        return bytes(ForkingPickler.dumps(("td", small, shared)))
+        small, large = _parts(item, shm_min_bytes)
+        shared = {k: share(v) for k, v in large.items()}
+        return bytes(ForkingPickler.dumps(("td", pickle.dumps(small), shared)))
     if isinstance(item, torch.Tensor) and item.numel() * item.element_size() >= shm_min_bytes:
         return bytes(ForkingPickler.dumps(("shm", share(item))))
     return pickle.dumps(("obj", item))
+
+
+# dtypes a tensor may cross as a NumPy array (which pickles ~20x faster than the tensor object)
+_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+                 torch.int8, torch.uint8, torch.bool}  # fmt: skip
+
+
+def _parts(td: Any, shm_min_bytes: int, prefix: tuple = ()) -> tuple[dict, dict]:
+    """``(small, large)``: the TensorDict as plain data, with the large tensors set apart (by key
+    path) to travel through shared memory."""
+    from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+
+    entries: dict[str, Any] = {}
+    large: dict[tuple, torch.Tensor] = {}
+    for k, v in td.items():
+        if isinstance(v, NonTensorStack):
+            entries[k] = ("list", v.tolist())
+        elif isinstance(v, NonTensorData):
+            entries[k] = ("data", v.data)
+        elif isinstance(v, TensorDictBase):
+            nested, nested_large = _parts(v, shm_min_bytes, (*prefix, k))
+            entries[k] = ("td", nested)
+            large.update(nested_large)
+        elif v.numel() * v.element_size() >= shm_min_bytes:
+            large[(*prefix, k)] = v
+        elif v.device.type == "cpu" and v.dtype in _NUMPY_DTYPES and not v.requires_grad:
+            entries[k] = ("numpy", v.numpy())
+        else:
+            entries[k] = ("tensor", v)
+    return {"batch_size": tuple(td.batch_size), "device": td.device, "entries": entries}, large
+
+
+def _rebuild(small: dict) -> Any:
+    from tensordict import NonTensorData, TensorDict
+
+    values: dict[str, Any] = {}
+    for k, (kind, v) in small["entries"].items():
+        if kind == "td":
+            values[k] = _rebuild(v)
+        elif kind == "numpy":
+            values[k] = torch.from_numpy(v)
+        elif kind == "data":
+            values[k] = NonTensorData(v)
+        else:
+            values[k] = v  # a tensor, or a list TensorDict stacks into a NonTensorStack
+    return TensorDict(values, batch_size=small["batch_size"], device=small["device"])
 
 
 def decode(data: bytes) -> Any:
@@ -162,8 +210,8 @@ def decode(data: bytes) -> Any:
         return Message(decode(payload), key, turn, origin)
     if kind == "td":
         small, shared = rest
-        td = pickle.loads(small)
-        if shared is not None:
-            td.update(shared)
+        td = _rebuild(pickle.loads(small))
+        for path, t in shared.items():
+            td.set(path, t)
         return td
     return rest[0]

@@ -280,3 +280,30 @@ def test_offloader_spill_file_holds_state_and_leaves_nothing_on_disk(tmp_path):
     off.onload(model, opt)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(torch.equal(a, b) for a, b in zip(saved, moments(), strict=True))
+
+
+@pytest.mark.parametrize("launcher", LAUNCHER_NAMES)
+def test_weights_broadcast_between_groups_equal_the_copied_ones(assets, tmp_path, reference, launcher):
+    """The broadcast sync transport (a process group from the actor's replica to the rollout's;
+    NCCL on GPU, the default there) exercised on CPU with gloo: the same updates as the copy."""
+    from rlinf_lightning.strategies import DisaggregatedStrategy
+
+    class BroadcastingDisaggregated(DisaggregatedStrategy):
+        def plan(self, workflow, resources, batch):
+            plan = super().plan(workflow, resources, batch)
+            plan.sync_transport = "broadcast"
+            return plan
+
+    trainer, _, metrics, weights = _fit(
+        assets,
+        tmp_path,
+        strategy=BroadcastingDisaggregated(),
+        launcher=launcher,
+        ckpt_every=1,
+        trace=str(tmp_path / "t.json"),
+    )
+    ref_metrics, ref_weights = reference
+    for it in range(3):
+        assert _maxdiff(weights[it], ref_weights[it]) <= 1e-4, (launcher, it)
+    kinds = {e["cat"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"}
+    assert {"sync_broadcast", "sync_receive"} <= kinds

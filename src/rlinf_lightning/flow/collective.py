@@ -80,6 +80,67 @@ def init_group(ctx: Any) -> Any:
     return dist.group.WORLD
 
 
+def private_group(rv: Rendezvous, rank: int, size: int, device: str, timeout_s: float) -> Any:
+    """A process group object of its own (not the default group), e.g. between the actor's first
+    replica and the rollout's replicas for a weight broadcast: NCCL on GPU, gloo on CPU."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    if rv.store is not None:
+        store = dist.PrefixStore(rv.name, rv.store)
+    else:
+        store = dist.TCPStore(rv.host, rv.port, size, is_master=rank == 0, timeout=timeout)
+    if backend_for(device) == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+BUCKET_BYTES = 64 * 2**20  # a broadcast moves at most this much at once (one flat buffer per bucket)
+
+
+def buckets(meta: list[tuple[str, tuple, Any]]) -> list[list[int]]:
+    """Indices of ``(name, shape, dtype)`` entries grouped into same-dtype runs of at most
+    ``BUCKET_BYTES`` (an entry larger than that is a bucket of its own). Sender and receivers
+    compute the same buckets from the same list."""
+    import torch
+
+    out: list[list[int]] = []
+    size, dtype = 0, None
+    for i, (_, shape, dt) in enumerate(meta):
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
+        if out and dt == dtype and size + n <= BUCKET_BYTES:
+            out[-1].append(i)
+            size += n
+        else:
+            out.append([i])
+            size, dtype = n, dt
+    return out
+
+
+def broadcast_tensors(group: Any, tensors: list[Any] | None, meta: list[tuple], device: str) -> list[Any]:
+    """Rank 0 sends ``tensors``; every other rank receives tensors shaped as ``meta`` on ``device``.
+    One broadcast per bucket of a flat buffer. Returns the tensors (rank 0: its own)."""
+    import torch
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    out: list[Any] = list(tensors) if tensors is not None else [None] * len(meta)
+    for idx in buckets(meta):
+        shapes = [torch.Size(meta[i][1]) for i in idx]
+        if tensors is not None:
+            flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx]).to(device)
+        else:
+            flat = torch.empty(sum(s.numel() for s in shapes), dtype=meta[idx[0]][2], device=device)
+        group.broadcast([flat], opts).wait()
+        if tensors is None:
+            for i, shape, piece in zip(idx, shapes, flat.split([s.numel() for s in shapes])):
+                out[i] = piece.view(shape)
+    return out
+
+
 def destroy_group(ctx: Any, group: Any) -> None:
     import torch.distributed as dist
 

@@ -56,6 +56,18 @@ class ExecutionPlan:
     slots_per_node: int = 0  # 0: every slot on one node
     accelerator: str = "cpu"  # "cpu" or "cuda": what a slot is
     notes: str = ""
+    # how sync state crosses between groups: "copy" (through the channel: shared memory, Ray's
+    # object store), "broadcast" (a process group from the source's first replica; NCCL on GPU),
+    # or "auto" (broadcast on GPU, copy on CPU)
+    sync_transport: str = "auto"
+
+    @property
+    def broadcasts_sync(self) -> bool:
+        if self.sync_transport not in ("auto", "copy", "broadcast"):
+            raise ValueError(f"sync_transport must be auto, copy or broadcast, got {self.sync_transport!r}")
+        return self.sync_transport == "broadcast" or (
+            self.sync_transport == "auto" and self.accelerator != "cpu"
+        )
 
     def group_of(self, stage: str) -> WorkerGroup:
         for g in self.groups:

@@ -11,6 +11,11 @@ stage on group A (or the driver's input) to a stage on group B:
   ``sticky`` stage, by its ``origin`` for a loop body's answer, by the receiving replica for a sync
   edge (each replica of B gets the state from replica ``b % |A|`` of A).
 
+A sync edge between groups is ``broadcast`` when the plan's ``sync_transport`` says so (the
+default on GPU): only the tensors' names and shapes go through the keyed queues, and A's first
+replica broadcasts the tensors themselves over a process group of its own with B's replicas (NCCL
+on GPU: GPU to GPU, never through the host).
+
 End of iteration: each producer replica marks the end on every queue it may write; a consumer
 replica is done with an edge when it has seen one mark per producer that writes its queue (for a
 ``shared`` queue a producer writes one mark per consumer, so every consumer gets its count).
@@ -42,6 +47,7 @@ class Link:
     mode: Mode
     producers: int
     consumers: int
+    broadcast: bool = False  # a sync edge whose tensors go by broadcast (see the module docstring)
 
     def queue_names(self, parity: int | None = None) -> list[str]:
         """The names of the cross-worker queues a launcher creates for this link (none if local):
@@ -69,6 +75,8 @@ class Link:
         """The consumer replicas that producer ``replica`` hands sync state to."""
         if self.mode == "local":
             return [replica]
+        if self.broadcast:
+            return list(range(self.consumers)) if replica == 0 else []
         return [b for b in range(self.consumers) if b % self.producers == replica]
 
 
@@ -85,7 +93,8 @@ def wire(workflow: Workflow, plan: ExecutionPlan) -> dict[str, Link]:
             mode = "keyed"
         else:
             mode = "shared"
-        links[e.channel] = Link(e, mode, producers, dst.replicas)
+        broadcast = e.kind == "sync" and mode == "keyed" and plan.broadcasts_sync
+        links[e.channel] = Link(e, mode, producers, dst.replicas, broadcast)
     return links
 
 

@@ -29,7 +29,8 @@ IDLE_SLICE_S = 0.002  # how long an idle interleaved worker waits on one input b
 @dataclass
 class Span:
     """One timed call: ``kind`` is ``process`` (a micro-batch), ``end_iteration``, ``sync_state``
-    (gather and send state), ``apply_sync``, ``onload`` or ``offload``."""
+    (gather and send state), ``sync_broadcast`` / ``sync_receive`` (the two ends of a broadcast
+    sync), ``apply_sync``, ``onload`` or ``offload``."""
 
     worker: str
     stage: str
@@ -75,6 +76,7 @@ class Worker:
         timeout_s: longest wait for any input before the iteration fails.
         abort: the run's abort event (set when any worker fails).
         copy_stages: use private copies of the stage objects (replicas that share one process).
+        sync_meet: per broadcast sync edge (channel), where its process group meets.
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class Worker:
         timeout_s: float,
         abort: Any,
         copy_stages: bool = False,
+        sync_meet: dict[str, Any] | None = None,
     ) -> None:
         self.group, self.replica, self.name = group, replica, group.worker_name(replica)
         self.workflow, self.ctx, self.timeout_s = workflow, ctx, timeout_s
@@ -103,6 +106,9 @@ class Worker:
                     ports[ch] = Port(link, queues, replica, local, parity)
         self.ports = self.port_sets[0]
         self.turns = self._turns()
+        self.sync_meet = dict(sync_meet or {})
+        self._sync_groups: dict[str, Any] = {}
+        self._broadcasts: list[tuple[Port, Any]] = []  # (port, state) to broadcast after the turns
 
     # -- what runs when --------------------------------------------------------------------------
     def _turns(self) -> list[list[str]]:
@@ -204,6 +210,7 @@ class Worker:
             self._switch(turn, "onload")
             self._run_turn(turn)
             self._switch(turn, "offload")
+        self._flush_broadcasts()
         self._receive_sync()
         results = {n: (r.metrics, r.samples) for n, r in self._runs.items()}
         spans, self.spans = self.spans, []
@@ -290,23 +297,68 @@ class Worker:
 
     # -- sync edges ------------------------------------------------------------------------------------
     def _send_sync(self, name: str) -> None:
-        """Hand ``name``'s sync state to its targets: the object itself to a stage on this worker,
-        else a host copy (a GPU tensor cannot cross to a worker that does not see its GPU; the
-        receiving stage moves it onto its own device)."""
+        """Hand ``name``'s sync state to its targets: the object itself to a stage on this worker;
+        by broadcast (after this worker's turns, see ``flow.wiring``); else a host copy through the
+        channel (a GPU tensor cannot cross to a worker that does not see its GPU; the receiving
+        stage moves it onto its own device)."""
         for e in self.workflow.edges_of("sync"):
             if e.src == name:
                 state = self._timed(name, "sync_state", self.stages[name].sync_state)
                 port = self.ports[e.channel]
                 targets = port.link.sync_targets(self.replica)
+                if port.link.broadcast:
+                    if targets:
+                        self._broadcasts.append((port, state))
+                    continue
                 if targets and port.link.mode != "local" and state is not None and hasattr(state, "to"):
                     state = state.to("cpu")
                 for target in targets:
                     port.put(Message(state), target=target)
 
+    def _sync_group(self, port: Port) -> Any:
+        """The process group of a broadcast sync edge: the source's replica 0 is rank 0, receiving
+        replica ``b`` is rank ``1 + b``."""
+        channel = port.link.edge.channel
+        if channel not in self._sync_groups:
+            from rlinf_lightning.flow.collective import private_group
+
+            receiving = port.link.edge.dst in self.stages
+            rank = 1 + self.replica if receiving else 0
+            self._sync_groups[channel] = private_group(
+                self.sync_meet[channel], rank, 1 + port.link.consumers, self.ctx.device, self.ctx.timeout_s
+            )
+        return self._sync_groups[channel]
+
+    def _flush_broadcasts(self) -> None:
+        from rlinf_lightning.flow.collective import broadcast_tensors
+
+        for port, state in self._broadcasts:
+            t0 = time.time()
+            names = list(state.keys(include_nested=True, leaves_only=True))
+            tensors = [state.get(k) for k in names]
+            meta = [(k, tuple(t.shape), t.dtype) for k, t in zip(names, tensors)]
+            for target in port.link.sync_targets(self.replica):
+                port.put(Message(meta), target=target)
+            broadcast_tensors(self._sync_group(port), tensors, meta, self.ctx.device)
+            self.spans.append(Span(self.name, port.link.edge.src, "sync_broadcast", t0, time.time()))
+        self._broadcasts = []
+
     def _receive_sync(self) -> None:
+        from tensordict import TensorDict
+
+        from rlinf_lightning.flow.collective import broadcast_tensors
+
         for e in self.workflow.edges_of("sync"):
             if e.dst in self.stages:
-                state = self.ports[e.channel].inbox.get().payload
+                port = self.ports[e.channel]
+                state = port.inbox.get().payload
+                if port.link.broadcast:  # the names and shapes came; the tensors come by broadcast
+                    t0, meta = time.time(), state
+                    tensors = broadcast_tensors(self._sync_group(port), None, meta, self.ctx.device)
+                    state = TensorDict({}, batch_size=[])
+                    for (name, _, _), t in zip(meta, tensors):
+                        state.set(name, t)
+                    self.spans.append(Span(self.name, e.dst, "sync_receive", t0, time.time()))
                 self._switch([e.dst], "onload")
                 self._timed(e.dst, "apply_sync", self.stages[e.dst].apply_sync, e.src, state)
                 self._switch([e.dst], "offload")
@@ -319,4 +371,5 @@ class Worker:
             self._switch([name], "onload")
             self._send_sync(name)
             self._switch([name], "offload")
+        self._flush_broadcasts()
         self._receive_sync()

@@ -64,6 +64,11 @@ class InProcessRuntime(Runtime):
             n: Channel(n, timeout_s, self.abort) for link in self.links.values() for n in link.queue_names()
         }
         meet = {g.name: Rendezvous(g.name, store=dist.HashStore()) for g in plan.groups if g.replicas > 1}
+        sync_meet = {
+            ch: Rendezvous(f"sync:{ch}", store=dist.HashStore())
+            for ch, link in self.links.items()
+            if link.broadcast
+        }
         self.objects: dict[str, Worker] = {}
         for g, r in plan.workers:
             slots = g.replica_slots(r)
@@ -72,7 +77,7 @@ class InProcessRuntime(Runtime):
                 own_process=False, rendezvous=meet.get(g.name), timeout_s=timeout_s,
             )  # fmt: skip
             self.objects[g.worker_name(r)] = Worker(
-                g, r, workflow, self.links, self.queues, ctx, timeout_s, self.abort, copy_stages=True
+                g, r, workflow, self.links, self.queues, ctx, timeout_s, self.abort, True, sync_meet
             )
         self._setup()
 

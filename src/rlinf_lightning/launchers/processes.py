@@ -66,9 +66,16 @@ def build_worker(build: dict[str, Any]) -> Worker:
     ctx: StageContext = build["ctx"]
     torch.set_num_threads(ctx.num_threads or 1)
     return Worker(
-        build["group"], ctx.replica, build["workflow"], build["links"], build["queues"], ctx,
-        build["timeout_s"], build["abort"],
-    )  # fmt: skip
+        build["group"],
+        ctx.replica,
+        build["workflow"],
+        build["links"],
+        build["queues"],
+        ctx,
+        build["timeout_s"],
+        build["abort"],
+        sync_meet=build["sync_meet"],
+    )
 
 
 def worker_failed(build: dict[str, Any], exc: BaseException | None) -> None:
@@ -91,6 +98,11 @@ class ProcessRuntime(Runtime):
         self._backlog: dict[str, deque] = {}
         self.commands = {w: self.mp.Queue() for w in self.workers}
         meet = {g.name: Rendezvous(g.name, "127.0.0.1", free_port()) for g in plan.groups if g.replicas > 1}
+        sync_meet = {
+            ch: Rendezvous(f"sync:{ch}", "127.0.0.1", free_port())
+            for ch, link in self.links.items()
+            if link.broadcast
+        }
         self.procs: dict[str, Any] = {}
         for g, r in plan.workers:
             name, slots = g.worker_name(r), g.replica_slots(r)
@@ -111,6 +123,7 @@ class ProcessRuntime(Runtime):
                 ),  # fmt: skip
                 "timeout_s": timeout_s,
                 "abort": self.abort,
+                "sync_meet": sync_meet,
                 "visible_devices": None if plan.accelerator == "cpu" else plan.visible_devices(slots),
             }
             p = self.mp.Process(

@@ -78,9 +78,10 @@ class _RayWorker:
         host = node_address()
         return host, free_port(host)
 
-    def start(self, rendezvous: Rendezvous | None) -> None:
+    def start(self, rendezvous: Rendezvous | None, sync_meet: dict[str, Rendezvous]) -> None:
         build = self.build
         build["ctx"].rendezvous = rendezvous
+        build["sync_meet"] = sync_meet
         for ch in build["queues"].values():
             ch.abort = self.abort_event
         build["abort"] = self.abort_event
@@ -122,6 +123,7 @@ class RayRuntime(Runtime):
             n: RayChannel(n, timeout_s) for link in self.links.values() for n in link.queue_names()
         }
         self.actors: dict[str, Any] = {}
+        self._group_name = {g.worker_name(r): g.name for g, r in plan.workers}
         self.placement_groups: list[Any] = []
         try:
             bundles = self._place()
@@ -163,8 +165,15 @@ class RayRuntime(Runtime):
                 if g.replicas > 1:
                     host, port = ray.get(self.actors[g.worker_name(0)].address.remote(), timeout=timeout_s)
                     meet[g.name] = Rendezvous(g.name, host, port)
-            starts = {g.worker_name(r): self.actors[g.worker_name(r)].start.remote(meet.get(g.name))
-                      for g, r in plan.workers}  # fmt: skip
+            sync_meet: dict[str, Rendezvous] = {}  # hosted by the sending group's first replica
+            for ch, link in self.links.items():
+                if link.broadcast:
+                    sender = self.actors[plan.group_of(link.edge.src).worker_name(0)]
+                    host, port = ray.get(sender.address.remote(), timeout=timeout_s)
+                    sync_meet[ch] = Rendezvous(f"sync:{ch}", host, port)
+            starts = {
+                w: a.start.remote(meet.get(self._group_name[w]), sync_meet) for w, a in self.actors.items()
+            }
             self._wait(starts, max(timeout_s, 120.0))
         except BaseException:
             self._close()

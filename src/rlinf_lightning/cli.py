@@ -105,6 +105,7 @@ def build_parser() -> ArgumentParser:
 def list_plugins() -> None:
     from rlinf_lightning.algorithms import ALGORITHMS
     from rlinf_lightning.engines import ROLLOUT_ENGINES, TRAIN_ENGINES
+    from rlinf_lightning.envs import ENVS
     from rlinf_lightning.launchers import LAUNCHERS
     from rlinf_lightning.registry import installed_plugins, plugin_errors
     from rlinf_lightning.rewards import REWARDS
@@ -114,7 +115,7 @@ def list_plugins() -> None:
     print("installed plugins:", ", ".join(f"{n} ({d})" for n, d in plugins) or "none")
     for name, err in plugin_errors().items():
         print(f"  plugin {name} failed to load: {err}")
-    for reg in (STRATEGIES, LAUNCHERS, ROLLOUT_ENGINES, TRAIN_ENGINES, ALGORITHMS, REWARDS):
+    for reg in (STRATEGIES, LAUNCHERS, ROLLOUT_ENGINES, TRAIN_ENGINES, ALGORITHMS, REWARDS, ENVS):
         print(f"{reg.kind}:")
         for name, origin, desc in reg.describe():
             print(f"  {name:<20} {origin:<22} {desc}")

@@ -1,0 +1,110 @@
+"""Any gymnasium environment id as an :class:`~rlinf_lightning.envs.base.EnvBatch`.
+
+``gymnasium.make_vec`` in the same process (``sync``), auto-reset in the same step (gymnasium's
+``SAME_STEP`` mode: the final observation comes in ``info["final_obs"]``). Ids of
+gymnasium-robotics (``FetchReachDense-v4``, ...) are registered on first use when the package is
+installed. Dict observations become one entry per key; images stay uint8.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from rlinf_lightning.envs.base import EnvBatch, Step
+
+
+def _ensure_registered(env_id: str) -> None:
+    import gymnasium as gym
+
+    if env_id in gym.registry:
+        return
+    try:
+        import gymnasium_robotics
+
+        gym.register_envs(gymnasium_robotics)
+    except ImportError:
+        pass
+    if env_id not in gym.registry:
+        import difflib
+
+        close = difflib.get_close_matches(env_id, list(gym.registry), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise KeyError(f"unknown env {env_id!r}: not registered with rlinf_lightning nor gymnasium{hint}")
+
+
+def _tensor(x: np.ndarray) -> torch.Tensor:
+    t = torch.as_tensor(np.asarray(x))
+    return t if t.dtype == torch.uint8 else t.to(torch.float32)
+
+
+def to_tensordict(obs: Any, n: int) -> TensorDict:
+    """A gymnasium vector observation (array or dict of arrays) as a ``TensorDict`` of batch ``[n]``."""
+    if isinstance(obs, dict):
+        return TensorDict({k: _tensor(v) for k, v in obs.items()}, batch_size=[n])
+    return TensorDict({"observation": _tensor(obs)}, batch_size=[n])
+
+
+class GymEnvBatch(EnvBatch):
+    """``num_envs`` copies of the gymnasium env ``env_id`` (keyword arguments go to ``gym.make``)."""
+
+    def __init__(self, env_id: str, num_envs: int, **kwargs: Any) -> None:
+        import gymnasium as gym
+
+        _ensure_registered(env_id)
+        self.env = gym.make_vec(
+            env_id,
+            num_envs=num_envs,
+            vectorization_mode="sync",
+            vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+            **kwargs,
+        )
+        space = self.env.single_action_space
+        if not isinstance(space, gym.spaces.Box):
+            raise ValueError(
+                f"env {env_id!r}: only continuous (Box) action spaces are supported, got {space}"
+            )
+        self.num_envs = num_envs
+        self.action_shape = tuple(space.shape)
+        self.action_low = torch.as_tensor(space.low, dtype=torch.float32)
+        self.action_high = torch.as_tensor(space.high, dtype=torch.float32)
+        spec = self.env.spec
+        self.max_episode_steps = spec.max_episode_steps if spec is not None else None
+
+    def reset(self, seed: int) -> TensorDict:
+        obs, _ = self.env.reset(seed=[seed + i for i in range(self.num_envs)])
+        return to_tensordict(obs, self.num_envs)
+
+    def step(self, actions: torch.Tensor) -> Step:
+        obs, reward, terminated, truncated, info = self.env.step(actions.detach().cpu().numpy())
+        n = self.num_envs
+        done = np.logical_or(terminated, truncated)
+        success = np.full(n, np.nan, dtype=np.float32)
+        if "is_success" in info:
+            success[info["_is_success"]] = info["is_success"][info["_is_success"]]
+        final_obs = None
+        if done.any():
+            final_info = info.get("final_info", {})
+            if "is_success" in final_info:
+                rows = final_info["_is_success"]
+                success[rows] = final_info["is_success"][rows]
+            final = to_tensordict(obs, n).clone()
+            for i in np.flatnonzero(done):  # info["final_obs"]: one object per env, set where it ended
+                last = info["final_obs"][i]
+                for key, value in last.items() if isinstance(last, dict) else [("observation", last)]:
+                    final[key][int(i)] = _tensor(value)
+            final_obs = final
+        return Step(
+            obs=to_tensordict(obs, n),
+            reward=torch.as_tensor(reward, dtype=torch.float32),
+            terminated=torch.as_tensor(terminated, dtype=torch.bool),
+            truncated=torch.as_tensor(truncated, dtype=torch.bool),
+            success=torch.as_tensor(success),
+            final_obs=final_obs,
+        )
+
+    def close(self) -> None:
+        self.env.close()

@@ -82,3 +82,58 @@ def test_registry_resolves_names_and_objects():
     assert ALGORITHMS.resolve(mine) is mine
     with pytest.raises(KeyError, match="Did you mean 'grpo'"):
         ALGORITHMS.get("grp")
+
+
+# -- PPO: GAE, dual clip, clipped value loss, by hand ------------------------------------------------
+
+
+def test_gae_bootstraps_on_truncation_and_not_on_termination():
+    from rlinf_lightning.algorithms.advantages import gae
+
+    # one env, three steps: step 0 truncated (a time limit), step 1 terminated, step 2 runs on
+    r = torch.tensor([[1.0, 2.0, 3.0]])
+    v = torch.tensor([[0.5, 0.25, 1.0]])
+    term = torch.tensor([[False, True, False]])
+    trunc = torch.tensor([[True, False, False]])
+    final_v = torch.tensor([[4.0, 9.0, 9.0]])  # V of the truncated episode's last observation
+    next_v = torch.tensor([2.0])
+    g, lam = 0.9, 0.5
+    adv, ret = gae(r, v, term, trunc, final_v, next_v, gamma=g, lam=lam)
+    a2 = 3.0 + g * 2.0 - 1.0  # bootstraps from next_value
+    a1 = 2.0 + g * 0.0 - 0.25  # terminal: no bootstrap, and the recursion restarts
+    a0 = 1.0 + g * 4.0 - 0.5  # truncated: bootstrap from V(final obs), recursion restarts
+    assert torch.allclose(adv, torch.tensor([[a0, a1, a2]]))
+    assert torch.allclose(ret, adv + v)
+    # without episode ends, the lambda-return recursion chains the deltas
+    none = torch.zeros_like(term)
+    adv, _ = gae(r, v, none, none, final_v, next_v, gamma=g, lam=lam)
+    d = [1.0 + g * 0.25 - 0.5, 2.0 + g * 1.0 - 0.25, 3.0 + g * 2.0 - 1.0]
+    expected = [d[0] + g * lam * (d[1] + g * lam * d[2]), d[1] + g * lam * d[2], d[2]]
+    assert torch.allclose(adv, torch.tensor([expected]))
+
+
+def test_ppo_dual_clip_caps_the_loss_on_negative_advantages():
+    from rlinf_lightning.algorithms.losses import ppo_clip_per_token
+
+    logp = torch.log(torch.tensor([5.0, 5.0, 0.5]))  # ratios 5, 5, 0.5 against old log-prob 0
+    adv = torch.tensor([-1.0, 1.0, -1.0])
+    loss, clipped = ppo_clip_per_token(logp, torch.zeros(3), adv, clip_low=0.2, clip_high=0.2)
+    assert torch.allclose(loss, torch.tensor([5.0, -1.2, 0.8]))  # -min(rA, clip(r)A)
+    loss, clipped = ppo_clip_per_token(logp, torch.zeros(3), adv, clip_low=0.2, clip_high=0.2, dual_clip=3.0)
+    assert torch.allclose(loss, torch.tensor([3.0, -1.2, 0.8]))  # 5 capped at -3 * A = 3
+    assert clipped.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_ppo_loss_sums_clipped_value_and_entropy_terms():
+    from rlinf_lightning.algorithms import PPO
+
+    algo = PPO(clip_eps=0.2, value_clip=0.5, vf_coef=0.5, ent_coef=0.1)
+    logp, old = torch.tensor([0.0, 0.0]), torch.tensor([0.0, 0.0])
+    adv = torch.tensor([1.0, -2.0])
+    values, old_values, returns = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0]), torch.tensor([1.0, 1.0])
+    entropy = torch.tensor([1.0, 3.0])
+    loss_sum, count, m = algo.loss(logp, old, adv, values, old_values, returns, entropy)
+    # pg: ratio 1 -> -A; value: max((2-1)^2, (0.5-1)^2)/2 = 0.5 and max(1, 1)/2 = 0.5; entropy bonus
+    expected = (-1.0 + 0.5 * 0.5 - 0.1 * 1.0) + (2.0 + 0.5 * 0.5 - 0.1 * 3.0)
+    assert torch.isclose(loss_sum, torch.tensor(expected)) and float(count) == 2.0
+    assert float(m["value_loss"]) == 0.5 and float(m["entropy"]) == 2.0

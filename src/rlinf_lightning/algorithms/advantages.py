@@ -27,3 +27,40 @@ def group_normalized_advantages(
     std = (sq / (counts - 1)).sqrt()
     adv = centred / (std[inverse] + eps) if scale_std else centred
     return adv.to(rewards.dtype)
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    terminated: torch.Tensor,
+    truncated: torch.Tensor,
+    final_values: torch.Tensor,
+    next_value: torch.Tensor,
+    *,
+    gamma: float = 0.99,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over ``[N, T]`` trajectories; returns ``(advantages, returns)``.
+
+    Step ``t`` ends an episode when ``terminated`` (bootstrap 0: nothing follows a terminal state)
+    or ``truncated`` (bootstrap ``gamma * final_values[:, t]``, the value of the episode's last
+    observation, since a time limit is not the end of the task); the recursion restarts after
+    either. Otherwise the next state's value is ``values[:, t + 1]``, or ``next_value`` after the
+    last step::
+
+        delta_t = r_t + gamma * V(s_{t+1}) - V(s_t)
+        A_t     = delta_t + gamma * lam * (1 - done_t) * A_{t+1}
+        R_t     = A_t + V(s_t)
+    """
+    n, t_len = rewards.shape
+    advantages = torch.zeros_like(rewards)
+    following = torch.zeros(n, dtype=rewards.dtype)
+    for t in reversed(range(t_len)):
+        next_v = next_value if t == t_len - 1 else values[:, t + 1]
+        done = terminated[:, t] | truncated[:, t]
+        bootstrap = torch.where(truncated[:, t], final_values[:, t], next_v)
+        bootstrap = torch.where(terminated[:, t], torch.zeros_like(bootstrap), bootstrap)
+        delta = rewards[:, t] + gamma * bootstrap - values[:, t]
+        following = delta + gamma * lam * (~done).to(rewards.dtype) * following
+        advantages[:, t] = following
+    return advantages, advantages + values

@@ -23,16 +23,37 @@ def ppo_clip_per_token(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
+    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate ``-min(rA, clip(r, 1-lo, 1+hi)A)`` per token; also whether it clipped.
 
     ``advantages`` broadcasts against ``logprobs`` (e.g. ``[B, 1]`` sequence-level advantages).
+    ``dual_clip`` (Ye et al., 2020; > 1, e.g. 3.0) also caps the loss at ``-dual_clip * A`` where
+    the advantage is negative, so a huge ratio on a bad action cannot blow the update up.
     """
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
-    return loss, (clipped < unclipped).to(logprobs.dtype)
+    was_clipped = clipped < unclipped
+    if dual_clip is not None:
+        capped = torch.minimum(loss, -dual_clip * advantages)
+        negative = advantages < 0
+        was_clipped = was_clipped | (negative & (capped < loss))
+        loss = torch.where(negative, capped, loss)
+    return loss, was_clipped.to(logprobs.dtype)
+
+
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None
+) -> torch.Tensor:
+    """``0.5 * max((V - R)^2, (V_clipped - R)^2)`` with ``V_clipped = V_old + clip(V - V_old, +-clip)``
+    (no clipping when ``clip`` is ``None``)."""
+    loss = (values - returns) ** 2
+    if clip is not None:
+        v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+        loss = torch.maximum(loss, (v_clipped - returns) ** 2)
+    return 0.5 * loss
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,6 @@ group took it. The actor trains and is checkpointed (role ``train``); the rollou
 from __future__ import annotations
 
 import copy
-import inspect
 from typing import Any
 
 import torch
@@ -20,12 +19,12 @@ from tensordict import TensorDict
 
 from rlinf_lightning.engines.offload import Offloader
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, Completion, SamplingParams
-from rlinf_lightning.engines.train import TRAIN_ENGINES, build_train_engine, resolve_train_engine
 from rlinf_lightning.evaluation import greedy_accuracy
 from rlinf_lightning.flow.stage import Stage, StageContext
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.rewards import REWARDS
+from rlinf_lightning.workflows.training import TrainStage
 
 
 def pack_samples(
@@ -247,7 +246,7 @@ class PolicyLoss:
         )
 
 
-class ActorStage(Stage):
+class ActorStage(TrainStage):
     """Accumulates the policy-loss gradient over micro-batches; one optimizer step per iteration.
 
     Every replica of the group hosting it is a rank of its train engine (``train_strategy``).
@@ -265,41 +264,14 @@ class ActorStage(Stage):
         train_micro_batch_size: int | None,
         train_engine_options: dict[str, Any] | None = None,
     ) -> None:
-        self.policy, self.algorithm, self.train_strategy = policy, algorithm, train_strategy
-        self.train_engine_options = dict(train_engine_options or {})
-        self.temperature, self.train_micro_batch_size = temperature, train_micro_batch_size
-
-    def check_placement(self, replicas: int, own_process: bool) -> list[tuple[str, str]]:
-        name = resolve_train_engine(self.train_strategy, replicas)
-        accepted = sorted(inspect.signature(TRAIN_ENGINES.get(name)).parameters)
-        unknown = sorted(set(self.train_engine_options) - set(accepted))
-        if unknown:
-            return [
-                (
-                    f"trainer.train_engine_options.{key}",
-                    f"train engine {name!r} (on {replicas} replica(s)) takes no option {key!r}; "
-                    f"it takes {accepted or 'none'}",
-                )
-                for key in unknown
-            ]
-        try:
-            engine = build_train_engine(self.train_strategy, replicas, self.train_engine_options)
-        except (TypeError, ValueError) as exc:
-            return [("trainer.train_engine_options", str(exc))]
-        problem = engine.check(replicas, own_process)
-        return [problem] if problem else []
+        super().__init__(policy, train_strategy, train_engine_options)
+        self.algorithm, self.temperature = algorithm, temperature
+        self.train_micro_batch_size = train_micro_batch_size
 
     def setup(self, ctx: StageContext) -> None:
-        self.ctx = ctx
-        self.engine = build_train_engine(self.train_strategy, ctx.replicas, self.train_engine_options)
+        super().setup(ctx)
         self.loss = PolicyLoss(self.algorithm, self.temperature)
-        self.engine.setup(copy.deepcopy(self.policy), ctx)
         self.stats = _Mean()
-
-    def engine_info(self) -> dict[str, Any]:
-        """Which engine trains here, and this replica's rank among how many."""
-        name = resolve_train_engine(self.train_strategy, self.ctx.replicas)
-        return {"engine": name, "rank": self.ctx.replica, "world_size": self.ctx.replicas}
 
     def process(self, batch: TensorDict) -> None:
         for chunk in batch.split(self.train_micro_batch_size or len(batch)):
@@ -309,48 +281,6 @@ class ActorStage(Stage):
 
     def end_iteration(self) -> dict[str, float]:
         return {**self.stats.pop(), **self.engine.step()}
-
-    def sync_state(self) -> TensorDict:
-        return TensorDict(dict(self.engine.named_weights()), batch_size=[])
-
-    def onload(self) -> None:
-        self.engine.onload()
-
-    def offload(self) -> None:
-        self.engine.offload()
-
-    def teardown(self) -> None:
-        self.engine.shutdown()
-
-    @property
-    def sharded(self) -> bool:
-        """Whether the engine checkpoints as ``torch.distributed.checkpoint`` shards."""
-        return hasattr(self.engine, "save_sharded")
-
-    def state_dict(self) -> dict[str, Any]:
-        """The full state on replica 0 (the others return ``{}``, or join the gather if sharded)."""
-        if self.sharded:  # full weights for export (a collective); the optimizer lives in the shards
-            weights = dict(self.engine.named_weights())
-            return {"model": weights, "optimizer": None} if self.ctx.replica == 0 else {}
-        return self.engine.state_dict() if self.ctx.replica == 0 else {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.engine.load_state_dict(state)
-
-    def save_sharded(self, path: str) -> bool:
-        """Write the engine's shards under ``path``; False when the engine is not sharded."""
-        if not self.sharded:
-            return False
-        self.engine.save_sharded(path)
-        return True
-
-    def load_sharded(self, path: str) -> None:
-        if not self.sharded:
-            raise ValueError(
-                f"checkpoint {path} holds sharded train state; resume it with trainer.train_strategy "
-                "fsdp (any number of devices)"
-            )
-        self.engine.load_sharded(path)
 
 
 def reasoning_workflow(

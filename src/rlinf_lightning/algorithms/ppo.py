@@ -1,0 +1,101 @@
+"""PPO (Schulman et al., 2017) for actor-critic policies: GAE advantages, clipped surrogate with an
+optional dual clip, clipped value loss, entropy bonus.
+
+One update, as the embodied workflow runs it (``workflows/embodied.py``):
+
+1. the env and rollout stages collect ``T`` steps of every env (actions, log-probs, values,
+   rewards, terminations, truncations with the value of the final observation);
+2. ``AdvantageStage`` -> :meth:`PPO.compute_advantages` (:func:`algorithms.advantages.gae`);
+3. ``PPOActorStage.end_iteration``: advantages normalised over the whole batch, then
+   ``update_epochs`` passes over ``num_minibatches`` minibatches, each an optimizer step on
+   :meth:`PPO.loss` (``policy.evaluate`` gives new log-probs, entropy and values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlinf_lightning.algorithms.advantages import gae
+from rlinf_lightning.algorithms.losses import clipped_value_loss, ppo_clip_per_token
+
+
+@dataclass
+class PPO:
+    """Proximal Policy Optimization with a learned value function.
+
+    Args:
+        gamma: discount.
+        gae_lambda: GAE's lambda.
+        clip_eps: ratio clip below 1 (and above, unless ``clip_eps_high``).
+        clip_eps_high: ratio clip above 1 (``None``: ``clip_eps``).
+        dual_clip: cap of the loss on negative advantages (``None`` disables; RLinf uses 3.0).
+        value_clip: clip of the value update around the rollout's values (``None`` disables).
+        vf_coef: weight of the value loss.
+        ent_coef: weight of the entropy bonus.
+        update_epochs: passes over the iteration's samples.
+        num_minibatches: optimizer steps per pass.
+        norm_adv: normalise advantages over the iteration's batch.
+    """
+
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    dual_clip: float | None = None
+    value_clip: float | None = 0.2
+    vf_coef: float = 0.5
+    ent_coef: float = 0.0
+    update_epochs: int = 4
+    num_minibatches: int = 4
+    norm_adv: bool = True
+
+    needs_reference = False
+
+    def compute_advantages(
+        self,
+        rewards: torch.Tensor,
+        values: torch.Tensor,
+        terminated: torch.Tensor,
+        truncated: torch.Tensor,
+        final_values: torch.Tensor,
+        next_value: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return gae(
+            rewards,
+            values,
+            terminated,
+            truncated,
+            final_values,
+            next_value,
+            gamma=self.gamma,
+            lam=self.gae_lambda,
+        )
+
+    def loss(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        values: torch.Tensor,
+        old_values: torch.Tensor,
+        returns: torch.Tensor,
+        entropy: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """``(loss_sum, count, metrics)`` over a minibatch of samples (all tensors ``[B]``)."""
+        hi = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+        pg, clipped = ppo_clip_per_token(
+            logprobs, old_logprobs, advantages, clip_low=self.clip_eps, clip_high=hi, dual_clip=self.dual_clip
+        )
+        v_loss = clipped_value_loss(values, old_values, returns, self.value_clip)
+        per_sample = pg + self.vf_coef * v_loss - self.ent_coef * entropy
+        log_ratio = (logprobs - old_logprobs).detach()
+        metrics = {
+            "pg_loss": pg.detach().mean(),
+            "value_loss": v_loss.detach().mean(),
+            "entropy": entropy.detach().mean(),
+            "clip_frac": clipped.mean(),
+            "approx_kl": ((log_ratio.exp() - 1) - log_ratio).mean(),
+        }
+        return per_sample.sum(), torch.tensor(float(len(per_sample))), metrics

@@ -33,8 +33,18 @@ class Callback:
     def on_exception(self, trainer: RLTrainer, exception: BaseException) -> None: ...
 
 
+# What the progress line shows, when the workflow reports it (math: reward and accuracy; embodied:
+# episode return and success rate of the episodes that ended in the iteration).
+HEADLINE = {
+    "reward/reward": "reward",
+    "reward/accuracy": "acc",
+    "env/return": "return",
+    "env/success": "success",
+}
+
+
 class ProgressBar(Callback):
-    """One live line per iteration: reward, accuracy, seconds per stage, throughput.
+    """One live line per iteration: the headline metrics, seconds per stage, throughput.
 
     Uses ``rich`` for colour on a terminal and plain text elsewhere (CI logs, files).
     """
@@ -56,12 +66,14 @@ class ProgressBar(Callback):
             for k, v in metrics.items()
             if k.startswith("time/") and k != "time/iteration"
         )
+        head = "".join(
+            f"  {name} [green]{metrics[k]:.3f}[/green]" for k, name in HEADLINE.items() if k in metrics
+        )
         self.console.print(
-            f"[bold]it {iteration:>4}/{trainer.max_iterations}[/bold]"
-            f"  reward [green]{metrics.get('reward/reward', float('nan')):.3f}[/green]"
-            f"  acc [green]{metrics.get('reward/accuracy', float('nan')):.3f}[/green]"
+            f"[bold]it {iteration:>4}/{trainer.max_iterations}[/bold]{head}"
             f"  | {stage_s} | {metrics.get('perf/samples_per_s', 0):.0f} samples/s"
         )
 
     def on_evaluation_end(self, trainer, iteration, accuracy) -> None:
-        self.console.print(f"[cyan]eval @ it {iteration}: held-out accuracy {accuracy:.3f}[/cyan]")
+        metric = getattr(trainer, "eval_metric", "accuracy")
+        self.console.print(f"[cyan]eval @ it {iteration}: held-out {metric} {accuracy:.3f}[/cyan]")

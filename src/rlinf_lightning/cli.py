@@ -6,8 +6,9 @@
     rlinf fit --config configs/math_grpo_tiny.yaml --print_config
     rlinf plugins                                   # what is registered, built-in and from plugins
 
-Every constructor argument of ``RLTrainer``, ``LMPolicy`` and ``MathTask`` is a config key under
-``trainer.``, ``policy.`` and ``task.``; unknown keys and wrong types are rejected by name.
+Every constructor argument of ``RLTrainer`` is a config key under ``trainer.``; ``policy`` and
+``task`` take a ``class_path`` (any ``RLModule`` / ``Task``; default ``LMPolicy`` / ``MathTask``) and
+its constructor's arguments. Unknown keys and wrong types are rejected by name.
 """
 
 from __future__ import annotations
@@ -66,15 +67,17 @@ def prepare(
 
 
 def _fit_parser() -> ArgumentParser:
-    from rlinf_lightning.policies.lm import LMPolicy
-    from rlinf_lightning.tasks.math import MathTask
+    from rlinf_lightning.policies.module import RLModule
+    from rlinf_lightning.tasks.base import Task
     from rlinf_lightning.trainer import RLTrainer
 
     p = ArgumentParser(description="Train a policy with RL.", allow_abbrev=False)
     p.add_argument("--config", action=ActionConfigFile, help="YAML config file")
     p.add_class_arguments(RLTrainer, "trainer")
-    p.add_class_arguments(LMPolicy, "policy")
-    p.add_class_arguments(MathTask, "task")
+    # LightningCLI's subclass mode: `class_path` picks any RLModule / Task (a user's own too); a
+    # section without one keeps the math recipe's classes, so older configs stay valid
+    p.add_subclass_arguments(RLModule, "policy", default={"class_path": "rlinf_lightning.policies.LMPolicy"})
+    p.add_subclass_arguments(Task, "task", default={"class_path": "rlinf_lightning.tasks.MathTask"})
     p.add_argument(
         "--ckpt_path", type=str | None, default=None, help='checkpoint directory or "last" to resume'
     )

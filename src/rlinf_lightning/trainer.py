@@ -29,7 +29,7 @@ from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.trace import write_chrome_trace
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers import LAUNCHERS
-from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
+from rlinf_lightning.strategies import STRATEGIES, Resources
 
 LoggerSpec = (
     Any  # True/False, "csv" | "wandb" | "tensorboard", a {class_path, init_args} dict, a Logger, or a list
@@ -229,7 +229,7 @@ class RLTrainer:
         if accelerator == "auto":
             accelerator = "cuda" if torch.cuda.is_available() else "cpu"
         resources = Resources(self.devices, self.num_nodes, accelerator, self.num_threads)
-        batch = BatchShape(self.rollout_batch_size, self.group_size, self.micro_batch_size)
+        batch = task.batch_shape(self)
         plan = STRATEGIES.resolve(instantiate(self.strategy)).plan(workflow, resources, batch)
         plan.validate(workflow, len(resources.slots))
         return workflow, plan
@@ -279,6 +279,7 @@ class RLTrainer:
         self.loggers = self._build_loggers()
 
         workflow, self.plan = self._build_plan(policy, task)
+        samples_per_iteration = task.batch_shape(self).rollout_batch_size
         print(self.plan.describe(), flush=True)
         for lg in self.loggers:
             lg.log_hyperparams(self.hparams(policy, task))
@@ -317,12 +318,12 @@ class RLTrainer:
                 stage_metrics = runtime.finish_iteration()
                 dt = time.perf_counter() - t_ready
                 t_ready += dt
-                samples += self.rollout_batch_size
+                samples += samples_per_iteration
                 train_s += dt
                 metrics = {f"{st}/{k}": v for st, m in stage_metrics.items() for k, v in m.items()}
                 metrics.update(self._stage_seconds(runtime))
                 metrics["time/iteration"] = dt
-                metrics["perf/samples_per_s"] = self.rollout_batch_size / dt
+                metrics["perf/samples_per_s"] = samples_per_iteration / dt
                 self._log(metrics, it)
                 self._call("on_iteration_end", it, metrics)
                 if self.eval_every and it % self.eval_every == 0 and it != self.max_iterations:
@@ -361,6 +362,8 @@ class RLTrainer:
         summary = {
             f"eval_{head}_before": history[0][head],
             f"eval_{head}_after": history[-1][head],
+            f"{head}_before": history[0][head],
+            f"{head}_after": history[-1][head],
             **{f"eval_{k}": v for k, v in extras.items()},
             "eval_history": history,
             "iterations": self.max_iterations,
@@ -394,6 +397,7 @@ class RLTrainer:
         return self.default_root_dir / "checkpoints"
 
     def _evaluate(self, runtime: Any, task: Any, it: int) -> dict[str, float]:
+        self.eval_metric = task.eval_metric
         metrics = task.evaluate(runtime)
         self._log({f"eval/{k}": v for k, v in metrics.items()}, it)
         self._call("on_evaluation_end", it, metrics[task.eval_metric])

@@ -172,6 +172,9 @@ class Workflow:
 
         for n in self.stages:
             visit(n, ())
+        for lp in self.loops:  # a loop's body right after its head (it works in the head's turn)
+            out.remove(lp.body)
+            out.insert(out.index(lp.head) + 1, lp.body)
         return out
 
     def validate(self) -> None:

@@ -13,7 +13,12 @@ class RLModule(torch.nn.Module):
 
     Like a ``LightningModule``: construct it cheaply with hyper-parameters only (it is pickled to
     the workers that need it), build the network in :meth:`configure_model` (called on the worker),
-    and return the optimizer from :meth:`configure_optimizers`.
+    and return the optimizer from :meth:`configure_optimizers`. Everything that trains lives in
+    ``self.model`` (the train engines step it and sync its parameters to the rollout).
+
+    A language-model policy implements :meth:`forward_logprobs`; an embodied actor-critic
+    implements ``act(obs, deterministic, generator) -> TensorDict(action, logprob, value)``,
+    ``value(obs)`` and ``evaluate(batch) -> (logprob, entropy, value)`` (see ``MLPActorCritic``).
     """
 
     def __init__(self) -> None:
@@ -28,9 +33,9 @@ class RLModule(torch.nn.Module):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """Return the optimizer for the parameters this module trains."""
 
-    @abstractmethod
     def forward_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
         """Log-probs ``[B, T]`` of the batch's response tokens under the current parameters."""
+        raise NotImplementedError(f"{type(self).__name__} is not a language-model policy")
 
     def log(self, name: str, value: float | torch.Tensor) -> None:
         """Record a scalar; the trainer sends it to the loggers with the iteration's metrics."""

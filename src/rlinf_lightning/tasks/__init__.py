@@ -2,6 +2,15 @@
 
 from rlinf_lightning.tasks.base import Task
 from rlinf_lightning.tasks.data import DataFormatError, Problem, generate_arithmetic, load_problems
+from rlinf_lightning.tasks.embodied import EmbodiedTask
 from rlinf_lightning.tasks.math import MathTask
 
-__all__ = ["DataFormatError", "MathTask", "Problem", "Task", "generate_arithmetic", "load_problems"]
+__all__ = [
+    "DataFormatError",
+    "EmbodiedTask",
+    "MathTask",
+    "Problem",
+    "Task",
+    "generate_arithmetic",
+    "load_problems",
+]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from tensordict import TensorDict
 
 from rlinf_lightning.flow.workflow import Workflow
+from rlinf_lightning.strategies.base import BatchShape
 
 if TYPE_CHECKING:
     from rlinf_lightning.launchers.base import Runtime
@@ -29,6 +30,12 @@ class Task:
     def validate_config(self) -> list[tuple[str, str]]:
         """``(key, problem)`` pairs found without loading anything heavy; empty when fine."""
         return []
+
+    def batch_shape(self, trainer: RLTrainer) -> BatchShape:
+        """Samples per iteration, the indivisible unit of a micro-batch, and a requested micro-batch
+        size: what strategies cut into micro-batches. Default: the trainer's
+        ``rollout_batch_size``, ``group_size`` and ``micro_batch_size``."""
+        return BatchShape(trainer.rollout_batch_size, trainer.group_size, trainer.micro_batch_size)
 
     def build_workflow(self, policy: Any, trainer: RLTrainer) -> Workflow:
         """The stages (built from configuration only) and channels this task trains with; the

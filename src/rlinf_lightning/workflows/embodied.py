@@ -1,0 +1,395 @@
+"""The embodied-RL macro flow (PPO over simulated environments) as stages:
+
+    env shards -> env <-> rollout (a loop: steps + 1 turns) -> advantage -> actor   (stream)
+    actor ==weights==> rollout                                                     (sync)
+
+Each input micro-batch names a shard of the envs. The env stage owns its shards' simulators (it is
+``sticky``: shard ``k`` always lands on the same replica) and sends their observations round the
+loop; the rollout stage answers with actions, log-probs and values; the env steps. After ``steps``
+steps, one more turn values the last observation (GAE's bootstrap), and the shard's trajectory goes
+downstream. Episodes run on across iterations. The rollout draws each env's action noise from a
+generator seeded by ``(seed, env id, global step)``, so the trajectories do not depend on how the
+plan cut the envs into shards or placed them.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from rlinf_lightning.engines.rollout import row_seed
+from rlinf_lightning.envs import EnvBatch, make_env
+from rlinf_lightning.flow.stage import Stage, StageContext
+from rlinf_lightning.policies.module import RLModule
+from rlinf_lightning.workflows.training import TrainStage
+
+
+@dataclass
+class _Shard:
+    """One shard's envs and the trajectory being collected this iteration."""
+
+    env: EnvBatch
+    shard: int
+    first_env: int
+    obs: TensorDict
+    final_obs: TensorDict | None = None
+    t: int = 0
+    steps: dict[str, list[torch.Tensor | TensorDict]] = field(default_factory=dict)
+    episode_return: torch.Tensor | None = None
+    episode_length: torch.Tensor | None = None
+
+
+class _Episodes:
+    """Success, return and length of the episodes that ended this iteration."""
+
+    def __init__(self) -> None:
+        self.success: list[torch.Tensor] = []
+        self.returns: list[torch.Tensor] = []
+        self.lengths: list[torch.Tensor] = []
+
+    def metrics(self) -> dict[str, float]:
+        if not self.returns:
+            return {"episodes": 0.0}
+        success = torch.cat(self.success)
+        out = {
+            "episodes": float(len(success)),
+            "return": float(torch.cat(self.returns).mean()),
+            "length": float(torch.cat(self.lengths).float().mean()),
+        }
+        if not torch.isnan(success).all():
+            out["success"] = float(success[~torch.isnan(success)].mean())
+        return out
+
+
+class EnvStage(Stage):
+    """Steps its shards' envs with the rollout's actions; emits each shard's trajectory.
+
+    Args:
+        env: an ``ENVS`` name or a gymnasium id.
+        env_kwargs: keyword arguments of the env factory.
+        steps: env steps per iteration (actions per env; a chunk of ``chunk`` steps counts once).
+        chunk: actions per policy call, executed open-loop (rewards summed over the chunk).
+        seed: env ``i`` is reset with ``seed + i``.
+    """
+
+    name = "env"
+    sticky = True
+    in_keys = ("shard", "first_env", "envs")
+    # round the loop: observations; downstream: each shard's trajectory
+    out_keys = ("obs", "final_obs", "env_id", "step", "action", "logprob", "value", "reward", "terminated",
+                "truncated", "final_value", "next_value")  # fmt: skip
+
+    def __init__(
+        self, env: str, env_kwargs: dict[str, Any] | None, steps: int, chunk: int = 1, seed: int = 0
+    ) -> None:
+        self.env_name, self.env_kwargs = env, dict(env_kwargs or {})
+        self.steps, self.chunk, self.seed = steps, chunk, seed
+
+    def setup(self, ctx: StageContext) -> None:
+        self.shards: dict[int, _Shard] = {}
+
+    def begin_iteration(self, iteration: int) -> None:
+        self.iteration = iteration
+        self.episodes = _Episodes()
+
+    def process(self, batch: TensorDict) -> TensorDict:
+        if "action" not in batch.keys():
+            return self._start(int(batch["shard"]), int(batch["first_env"]), int(batch["envs"]))
+        return self._answer(self.shards[int(batch["shard"][0])], batch)
+
+    def _start(self, shard: int, first_env: int, n: int) -> TensorDict:
+        s = self.shards.get(shard)
+        if s is None:
+            env = make_env(self.env_name, n, **self.env_kwargs)
+            s = self.shards[shard] = _Shard(env, shard, first_env, env.reset(self.seed + first_env))
+            s.episode_return, s.episode_length = torch.zeros(n), torch.zeros(n, dtype=torch.long)
+        s.t, s.steps = 0, {k: [] for k in ("obs", "action", "logprob", "value", "reward", "terminated",
+                                          "truncated", "final_value")}  # fmt: skip
+        return self._observation(s)
+
+    def _observation(self, s: _Shard) -> TensorDict:
+        n = s.env.num_envs
+        step = (self.iteration - 1) * self.steps + s.t  # the same whatever the plan: seeds the actions
+        return TensorDict(
+            {
+                "obs": s.obs,
+                "final_obs": s.final_obs if s.final_obs is not None else s.obs,
+                "env_id": torch.arange(s.first_env, s.first_env + n),
+                "shard": torch.full((n,), s.shard),
+                "step": torch.full((n,), step),
+            },
+            batch_size=[n],
+        )
+
+    def _answer(self, s: _Shard, answer: TensorDict) -> TensorDict:
+        if s.t > 0:  # the value of the last step's final observations (bootstrap where truncated)
+            s.steps["final_value"].append(answer["final_value"])
+        if s.t == self.steps:  # the extra turn: the value of the last observation, then the trajectory
+            return self._trajectory(s, answer["value"])
+        for key in ("action", "logprob", "value"):
+            s.steps[key].append(answer[key])
+        s.steps["obs"].append(s.obs)
+        self._step(s, answer["action"])
+        s.t += 1
+        return self._observation(s)
+
+    def _step(self, s: _Shard, action: torch.Tensor) -> None:
+        env = s.env
+        n = env.num_envs
+        actions = action.reshape(n, self.chunk, *env.action_shape)
+        low, high = env.action_low, env.action_high
+        reward = torch.zeros(n)
+        terminated = torch.zeros(n, dtype=torch.bool)
+        truncated = torch.zeros(n, dtype=torch.bool)
+        final_obs = None
+        for i in range(self.chunk):
+            step = env.step(torch.maximum(torch.minimum(actions[:, i], high), low))
+            live = ~(terminated | truncated)  # an env that ended inside the chunk adds nothing more
+            reward += torch.where(live, step.reward, torch.zeros(n))
+            s.episode_return += torch.where(live, step.reward, torch.zeros(n))
+            s.episode_length += live.long()
+            ended = live & (step.terminated | step.truncated)
+            if ended.any():
+                final_obs = step.obs.clone() if final_obs is None else final_obs
+                final_obs[ended] = step.final_obs[ended]
+                self.episodes.success.append(step.success[ended])
+                self.episodes.returns.append(s.episode_return[ended].clone())
+                self.episodes.lengths.append(s.episode_length[ended].clone())
+                s.episode_return[ended], s.episode_length[ended] = 0.0, 0
+            terminated |= live & step.terminated
+            truncated |= live & step.truncated
+            s.obs = step.obs
+        s.final_obs = final_obs
+        s.steps["reward"].append(reward)
+        s.steps["terminated"].append(terminated)
+        s.steps["truncated"].append(truncated & ~terminated)
+
+    def _trajectory(self, s: _Shard, next_value: torch.Tensor) -> TensorDict:
+        n = s.env.num_envs
+        per_step = {k: torch.stack(v, dim=1) for k, v in s.steps.items()}
+        return TensorDict(
+            {**per_step, "next_value": next_value, "env_id": torch.arange(s.first_env, s.first_env + n)},
+            batch_size=[n],
+        )
+
+    def end_iteration(self) -> dict[str, float]:
+        return self.episodes.metrics()
+
+    def teardown(self) -> None:
+        for s in self.shards.values():
+            s.env.close()
+
+
+class PolicyStage(Stage):
+    """Answers the env: actions, their log-probs and values; the values of ended episodes' last
+    observations. Takes new weights from the actor once per iteration; evaluates (role ``evaluate``).
+    """
+
+    name = "rollout"
+    in_keys = ("obs", "final_obs", "env_id", "step")
+    out_keys = ("action", "logprob", "value", "final_value", "shard")
+
+    def __init__(self, policy: RLModule, seed: int = 0) -> None:
+        self.policy, self.seed = policy, seed
+
+    def setup(self, ctx: StageContext) -> None:
+        self.device = ctx.device
+        self.net = copy.deepcopy(self.policy)
+        self.net.configure_model()
+        self.net.to(ctx.device).eval().requires_grad_(False)
+
+    def _generators(self, env_ids: torch.Tensor, step: int) -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(row_seed(self.seed, int(e), step)) for e in env_ids]
+
+    @torch.no_grad()
+    def process(self, batch: TensorDict) -> TensorDict:
+        batch = batch.to(self.device)
+        gens = self._generators(batch["env_id"], int(batch["step"][0]))
+        out = self.net.act(batch["obs"], generators=gens)
+        out["final_value"] = self.net.value(batch["final_obs"])
+        out["shard"] = batch["shard"]  # which of the env stage's shards asked
+        return out.to("cpu")
+
+    def apply_sync(self, source: str, state: TensorDict) -> None:
+        params = dict(self.net.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in state.items():
+                params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+
+    @torch.no_grad()
+    def evaluate(self, env: str, env_kwargs: dict[str, Any], episodes: int, seed: int) -> dict[str, float]:
+        """Success rate and return of one deterministic episode in each of ``episodes`` envs."""
+        batch = make_env(env, episodes, **env_kwargs)
+        try:
+            obs = batch.reset(seed)
+            returns, success = torch.zeros(episodes), torch.full((episodes,), float("nan"))
+            done = torch.zeros(episodes, dtype=torch.bool)
+            limit = batch.max_episode_steps or 10_000
+            for _ in range(limit):
+                action = self.net.act(obs.to(self.device), deterministic=True)["action"].cpu()
+                step = batch.step(torch.maximum(torch.minimum(action, batch.action_high), batch.action_low))
+                returns += torch.where(done, torch.zeros(episodes), step.reward)
+                ended = ~done & (step.terminated | step.truncated)
+                success[ended] = step.success[ended]
+                done |= ended
+                obs = step.obs
+                if bool(done.all()):
+                    break
+        finally:
+            batch.close()
+        reported = success[~torch.isnan(success)]  # NaN: the env has no notion of success
+        return {
+            "success": float(reported.mean()) if len(reported) else float("nan"),
+            "return": float(returns.mean()),
+            "episodes": float(episodes),
+        }
+
+
+class AdvantageStage(Stage):
+    """GAE over each shard's trajectory; emits its steps as samples (with a global sample id)."""
+
+    name = "advantage"
+    in_keys = ("reward", "value", "terminated", "truncated", "final_value", "next_value", "env_id")
+    out_keys = ("advantage", "return", "sample_id")
+
+    def __init__(self, algorithm: Any) -> None:
+        self.algorithm = algorithm
+
+    def process(self, traj: TensorDict) -> TensorDict:
+        adv, ret = self.algorithm.compute_advantages(
+            traj["reward"], traj["value"], traj["terminated"], traj["truncated"], traj["final_value"],
+            traj["next_value"],
+        )  # fmt: skip
+        n, steps = adv.shape
+        samples = TensorDict(
+            {
+                "obs": traj["obs"],
+                "action": traj["action"],
+                "logprob": traj["logprob"],
+                "value": traj["value"],
+                "advantage": adv,
+                "return": ret,
+                "sample_id": traj["env_id"][:, None] * steps + torch.arange(steps),
+            },
+            batch_size=[n, steps],
+        )
+        return samples.reshape(-1)
+
+
+class PPOLoss:
+    """``(policy, minibatch) -> (loss_sum, count, metrics)``; picklable, for every rank."""
+
+    def __init__(self, algorithm: Any) -> None:
+        self.algorithm = algorithm
+
+    def __call__(self, policy: RLModule, mb: TensorDict):
+        logprob, entropy, value = policy.evaluate(mb)
+        return self.algorithm.loss(
+            logprob, mb["logprob"], mb["advantage"], value, mb["value"], mb["return"], entropy
+        )
+
+
+class PPOActorStage(TrainStage):
+    """Keeps the iteration's samples; at its end, ``update_epochs`` passes of ``num_minibatches``
+    optimizer steps. Minibatches are cut by a permutation of the *global* sample ids (seeded by
+    iteration and epoch), and advantages normalised over the whole batch, so replicas of a
+    data-parallel group together take exactly the steps one replica would."""
+
+    name = "actor"
+    in_keys = ("obs", "action", "logprob", "value", "advantage", "return", "sample_id")
+
+    def __init__(
+        self,
+        policy: RLModule,
+        algorithm: Any,
+        train_strategy: str,
+        train_engine_options: dict[str, Any] | None,
+        total_samples: int,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(policy, train_strategy, train_engine_options)
+        self.algorithm, self.total_samples, self.seed = algorithm, total_samples, seed
+
+    def setup(self, ctx: StageContext) -> None:
+        super().setup(ctx)
+        self.loss = PPOLoss(self.algorithm)
+
+    def begin_iteration(self, iteration: int) -> None:
+        self.iteration, self.buffer = iteration, []
+
+    def process(self, batch: TensorDict) -> None:
+        self.buffer.append(batch)
+        return None
+
+    def _normalize(self, data: TensorDict | None) -> None:
+        adv = data["advantage"] if data is not None else torch.zeros(0)
+        moments = torch.tensor([adv.sum(), (adv.double() ** 2).sum(), len(adv)], dtype=torch.float64)
+        self.ctx.all_reduce([moments])
+        total, squares, count = moments.tolist()
+        mean = total / max(count, 1.0)
+        std = max((squares / max(count, 1.0) - mean**2) * count / max(count - 1, 1.0), 0.0) ** 0.5
+        if data is not None:
+            data["advantage"] = (adv - mean) / (std + 1e-8)
+
+    def end_iteration(self) -> dict[str, float]:
+        algo = self.algorithm
+        data = torch.cat(self.buffer) if self.buffer else None
+        if algo.norm_adv:
+            self._normalize(data)
+        sums: dict[str, float] = {}
+        rows, steps = 0, 0
+        for epoch in range(algo.update_epochs):
+            g = torch.Generator().manual_seed(row_seed(self.seed, self.iteration, epoch))
+            position = torch.empty(self.total_samples, dtype=torch.long)
+            position[torch.randperm(self.total_samples, generator=g)] = torch.arange(self.total_samples)
+            minibatch = (
+                position[data["sample_id"]] * algo.num_minibatches // self.total_samples
+                if data is not None
+                else None
+            )
+            for m in range(algo.num_minibatches):
+                if data is not None and bool((minibatch == m).any()):
+                    mb = data[minibatch == m]
+                    for k, v in self.engine.accumulate(mb, self.loss).items():
+                        sums[k] = sums.get(k, 0.0) + v * len(mb)
+                    rows += len(mb)
+                for k, v in self.engine.step().items():
+                    sums[f"step:{k}"] = sums.get(f"step:{k}", 0.0) + v
+                steps += 1
+        out = {k: v / max(rows, 1) for k, v in sums.items() if not k.startswith("step:")}
+        out.update({k[5:]: v / steps for k, v in sums.items() if k.startswith("step:")})
+        return out
+
+
+def embodied_workflow(
+    *,
+    policy: RLModule,
+    algorithm: Any,
+    env: str,
+    env_kwargs: dict[str, Any] | None,
+    num_envs: int,
+    steps: int,
+    chunk: int,
+    train_strategy: str,
+    train_engine_options: dict[str, Any] | None,
+    seed: int,
+) -> Any:
+    from rlinf_lightning.flow.workflow import Workflow
+
+    return (
+        Workflow("embodied")
+        .chain(
+            EnvStage(env, env_kwargs, steps, chunk, seed),
+            AdvantageStage(algorithm),
+            PPOActorStage(policy, algorithm, train_strategy, train_engine_options, num_envs * steps, seed),
+        )
+        .add(PolicyStage(policy, seed))
+        .loop("env", "rollout", turns=steps + 1)
+        .sync("actor", "rollout", "weights")
+        .role("train", "actor")
+        .role("evaluate", "rollout")
+    )

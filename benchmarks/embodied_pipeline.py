@@ -1,0 +1,180 @@
+"""Env/policy pipelining: env steps/s of the rollout, sequential against pipelined, on the same 2 slots.
+
+    python benchmarks/embodied_pipeline.py [--iterations 6] [--rounds 2] [--workloads vla,mlp]
+
+Workloads:
+
+- ``vla``: the tiny VLA (``TinyVLA``, OFT decoding) on ManiSkill3 PickCube-v1 with 64x64 RGB
+  observations (the ``rlinf-maniskill`` plugin);
+- ``mlp``: the MLP actor-critic on gymnasium-robotics FetchReachDense-v4 (state observations).
+
+Candidates, every one on ``devices=2`` (two slots; on CPU a slot is a core):
+
+- ``sequential``: one worker over both slots (torch threads on both cores), the envs as one shard:
+  the env steps, then the policy infers, then the env steps again; nothing overlaps;
+- ``pipelined[S]``: the env on slot 0, the policy (and the update) on slot 1, the envs cut into
+  ``S`` shards: while one shard simulates, the policy infers for another (RLinf's pipeline stages).
+
+Each candidate runs in a fresh process; rounds alternate the candidates. The rollout window of an
+iteration is measured from its trace (first env span to last env span), so the PPO update, the
+same work under every plan, does not dilute the comparison; whole-iteration rates are printed too.
+Last line: JSON with each workload's env steps/s per candidate and ``pipelined_over_sequential``
+(best S).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HYBRID = "rlinf_lightning.strategies.HybridStrategy"
+WORKLOADS = {
+    "vla": {
+        "policy": {"class_path": "rlinf_lightning.policies.vla.TinyVLA", "init_args": {"decode": "oft"}},
+        "task": {"env": "PickCube-v1", "env_kwargs": {"obs_mode": "rgb", "image_size": 64}, "num_envs": 8,
+                 "steps": 8, "chunk": 1},
+    },
+    "mlp": {
+        "policy": {"class_path": "rlinf_lightning.policies.MLPActorCritic", "init_args": {}},
+        "task": {"env": "FetchReachDense-v4", "num_envs": 16, "steps": 32, "chunk": 1},
+    },
+}  # fmt: skip
+STAGES = (2, 4)
+
+
+def candidates() -> dict[str, dict]:
+    out = {
+        "sequential": {
+            "class_path": "rlinf_lightning.strategies.CollocatedStrategy",
+            "init_args": {"replicas": 1},
+        }
+    }
+    for s in STAGES:
+        out[f"pipelined[{s}]"] = {
+            "class_path": HYBRID,
+            "init_args": {"placement": "env: 0, rollout,advantage,actor: 1", "micro_batches": s},
+        }
+    return out
+
+
+def run_one(spec: dict) -> dict:
+    """Child process: one fit; per-iteration rollout windows from the trace."""
+    import time
+
+    from rlinf_lightning import Callback, RLTrainer
+    from rlinf_lightning.algorithms import PPO
+    from rlinf_lightning.tasks import EmbodiedTask
+    from rlinf_lightning.trainer import instantiate
+
+    class Clock(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_iteration_end(self, trainer, iteration, metrics):
+            self.times.append(metrics["time/iteration"])
+
+    work = WORKLOADS[spec["workload"]]
+    trace = Path(spec["run_dir"]) / "trace.json"
+    clock = Clock()
+    trainer = RLTrainer(
+        algorithm=PPO(update_epochs=1, num_minibatches=1),
+        strategy=spec["strategy"],
+        launcher="processes",
+        devices=2,
+        max_iterations=spec["iterations"],
+        default_root_dir=spec["run_dir"],
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[clock],
+        timeout_s=600,
+        trace=str(trace),
+    )
+    task = EmbodiedTask(**work["task"], eval_episodes=1)
+    t0 = time.perf_counter()
+    trainer.fit(instantiate(work["policy"]), task)
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    steps = task.num_envs * task.steps * task.chunk
+    windows = _rollout_windows(events, spec["iterations"])
+    warm = slice(1, None)  # the first iteration starts the simulators
+    return {
+        "env_steps_per_s": steps / statistics.median(windows[warm]),
+        "iteration_steps_per_s": steps / statistics.median(clock.times[warm]),
+        "wall_s": time.perf_counter() - t0,
+        "plan": trainer.plan.describe(),
+    }
+
+
+def _rollout_windows(events: list[dict], iterations: int) -> list[float]:
+    """Per iteration, seconds from the first env span to the last (the env emits the trajectories
+    last), splitting iterations where the env stage's end_iteration spans fall."""
+    env = sorted((e for e in events if e["name"].startswith("env")), key=lambda e: e["ts"])
+    windows, start = [], None
+    for e in env:
+        if start is None:
+            start = e["ts"]
+        if e["name"] == "env.end_iteration":
+            windows.append((e["ts"] - start) / 1e6)
+            start = None
+    return windows[:iterations]
+
+
+def child(spec: dict) -> dict:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, cwd=ROOT,
+        env={**os.environ},
+    )  # fmt: skip
+    if out.returncode:
+        raise RuntimeError(f"{spec['workload']} {spec['name']} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iterations", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workloads", default="vla,mlp")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(run_one(json.loads(args.child))))
+        return
+    work = Path(tempfile.mkdtemp(prefix="rlinf-pipeline-"))
+    result: dict = {}
+    for workload in args.workloads.split(","):
+        runs: dict[str, list[float]] = {n: [] for n in candidates()}
+        whole: dict[str, list[float]] = {n: [] for n in candidates()}
+        for r in range(args.rounds):
+            for name, strategy in candidates().items():
+                run_dir = str(work / f"{workload}-{name}-{r}")
+                spec = {"workload": workload, "name": name, "strategy": strategy, "run_dir": run_dir,
+                        "iterations": args.iterations}  # fmt: skip
+                res = child(spec)
+                runs[name].append(res["env_steps_per_s"])
+                whole[name].append(res["iteration_steps_per_s"])
+                if r == 0:
+                    print(f"\n[{workload} {name}]\n{res['plan']}")
+                print(
+                    f"round {r}: {workload} {name:<14} rollout {res['env_steps_per_s']:8.1f} env steps/s"
+                    f"  (whole iteration {res['iteration_steps_per_s']:8.1f})",
+                    flush=True,
+                )
+        rates = {k: statistics.median(v) for k, v in runs.items()}
+        best = max((k for k in rates if k != "sequential"), key=lambda k: rates[k])
+        result[workload] = {
+            **{k: round(v, 1) for k, v in rates.items()},
+            "whole_iteration": {k: round(statistics.median(v), 1) for k, v in whole.items()},
+            "best_pipelined": best,
+            "pipelined_over_sequential": round(rates[best] / rates["sequential"], 3),
+        }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -92,3 +92,73 @@ def test_an_embodied_fit_logs_success_and_writes_the_summary(tmp_path):
     trainer, summary, _ = _fit(tmp_path, "collocated", "inprocess", devices=1, iterations=2)
     assert {"success_before", "success_after", "eval_success_before", "eval_episodes"} <= set(summary)
     assert trainer.plan.groups[0].stages == ["env", "rollout", "advantage", "actor"]
+
+
+# -- GRPO over episodes ----------------------------------------------------------------------------
+
+
+def test_grpo_groups_share_reset_seeds_and_score_whole_episodes():
+    from rlinf_lightning.algorithms import GRPO
+    from rlinf_lightning.flow.stage import StageContext
+    from rlinf_lightning.workflows.embodied import EnvStage, EpisodeAdvantageStage
+
+    env = EnvStage(ENV, None, steps=3, group_size=4, episodic=True)
+    env.setup(StageContext())
+    env.begin_iteration(1)
+    goals = env._start(0, 0, 8)["obs"]["desired_goal"]
+    assert torch.equal(goals[0], goals[3]) and not torch.equal(goals[0], goals[4])  # a group shares its seed
+    env.begin_iteration(2)
+    assert not torch.equal(
+        env._start(0, 0, 8)["obs"]["desired_goal"][0], goals[0]
+    )  # new episodes each iteration
+    env.teardown()
+
+    stage = EpisodeAdvantageStage(GRPO())
+    stage.setup(StageContext())
+    n, steps = 8, 3
+    traj = TensorDict(
+        {
+            "obs": TensorDict({"x": torch.zeros(n, steps, 2)}, [n, steps]),
+            "action": torch.zeros(n, steps, 4),
+            "logprob": torch.zeros(n, steps),
+            "value": torch.zeros(n, steps),
+            "mask": torch.tensor([[True, True, False]] * n),  # the first episode ended after step 1
+            "score": torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1]),
+            "group_id": torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]),
+            "env_id": torch.arange(n),
+        },
+        [n],
+    )
+    out = stage.process(traj)
+    adv, mask = out["advantage"].reshape(n, steps), out["mask"].reshape(n, steps)
+    assert adv[0, 0] > 0 > adv[1, 0] and torch.allclose(adv[:4].sum(0), torch.zeros(steps), atol=1e-5)
+    assert not mask[4:].any()  # the all-success group carries no signal: dropped
+    assert mask[:4, :2].all() and not mask[:, 2].any()  # steps after the first episode end do not count
+    assert stage.end_iteration() == {"groups_with_signal": 0.5}
+
+
+def test_grpo_over_episodes_is_the_same_update_under_every_plan(tmp_path):
+    from rlinf_lightning.algorithms import GRPO
+
+    def fit(name, strategy):
+        trainer = RLTrainer(
+            algorithm=GRPO(), strategy=strategy, devices=2, num_threads=1, max_iterations=1,
+            default_root_dir=str(tmp_path / name), logger=False, enable_progress_bar=False, timeout_s=120,
+        )  # fmt: skip
+        task = EmbodiedTask(ENV, num_envs=8, steps=12, group_size=4, eval_episodes=2)
+        trainer.fit(MLPActorCritic(hidden_sizes=(32, 32), init_log_std=-0.5, lr=1e-2), task)
+        last = (tmp_path / name / "checkpoints" / "last").read_text()
+        return load_file(str(tmp_path / name / "checkpoints" / last / "model.safetensors"))
+
+    ref = fit("one", CollocatedStrategy(replicas=1))
+    env = make_env(ENV, 1)
+    initial = MLPActorCritic(hidden_sizes=(32, 32), init_log_std=-0.5)
+    initial.configure_spaces(env.reset(seed=0), env.action_shape)
+    initial.configure_model()
+    env.close()
+    assert (
+        max(float((ref[k] - v).abs().max()) for k, v in initial.model.state_dict().items()) > 1e-3
+    )  # it learned
+    for name, strategy in [("two", "collocated"), ("dis", "disaggregated")]:
+        weights = fit(name, strategy)
+        assert max(float((weights[k] - ref[k]).abs().max()) for k in ref) <= 1e-4, name

@@ -66,8 +66,9 @@ class EnvBatch(ABC):
     max_episode_steps: int | None = None
 
     @abstractmethod
-    def reset(self, seed: int) -> TensorDict:
-        """Start every environment's first episode (env ``i`` seeded with ``seed + i``)."""
+    def reset(self, seed: int | list[int]) -> TensorDict:
+        """Start a new episode in every environment: env ``i`` seeded with ``seed + i``, or with
+        ``seed[i]`` when given one seed per env (envs of a GRPO group share theirs)."""
 
     @abstractmethod
     def step(self, actions: torch.Tensor) -> Step:

@@ -74,8 +74,9 @@ class GymEnvBatch(EnvBatch):
         spec = self.env.spec
         self.max_episode_steps = spec.max_episode_steps if spec is not None else None
 
-    def reset(self, seed: int) -> TensorDict:
-        obs, _ = self.env.reset(seed=[seed + i for i in range(self.num_envs)])
+    def reset(self, seed: int | list[int]) -> TensorDict:
+        seeds = [seed + i for i in range(self.num_envs)] if isinstance(seed, int) else [int(x) for x in seed]
+        obs, _ = self.env.reset(seed=seeds)
         return to_tensordict(obs, self.num_envs)
 
     def step(self, actions: torch.Tensor) -> Step:

@@ -30,6 +30,9 @@ class EmbodiedTask(Task):
         steps: actions per env per iteration.
         chunk: env steps per action (action chunks, executed open-loop).
         eval_episodes: deterministic episodes (one per env) per evaluation.
+        group_size: for GRPO over episodes (``trainer.algorithm: grpo``): envs per group, reset
+            with the same seed (at least 2; ``num_envs`` a multiple of it). Each iteration then
+            runs new episodes of ``steps`` steps.
     """
 
     input_keys = ("shard", "first_env", "envs")
@@ -43,16 +46,21 @@ class EmbodiedTask(Task):
         steps: int = 64,
         chunk: int = 1,
         eval_episodes: int = 16,
+        group_size: int = 8,
     ) -> None:
         self.env, self.env_kwargs = env, dict(env_kwargs or {})
         self.num_envs, self.steps, self.chunk = num_envs, steps, chunk
-        self.eval_episodes = eval_episodes
+        self.eval_episodes, self.group_size = eval_episodes, group_size
 
     def validate_config(self) -> list[tuple[str, str]]:
         problems = []
         for key in ("num_envs", "steps", "chunk", "eval_episodes"):
             if getattr(self, key) < 1:
                 problems.append((key, f"must be >= 1, got {getattr(self, key)}"))
+        if self.group_size < 2:
+            problems.append(
+                ("group_size", f"must be >= 2 (GRPO compares a group's episodes), got {self.group_size}")
+            )
         from rlinf_lightning.envs import ENVS
 
         if self.env not in ENVS:
@@ -64,8 +72,16 @@ class EmbodiedTask(Task):
                 problems.append(("env", f"{exc.args[0] if exc.args else exc}; registered: {', '.join(ENVS)}"))
         return problems
 
+    def _episodic(self, trainer: RLTrainer) -> bool:
+        """GRPO over episodes (an algorithm without a critic's GAE) groups envs."""
+        from rlinf_lightning.algorithms import ALGORITHMS
+
+        return not hasattr(ALGORITHMS.resolve(trainer.algorithm), "gae_lambda")
+
     def batch_shape(self, trainer: RLTrainer) -> BatchShape:
-        return BatchShape(self.num_envs * self.steps, self.steps, trainer.micro_batch_size)
+        """A micro-batch is whole envs (for GRPO: whole groups of envs)."""
+        unit = self.steps * (self.group_size if self._episodic(trainer) else 1)
+        return BatchShape(self.num_envs * self.steps, unit, trainer.micro_batch_size)
 
     def build_workflow(self, policy: Any, trainer: RLTrainer) -> Workflow:
         """The embodied workflow for ``trainer``'s algorithm (``ppo``) and train engine; a policy
@@ -73,6 +89,12 @@ class EmbodiedTask(Task):
         from rlinf_lightning.algorithms import ALGORITHMS
         from rlinf_lightning.envs import make_env
         from rlinf_lightning.workflows.embodied import embodied_workflow
+
+        if self._episodic(trainer) and self.num_envs % self.group_size:
+            raise ValueError(
+                f"task.group_size={self.group_size} does not cut task.num_envs={self.num_envs} "
+                "into whole groups"
+            )
 
         if hasattr(policy, "configure_spaces") and getattr(policy, "obs_dim", None) is None:
             probe = make_env(self.env, 1, **self.env_kwargs)
@@ -88,6 +110,7 @@ class EmbodiedTask(Task):
             num_envs=self.num_envs,
             steps=self.steps,
             chunk=self.chunk,
+            group_size=self.group_size if self._episodic(trainer) else 1,
             train_strategy=trainer.train_strategy,
             train_engine_options=trainer.train_engine_options,
             seed=trainer.seed,

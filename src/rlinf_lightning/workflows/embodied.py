@@ -10,6 +10,12 @@ steps, one more turn values the last observation (GAE's bootstrap), and the shar
 downstream. Episodes run on across iterations. The rollout draws each env's action noise from a
 generator seeded by ``(seed, env id, global step)``, so the trajectories do not depend on how the
 plan cut the envs into shards or placed them.
+
+Two algorithms: PPO (a critic; GAE over the steps) and GRPO over episodes as RLinf offers it (no
+critic): every iteration starts new episodes, the envs of a group reset with the same seed, each
+episode gets one score (success at any step), scores are normalised within the group, every step of
+an episode until its first end carries its score's advantage, and groups whose episodes all
+succeeded or all failed are dropped (they carry no signal).
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class _Shard:
     steps: dict[str, list[torch.Tensor | TensorDict]] = field(default_factory=dict)
     episode_return: torch.Tensor | None = None
     episode_length: torch.Tensor | None = None
+    succeeded: torch.Tensor | None = None  # per env: success at some step of this iteration
+    running: torch.Tensor | None = None  # per env: still in the iteration's first episode
 
 
 class _Episodes:
@@ -73,7 +81,9 @@ class EnvStage(Stage):
         env_kwargs: keyword arguments of the env factory.
         steps: env steps per iteration (actions per env; a chunk of ``chunk`` steps counts once).
         chunk: actions per policy call, executed open-loop (rewards summed over the chunk).
-        seed: env ``i`` is reset with ``seed + i``.
+        seed: env ``i`` is reset with ``seed + i`` (with ``group_size`` > 1: its group's seed).
+        group_size: envs that share reset seeds (a GRPO group).
+        episodic: start new episodes every iteration (GRPO), instead of running episodes on.
     """
 
     name = "env"
@@ -81,13 +91,21 @@ class EnvStage(Stage):
     in_keys = ("shard", "first_env", "envs")
     # round the loop: observations; downstream: each shard's trajectory
     out_keys = ("obs", "final_obs", "env_id", "step", "action", "logprob", "value", "reward", "terminated",
-                "truncated", "final_value", "next_value")  # fmt: skip
+                "truncated", "final_value", "next_value", "mask", "score", "group_id")  # fmt: skip
 
     def __init__(
-        self, env: str, env_kwargs: dict[str, Any] | None, steps: int, chunk: int = 1, seed: int = 0
+        self,
+        env: str,
+        env_kwargs: dict[str, Any] | None,
+        steps: int,
+        chunk: int = 1,
+        seed: int = 0,
+        group_size: int = 1,
+        episodic: bool = False,
     ) -> None:
         self.env_name, self.env_kwargs = env, dict(env_kwargs or {})
         self.steps, self.chunk, self.seed = steps, chunk, seed
+        self.group_size, self.episodic = group_size, episodic
 
     def setup(self, ctx: StageContext) -> None:
         self.shards: dict[int, _Shard] = {}
@@ -101,14 +119,21 @@ class EnvStage(Stage):
             return self._start(int(batch["shard"]), int(batch["first_env"]), int(batch["envs"]))
         return self._answer(self.shards[int(batch["shard"][0])], batch)
 
+    def _seeds(self, first_env: int, n: int) -> list[int]:
+        groups = [(first_env + i) // self.group_size for i in range(n)]
+        if self.episodic:  # new episodes (and new group seeds) every iteration
+            return [self.seed + 1_000_003 * self.iteration + g for g in groups]
+        return [self.seed + g for g in groups]
+
     def _start(self, shard: int, first_env: int, n: int) -> TensorDict:
         s = self.shards.get(shard)
-        if s is None:
-            env = make_env(self.env_name, n, **self.env_kwargs)
-            s = self.shards[shard] = _Shard(env, shard, first_env, env.reset(self.seed + first_env))
+        if s is None or self.episodic:
+            env = s.env if s is not None else make_env(self.env_name, n, **self.env_kwargs)
+            s = self.shards[shard] = _Shard(env, shard, first_env, env.reset(self._seeds(first_env, n)))
             s.episode_return, s.episode_length = torch.zeros(n), torch.zeros(n, dtype=torch.long)
         s.t, s.steps = 0, {k: [] for k in ("obs", "action", "logprob", "value", "reward", "terminated",
-                                          "truncated", "final_value")}  # fmt: skip
+                                          "truncated", "final_value", "mask")}  # fmt: skip
+        s.succeeded, s.running = torch.zeros(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool)
         return self._observation(s)
 
     def _observation(self, s: _Shard) -> TensorDict:
@@ -146,12 +171,14 @@ class EnvStage(Stage):
         terminated = torch.zeros(n, dtype=torch.bool)
         truncated = torch.zeros(n, dtype=torch.bool)
         final_obs = None
+        s.steps["mask"].append(s.running.clone())  # a step of the iteration's first episode
         for i in range(self.chunk):
             step = env.step(torch.maximum(torch.minimum(actions[:, i], high), low))
             live = ~(terminated | truncated)  # an env that ended inside the chunk adds nothing more
             reward += torch.where(live, step.reward, torch.zeros(n))
             s.episode_return += torch.where(live, step.reward, torch.zeros(n))
             s.episode_length += live.long()
+            s.succeeded |= live & s.running & (step.success == 1.0)
             ended = live & (step.terminated | step.truncated)
             if ended.any():
                 final_obs = step.obs.clone() if final_obs is None else final_obs
@@ -164,6 +191,7 @@ class EnvStage(Stage):
             truncated |= live & step.truncated
             s.obs = step.obs
         s.final_obs = final_obs
+        s.running &= ~(terminated | truncated)
         s.steps["reward"].append(reward)
         s.steps["terminated"].append(terminated)
         s.steps["truncated"].append(truncated & ~terminated)
@@ -171,10 +199,12 @@ class EnvStage(Stage):
     def _trajectory(self, s: _Shard, next_value: torch.Tensor) -> TensorDict:
         n = s.env.num_envs
         per_step = {k: torch.stack(v, dim=1) for k, v in s.steps.items()}
+        env_id = torch.arange(s.first_env, s.first_env + n)
         return TensorDict(
-            {**per_step, "next_value": next_value, "env_id": torch.arange(s.first_env, s.first_env + n)},
+            {**per_step, "next_value": next_value, "env_id": env_id, "score": s.succeeded.float(),
+             "group_id": env_id // self.group_size},
             batch_size=[n],
-        )
+        )  # fmt: skip
 
     def end_iteration(self) -> dict[str, float]:
         return self.episodes.metrics()
@@ -280,8 +310,75 @@ class AdvantageStage(Stage):
         return samples.reshape(-1)
 
 
+class EpisodeAdvantageStage(Stage):
+    """GRPO over episodes: one score per env's episode, normalised within its group (whole groups
+    share a shard); every step of the episode until its first end gets that advantage. Groups
+    whose scores are all equal carry no signal and are dropped (masked out)."""
+
+    name = "advantage"
+    in_keys = ("score", "group_id", "mask", "env_id")
+    out_keys = ("advantage", "mask", "sample_id")
+
+    def __init__(self, algorithm: Any) -> None:
+        self.algorithm = algorithm
+
+    def setup(self, ctx: StageContext) -> None:
+        self.kept, self.groups = 0.0, 0.0
+
+    def process(self, traj: TensorDict) -> TensorDict:
+        score, groups = traj["score"], traj["group_id"]
+        adv = self.algorithm.compute_advantages(score, groups)
+        _, inverse = torch.unique(groups, return_inverse=True)
+        spread = torch.zeros(int(inverse.max()) + 1).index_add_(0, inverse, adv.abs())
+        signal = spread[inverse] > 0
+        self.kept += float((spread > 0).sum())
+        self.groups += float(len(spread))
+        n, steps = traj["mask"].shape
+        samples = TensorDict(
+            {
+                "obs": traj["obs"],
+                "action": traj["action"],
+                "logprob": traj["logprob"],
+                "value": traj["value"],
+                "advantage": adv[:, None].expand(n, steps),
+                "mask": traj["mask"] & signal[:, None],
+                "sample_id": traj["env_id"][:, None] * steps + torch.arange(steps),
+            },
+            batch_size=[n, steps],
+        )
+        return samples.reshape(-1)
+
+    def end_iteration(self) -> dict[str, float]:
+        out = {"groups_with_signal": self.kept / max(self.groups, 1.0)}
+        self.kept, self.groups = 0.0, 0.0
+        return out
+
+
+class EpisodeGRPOLoss:
+    """GRPO's clipped surrogate on the masked steps (no critic); picklable, for every rank."""
+
+    in_keys = ("obs", "action", "logprob", "advantage", "mask", "sample_id")
+
+    def __init__(self, algorithm: Any) -> None:
+        self.algorithm = algorithm
+
+    def __call__(self, policy: RLModule, mb: TensorDict):
+        logprob, entropy, _ = policy.evaluate(mb)
+        mask = mb["mask"].float()[:, None]
+        loss_sum, count, metrics = self.algorithm.loss(
+            logprob[:, None], mb["logprob"][:, None], mb["advantage"], mask
+        )
+        return (
+            loss_sum,
+            count,
+            {**metrics, "entropy": (entropy * mask[:, 0]).sum() / mask.sum().clamp_min(1.0)},
+        )
+
+
 class PPOLoss:
     """``(policy, minibatch) -> (loss_sum, count, metrics)``; picklable, for every rank."""
+
+    in_keys = ("obs", "action", "logprob", "value", "advantage", "return", "sample_id")
 
     def __init__(self, algorithm: Any) -> None:
         self.algorithm = algorithm
@@ -295,28 +392,29 @@ class PPOLoss:
 
 class PPOActorStage(TrainStage):
     """Keeps the iteration's samples; at its end, ``update_epochs`` passes of ``num_minibatches``
-    optimizer steps. Minibatches are cut by a permutation of the *global* sample ids (seeded by
-    iteration and epoch), and advantages normalised over the whole batch, so replicas of a
-    data-parallel group together take exactly the steps one replica would."""
+    optimizer steps on ``loss`` (PPO's, or GRPO's over episodes). Minibatches are cut by a
+    permutation of the *global* sample ids (seeded by iteration and epoch), and advantages
+    normalised over the whole batch, so replicas of a data-parallel group together take exactly
+    the steps one replica would."""
 
     name = "actor"
-    in_keys = ("obs", "action", "logprob", "value", "advantage", "return", "sample_id")
 
     def __init__(
         self,
         policy: RLModule,
         algorithm: Any,
+        loss: PPOLoss | EpisodeGRPOLoss,
         train_strategy: str,
         train_engine_options: dict[str, Any] | None,
         total_samples: int,
         seed: int = 0,
     ) -> None:
         super().__init__(policy, train_strategy, train_engine_options)
-        self.algorithm, self.total_samples, self.seed = algorithm, total_samples, seed
-
-    def setup(self, ctx: StageContext) -> None:
-        super().setup(ctx)
-        self.loss = PPOLoss(self.algorithm)
+        self.algorithm, self.loss, self.total_samples, self.seed = algorithm, loss, total_samples, seed
+        self.in_keys = loss.in_keys
+        self.update_epochs = getattr(algorithm, "update_epochs", 1)
+        self.num_minibatches = getattr(algorithm, "num_minibatches", 1)
+        self.norm_adv = getattr(algorithm, "norm_adv", False)
 
     def begin_iteration(self, iteration: int) -> None:
         self.iteration, self.buffer = iteration, []
@@ -336,22 +434,21 @@ class PPOActorStage(TrainStage):
             data["advantage"] = (adv - mean) / (std + 1e-8)
 
     def end_iteration(self) -> dict[str, float]:
-        algo = self.algorithm
         data = torch.cat(self.buffer) if self.buffer else None
-        if algo.norm_adv:
+        if self.norm_adv:
             self._normalize(data)
         sums: dict[str, float] = {}
         rows, steps = 0, 0
-        for epoch in range(algo.update_epochs):
+        for epoch in range(self.update_epochs):
             g = torch.Generator().manual_seed(row_seed(self.seed, self.iteration, epoch))
             position = torch.empty(self.total_samples, dtype=torch.long)
             position[torch.randperm(self.total_samples, generator=g)] = torch.arange(self.total_samples)
             minibatch = (
-                position[data["sample_id"]] * algo.num_minibatches // self.total_samples
+                position[data["sample_id"]] * self.num_minibatches // self.total_samples
                 if data is not None
                 else None
             )
-            for m in range(algo.num_minibatches):
+            for m in range(self.num_minibatches):
                 if data is not None and bool((minibatch == m).any()):
                     mb = data[minibatch == m]
                     for k, v in self.engine.accumulate(mb, self.loss).items():
@@ -374,19 +471,23 @@ def embodied_workflow(
     num_envs: int,
     steps: int,
     chunk: int,
+    group_size: int,
     train_strategy: str,
     train_engine_options: dict[str, Any] | None,
     seed: int,
 ) -> Any:
+    """PPO (an algorithm with a critic: ``compute_advantages`` over values) or GRPO over episodes."""
     from rlinf_lightning.flow.workflow import Workflow
 
+    ppo = hasattr(algorithm, "gae_lambda")
+    advantage = AdvantageStage(algorithm) if ppo else EpisodeAdvantageStage(algorithm)
+    loss = PPOLoss(algorithm) if ppo else EpisodeGRPOLoss(algorithm)
+    actor = PPOActorStage(
+        policy, algorithm, loss, train_strategy, train_engine_options, num_envs * steps, seed
+    )
     return (
         Workflow("embodied")
-        .chain(
-            EnvStage(env, env_kwargs, steps, chunk, seed),
-            AdvantageStage(algorithm),
-            PPOActorStage(policy, algorithm, train_strategy, train_engine_options, num_envs * steps, seed),
-        )
+        .chain(EnvStage(env, env_kwargs, steps, chunk, seed, group_size, episodic=not ppo), advantage, actor)
         .add(PolicyStage(policy, seed))
         .loop("env", "rollout", turns=steps + 1)
         .sync("actor", "rollout", "weights")

@@ -368,11 +368,8 @@ class EpisodeGRPOLoss:
         loss_sum, count, metrics = self.algorithm.loss(
             logprob[:, None], mb["logprob"][:, None], mb["advantage"], mask
         )
-        return (
-            loss_sum,
-            count,
-            {**metrics, "entropy": (entropy * mask[:, 0]).sum() / mask.sum().clamp_min(1.0)},
-        )
+        mean_entropy = (entropy.detach() * mask[:, 0]).sum() / mask.sum().clamp_min(1.0)
+        return loss_sum, count, {**metrics, "entropy": mean_entropy}
 
 
 class PPOLoss:

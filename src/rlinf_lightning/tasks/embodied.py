@@ -78,16 +78,29 @@ class EmbodiedTask(Task):
 
         return not hasattr(ALGORITHMS.resolve(trainer.algorithm), "gae_lambda")
 
+    def _spaces(self, seed: int) -> tuple[TensorDict, tuple[int, ...]]:
+        """One env's observation and the action shape of a policy call (``chunk`` steps), from a
+        probe env made once per task (the policy sizes itself from them)."""
+        if not hasattr(self, "_probed"):
+            from rlinf_lightning.envs import make_env
+
+            probe = make_env(self.env, 1, **self.env_kwargs)
+            try:
+                self._probed = (probe.reset(seed), (self.chunk, *probe.action_shape))
+            finally:
+                probe.close()
+        return self._probed
+
     def batch_shape(self, trainer: RLTrainer) -> BatchShape:
         """A micro-batch is whole envs (for GRPO: whole groups of envs)."""
         unit = self.steps * (self.group_size if self._episodic(trainer) else 1)
         return BatchShape(self.num_envs * self.steps, unit, trainer.micro_batch_size)
 
     def build_workflow(self, policy: Any, trainer: RLTrainer) -> Workflow:
-        """The embodied workflow for ``trainer``'s algorithm (``ppo``) and train engine; a policy
-        that sizes itself from the env (``configure_spaces``) is shown one env's observation."""
+        """The embodied workflow for ``trainer``'s algorithm (``ppo``, or ``grpo`` over episodes) and
+        train engine; a policy that sizes itself from the env (``configure_spaces``) is shown one
+        env's observation and the action shape."""
         from rlinf_lightning.algorithms import ALGORITHMS
-        from rlinf_lightning.envs import make_env
         from rlinf_lightning.workflows.embodied import embodied_workflow
 
         if self._episodic(trainer) and self.num_envs % self.group_size:
@@ -96,12 +109,8 @@ class EmbodiedTask(Task):
                 "into whole groups"
             )
 
-        if hasattr(policy, "configure_spaces") and getattr(policy, "obs_dim", None) is None:
-            probe = make_env(self.env, 1, **self.env_kwargs)
-            try:
-                policy.configure_spaces(probe.reset(trainer.seed), (self.chunk, *probe.action_shape))
-            finally:
-                probe.close()
+        if hasattr(policy, "configure_spaces"):
+            policy.configure_spaces(*self._spaces(trainer.seed))
         return embodied_workflow(
             policy=policy,
             algorithm=ALGORITHMS.resolve(trainer.algorithm),

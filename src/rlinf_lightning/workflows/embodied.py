@@ -223,8 +223,8 @@ class PolicyStage(Stage):
     in_keys = ("obs", "final_obs", "env_id", "step")
     out_keys = ("action", "logprob", "value", "final_value", "shard")
 
-    def __init__(self, policy: RLModule, seed: int = 0) -> None:
-        self.policy, self.seed = policy, seed
+    def __init__(self, policy: RLModule, seed: int = 0, chunk: int = 1) -> None:
+        self.policy, self.seed, self.chunk = policy, seed, chunk
 
     def setup(self, ctx: StageContext) -> None:
         self.device = ctx.device
@@ -259,14 +259,15 @@ class PolicyStage(Stage):
             returns, success = torch.zeros(episodes), torch.full((episodes,), float("nan"))
             done = torch.zeros(episodes, dtype=torch.bool)
             limit = batch.max_episode_steps or 10_000
-            for _ in range(limit):
+            for _ in range(0, limit, self.chunk):
                 action = self.net.act(obs.to(self.device), deterministic=True)["action"].cpu()
-                step = batch.step(torch.maximum(torch.minimum(action, batch.action_high), batch.action_low))
-                returns += torch.where(done, torch.zeros(episodes), step.reward)
-                ended = ~done & (step.terminated | step.truncated)
-                success[ended] = step.success[ended]
-                done |= ended
-                obs = step.obs
+                for a in action.reshape(episodes, self.chunk, *batch.action_shape).unbind(1):  # open-loop
+                    step = batch.step(torch.maximum(torch.minimum(a, batch.action_high), batch.action_low))
+                    returns += torch.where(done, torch.zeros(episodes), step.reward)
+                    ended = ~done & (step.terminated | step.truncated)
+                    success[ended] = step.success[ended]
+                    done |= ended
+                    obs = step.obs
                 if bool(done.all()):
                     break
         finally:
@@ -485,7 +486,7 @@ def embodied_workflow(
     return (
         Workflow("embodied")
         .chain(EnvStage(env, env_kwargs, steps, chunk, seed, group_size, episodic=not ppo), advantage, actor)
-        .add(PolicyStage(policy, seed))
+        .add(PolicyStage(policy, seed, chunk))
         .loop("env", "rollout", turns=steps + 1)
         .sync("actor", "rollout", "weights")
         .role("train", "actor")

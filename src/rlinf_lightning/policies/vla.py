@@ -1,0 +1,594 @@
+"""TinyVLA: a vision-language-action actor-critic, OpenVLA(-OFT) in miniature, built from configs.
+
+What RLinf trains on ManiSkill and LIBERO is OpenVLA-OFT: an image and an instruction go into a
+causal LM, and the action is read off the LM's logits. This module is that recipe at a size a CPU
+steps in milliseconds, with nothing downloaded:
+
+- **Inputs.** A small conv net turns the uint8 RGB image ``obs["rgb"]`` into a ``grid x grid`` map
+  of visual tokens, projected to the LM's hidden size; ``obs["state"]`` (proprioception), when the
+  env gives one, is projected to one more token; ``obs["instruction"]`` (one string per env, or
+  :attr:`TinyVLA.default_instruction` where the env has none) goes through a character-level
+  tokenizer. The LM (a ``transformers`` Qwen2 or Llama built from a config) reads
+  ``[visual | state | <s> instruction </s> | action tokens]``.
+- **Actions** (OpenVLA's): each action dimension is one of 256 bins over ``[-1, 1]`` (the bin
+  centres ``linspace(-1, 1, 256)``), and bin ``b`` is the vocabulary id ``V - 256 + b``: the top
+  256 ids of the vocabulary. An action token's distribution is the softmax of the LM's logits over
+  those 256 ids (divided by ``temperature``, the same at rollout and training, so the rollout's
+  log-probs are the trainer's). A chunk of ``chunk`` steps of ``action_dim`` dimensions is decoded
+  ``"oft"`` (OpenVLA-OFT: one forward pass over ``chunk * action_dim`` placeholder tokens, each
+  position's distribution sampled independently) or ``"autoregressive"`` (OpenVLA: one token at a
+  time through the KV cache, each sampled bin fed back).
+- **Critic** (RLinf's): a small MLP on the LM's hidden state at the position before the first
+  action token (the ``</s>`` closing the prompt), which has seen the whole observation.
+
+Every row's randomness (Gumbel noise for all its action tokens) is drawn up front from that row's
+generator, so a row's action depends on its observation and its generator only, never on which
+other envs share its batch. The text segment has a fixed length (instructions are left-padded
+inside it, pads masked out, positions counted over real tokens only), so every batch has the same
+shapes whatever its instructions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+from torch import nn
+
+from rlinf_lightning.policies.module import RLModule
+
+#: Action bins per dimension; they are the top ``NUM_BINS`` ids of the vocabulary.
+NUM_BINS = 256
+#: Vocabulary size of a new model: 4 specials and 96 characters (ids 0-99), the OFT placeholder
+#: ``<act>`` (100), reserved ids (101-255), the action bins ``<bin_0>`` ... ``<bin_255>`` (256-511).
+VOCAB_SIZE = 512
+PLACEHOLDER = "<act>"
+DEFAULT_INSTRUCTION = "do the task"
+DECODE_MODES = ("oft", "autoregressive")
+LM_TYPES = ("qwen2", "llama")
+VISION_WIDTH = 64  # channels of the conv net's last layer, before the projection to the LM
+
+
+def bin_centres(device: torch.device | str | None = None) -> torch.Tensor:
+    """The continuous value of each of the 256 bins: ``linspace(-1, 1, 256)`` (float32)."""
+    return torch.linspace(-1.0, 1.0, NUM_BINS, device=device)
+
+
+def action_to_bins(action: torch.Tensor) -> torch.Tensor:
+    """The bin of each action value: ``round((a + 1) / 2 * 255)``, exact for every bin centre
+    (checked for all 256), and the nearest bin for any other value in ``[-1, 1]``."""
+    return (
+        ((action.float().clamp(-1.0, 1.0) + 1.0) * ((NUM_BINS - 1) / 2)).round().long().clamp(0, NUM_BINS - 1)
+    )
+
+
+def build_vla_tokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
+    """The character tokenizer of :func:`~rlinf_lightning.assets.build_char_tokenizer` (ids 0-99)
+    grown to ``vocab_size`` ids: the placeholder ``<act>``, reserved ids, and the 256 action bins
+    ``<bin_b>`` as the top ids. All added tokens are special, so text is never split into them."""
+    from transformers import PreTrainedTokenizerFast
+
+    from rlinf_lightning.assets import build_char_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        build_char_tokenizer(tmp)
+        tok = PreTrainedTokenizerFast.from_pretrained(tmp)
+    reserved = vocab_size - NUM_BINS - len(tok) - 1
+    if reserved < 0:
+        raise ValueError(
+            f"a vocabulary of {vocab_size} cannot hold {len(tok)} characters, <act> and 256 bins"
+        )
+    added = (
+        [PLACEHOLDER] + [f"<reserved_{i}>" for i in range(reserved)] + [f"<bin_{b}>" for b in range(NUM_BINS)]
+    )
+    tok.add_tokens(added, special_tokens=True)
+    assert len(tok) == vocab_size and tok.convert_tokens_to_ids("<bin_0>") == vocab_size - NUM_BINS
+    return tok
+
+
+def build_lm_config(
+    lm: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, max_positions: int
+) -> Any:
+    """A Qwen2 or Llama config of the given size (tied embeddings, no dropout, float32)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig}[lm]
+    return config_class(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        dtype="float32",
+    )
+
+
+class VisionEncoder(nn.Module):
+    """uint8 RGB ``[B, H, W, 3]`` -> ``[B, grid * grid, hidden]`` visual tokens.
+
+    Three strided convolutions (64x64 -> 4x4 at ``VISION_WIDTH`` channels), an adaptive average
+    pool to ``grid x grid`` (so the number of tokens does not depend on the image size), a learned
+    position embedding per cell, and a LayerNorm + linear projection to the LM's width (the
+    "projector" of a VLA).
+    """
+
+    def __init__(self, hidden_size: int, grid: int, image_size: int) -> None:
+        super().__init__()
+        self.image_size = image_size
+        self.convs = nn.Sequential(
+            nn.Conv2d(3, 16, kernel_size=4, stride=4),
+            nn.GELU(),
+            nn.Conv2d(16, 32, kernel_size=3, stride=2, padding=1),
+            nn.GELU(),
+            nn.Conv2d(32, VISION_WIDTH, kernel_size=3, stride=2, padding=1),
+            nn.GELU(),
+        )
+        self.pool = nn.AdaptiveAvgPool2d(grid)
+        self.position = nn.Parameter(torch.randn(grid * grid, VISION_WIDTH) * 0.02)
+        self.proj = nn.Sequential(nn.LayerNorm(VISION_WIDTH), nn.Linear(VISION_WIDTH, hidden_size))
+
+    def forward(self, rgb: torch.Tensor) -> torch.Tensor:
+        x = rgb.permute(0, 3, 1, 2).to(self.position.dtype) / 127.5 - 1.0
+        if tuple(x.shape[-2:]) != (self.image_size, self.image_size):
+            x = F.interpolate(
+                x, size=(self.image_size,) * 2, mode="bilinear", align_corners=False, antialias=True
+            )
+        x = self.pool(self.convs(x)).flatten(2).transpose(1, 2)
+        return self.proj(x + self.position)
+
+
+class VLANet(nn.Module):
+    """Everything that trains (what the engines step and sync): vision encoder, state projection,
+    causal LM and value head. All computation goes through :meth:`forward`, so a sharded root
+    (FSDP2's ``fully_shard(policy.model)``) gathers its parameters around every call."""
+
+    def __init__(self, lm: nn.Module, hidden_size: int, grid: int, image_size: int, state_dim: int) -> None:
+        super().__init__()
+        self.vision = VisionEncoder(hidden_size, grid, image_size)
+        self.state_proj = nn.Linear(state_dim, hidden_size) if state_dim > 0 else None
+        self.lm = lm
+        self.value_head = nn.Sequential(
+            _orthogonal(nn.Linear(hidden_size, hidden_size), math.sqrt(2)),
+            nn.Tanh(),
+            _orthogonal(nn.Linear(hidden_size, 1), 1.0),
+        )
+
+    @property
+    def model(self) -> nn.Module:
+        """The LM's decoder (``model.model.layers`` is the Hugging Face layout the FSDP engine
+        shards layer by layer); not a registered child, so no parameter is named twice."""
+        return self.lm.base_model
+
+    def forward(
+        self,
+        tail_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        rgb: torch.Tensor | None = None,
+        state: torch.Tensor | None = None,
+        text_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """Run ``[prompt | tail]`` (with ``rgb``: a new prompt of image, state and text) or just
+        ``tail`` after ``cache`` through the LM.
+
+        ``attention_mask`` covers the cache and the new tokens (0 at pads); positions count the
+        unmasked tokens. Returns the float32 logits over the 256 action ids ``[B, n, 256]`` at the
+        last prompt position and every tail position (only the tail's without a prompt), the value
+        at the last prompt position (``None`` without a prompt), and the KV cache (``use_cache``).
+        """
+        embed = self.lm.get_input_embeddings()
+        parts = []
+        if rgb is not None:
+            parts.append(self.vision(rgb))
+            if self.state_proj is not None:
+                parts.append(self.state_proj(state.to(parts[0].dtype))[:, None])
+            parts.append(embed(text_ids))
+        prompt_len = sum(p.shape[1] for p in parts)
+        x = torch.cat([*parts, embed(tail_ids)], dim=1)
+        positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)[:, -x.shape[1] :]
+        out = self.lm.base_model(
+            inputs_embeds=x,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=use_cache,
+        )
+        hidden = out.last_hidden_state
+        value = None
+        if rgb is not None:
+            hidden = hidden[:, prompt_len - 1 :]
+            value = self.value_head(hidden[:, 0]).squeeze(-1).float()
+        weight = self.lm.get_output_embeddings().weight[-NUM_BINS:]
+        logits = F.linear(hidden.float(), weight.float())
+        return logits, value, out.past_key_values if use_cache else None
+
+
+def _orthogonal(layer: nn.Linear, gain: float) -> nn.Linear:
+    nn.init.orthogonal_(layer.weight, gain)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+class TinyVLA(RLModule):
+    """A vision-language-action actor-critic over images, proprioception and an instruction.
+
+    Args:
+        model_path: a directory written by :meth:`save_pretrained` (``config.json``, ``vla.safetensors``
+            for the vision encoder, state projection and value head, and ``lm/``: the LM and its
+            tokenizer, loadable on their own with ``from_pretrained``); its architecture replaces
+            ``image_size``, ``hidden_size``, ``num_layers``, ``num_heads``, ``lm``,
+            ``max_instruction_len`` and ``vision_grid``. ``None`` builds a new model from those.
+        image_size: images are resized to ``image_size x image_size`` before the vision encoder.
+        hidden_size: the LM's width (the head dimension ``hidden_size / num_heads`` must be even).
+        num_layers: decoder layers of the LM.
+        num_heads: attention heads of the LM (as many key/value heads).
+        lm: ``"qwen2"`` or ``"llama"``: the ``transformers`` config the LM is built from.
+        decode: ``"oft"`` (the whole chunk in one pass over placeholder tokens) or
+            ``"autoregressive"`` (one action token after another through the KV cache).
+        temperature: the action tokens' logits are divided by it when sampling and when computing
+            log-probs and entropies (rollout and training see the same distribution).
+        lr: AdamW learning rate.
+        max_grad_norm: clip the global gradient norm to this before each step (0 disables).
+        seed: seeds the initialisation of a new model (the same on every replica).
+        default_instruction: the instruction where the observation has none; ``None``: the saved
+            model's, else ``"do the task"``.
+        max_instruction_len: characters of the instruction the model reads (longer ones are cut);
+            the text segment always has this length, so batch shapes never depend on the text.
+        vision_grid: visual tokens per side (``vision_grid ** 2`` tokens).
+    """
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        image_size: int = 64,
+        hidden_size: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 2,
+        lm: str = "qwen2",
+        decode: str = "oft",
+        temperature: float = 1.0,
+        lr: float = 1e-4,
+        max_grad_norm: float = 1.0,
+        seed: int = 0,
+        default_instruction: str | None = None,
+        max_instruction_len: int = 64,
+        vision_grid: int = 4,
+    ) -> None:
+        super().__init__()
+        self.model_path = model_path
+        self.image_size = image_size
+        self.hidden_size = hidden_size
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.lm = lm
+        self.decode = decode
+        self.temperature = temperature
+        self.lr = lr
+        self.max_grad_norm = max_grad_norm
+        self.seed = seed
+        self.default_instruction = default_instruction
+        self.max_instruction_len = max_instruction_len
+        self.vision_grid = vision_grid
+        # from the env (configure_spaces) or the saved config; obs_dim (the proprioception size,
+        # 0 without one) doubles as "the spaces are set" for EmbodiedTask
+        self.obs_dim: int | None = None
+        self.action_dim: int | None = None
+        self.chunk: int | None = None
+        self.model: VLANet | None = None
+        self.tokenizer: Any = None
+        self._text_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- configuration --------------------------------------------------------------------------
+
+    def validate_config(self) -> list[tuple[str, str]]:
+        """(key, problem) pairs found without loading anything; empty when the config is fine."""
+        problems = []
+        if self.model_path is not None:
+            root = Path(self.model_path)
+            if not (root / "config.json").is_file() or not (root / "lm" / "config.json").is_file():
+                problems.append(
+                    ("model_path", f"{self.model_path!r} is not a TinyVLA directory (config.json and "
+                     "lm/config.json); write one with TinyVLA.save_pretrained()")
+                )  # fmt: skip
+        if self.lm not in LM_TYPES:
+            problems.append(("lm", f"must be one of {', '.join(LM_TYPES)}, got {self.lm!r}"))
+        if self.decode not in DECODE_MODES:
+            problems.append(("decode", f"must be one of {', '.join(DECODE_MODES)}, got {self.decode!r}"))
+        if not self.temperature > 0:
+            problems.append(("temperature", f"must be > 0, got {self.temperature}"))
+        if not self.lr > 0:
+            problems.append(("lr", f"must be > 0, got {self.lr}"))
+        for key, low in (("image_size", 16), ("hidden_size", 2), ("num_layers", 1), ("num_heads", 1),
+                         ("max_instruction_len", 1), ("vision_grid", 1)):  # fmt: skip
+            if getattr(self, key) < low:
+                problems.append((key, f"must be >= {low}, got {getattr(self, key)}"))
+        if self.num_heads >= 1 and (
+            self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2
+        ):
+            problems.append(
+                ("hidden_size", f"{self.hidden_size} / num_heads {self.num_heads} must be an even head size")
+            )
+        return problems
+
+    def _load_config(self) -> None:
+        config = json.loads((Path(self.model_path) / "config.json").read_text())
+        for key in ("image_size", "hidden_size", "num_layers", "num_heads", "lm", "max_instruction_len",
+                    "vision_grid", "action_dim", "chunk"):  # fmt: skip
+            setattr(self, key, config[key])
+        self.obs_dim = config["state_dim"]
+        if self.default_instruction is None:
+            self.default_instruction = config["default_instruction"]
+
+    def configure_spaces(self, obs: TensorDict, action_shape: tuple[int, ...]) -> None:
+        """Take the proprioception size from an example observation batch and ``(chunk,
+        action_dim)`` from the action shape (a 1-d shape is one step); for a saved model, check
+        that they match it."""
+        if "rgb" not in obs.keys():
+            raise ValueError(f"TinyVLA needs an 'rgb' image observation; the env gives {sorted(obs.keys())}")
+        state = obs.get("state") if "state" in obs.keys() else None
+        state_dim = int(state.shape[-1]) if isinstance(state, torch.Tensor) else 0
+        shape = tuple(int(s) for s in action_shape)
+        chunk, action_dim = (1, shape[0]) if len(shape) == 1 else (shape[0], math.prod(shape[1:]))
+        if self.model_path is not None:
+            self._load_config()
+            if (state_dim, chunk, action_dim) != (self.obs_dim, self.chunk, self.action_dim):
+                raise ValueError(
+                    f"{self.model_path}: the model takes a {self.obs_dim}-d state and chunks of "
+                    f"{self.chunk} x {self.action_dim} actions, the env gives a {state_dim}-d state and "
+                    f"{chunk} x {action_dim}"
+                )
+        self.obs_dim, self.chunk, self.action_dim = state_dim, chunk, action_dim
+
+    @property
+    def prompt_len(self) -> int:
+        """Tokens before the first action token: visual, state (if any), ``<s>`` text ``</s>``."""
+        return self.vision_grid**2 + (1 if self.obs_dim else 0) + self.max_instruction_len + 2
+
+    def configure_model(self) -> None:
+        """Build a new model under ``seed`` (every replica draws the same weights) or load the
+        saved one; the tokenizer is built (or loaded) alongside."""
+        if self.model is not None:
+            return
+        if self.model_path is not None and self.chunk is None:
+            self._load_config()
+        if self.chunk is None or self.action_dim is None or self.obs_dim is None:
+            raise ValueError("TinyVLA needs its sizes: call configure_spaces(obs, action_shape) first")
+        if self.default_instruction is None:
+            self.default_instruction = DEFAULT_INSTRUCTION
+        from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            if self.model_path is None:
+                self.tokenizer = build_vla_tokenizer()
+                positions = max(1024, self.prompt_len + self.chunk * self.action_dim)
+                config = build_lm_config(
+                    self.lm, len(self.tokenizer), self.hidden_size, self.num_layers, self.num_heads, positions
+                )
+                lm = AutoModelForCausalLM.from_config(config)
+            else:
+                lm_dir = Path(self.model_path) / "lm"
+                self.tokenizer = PreTrainedTokenizerFast.from_pretrained(lm_dir)
+                lm = AutoModelForCausalLM.from_pretrained(lm_dir, dtype=torch.float32)
+            model = VLANet(lm, self.hidden_size, self.vision_grid, self.image_size, self.obs_dim)
+        if self.model_path is not None:
+            from safetensors.torch import load_file
+
+            missing, unexpected = model.load_state_dict(
+                load_file(str(Path(self.model_path) / "vla.safetensors")), strict=False
+            )
+            missing = [k for k in missing if not k.startswith("lm.")]  # the LM came from lm/
+            if missing or unexpected:
+                raise ValueError(
+                    f"{self.model_path}/vla.safetensors: missing {missing}, unexpected {unexpected}"
+                )
+        vocab = lm.get_output_embeddings().weight.shape[0]
+        if (
+            len(self.tokenizer) != vocab
+            or self.tokenizer.convert_tokens_to_ids("<bin_0>") != vocab - NUM_BINS
+        ):
+            raise ValueError(
+                f"the tokenizer ({len(self.tokenizer)} ids) does not put <bin_0> at {vocab} - 256"
+            )
+        self.model = model.eval()  # no dropout anywhere: train and eval modes compute the same
+        self._ids = {
+            name: self.tokenizer.convert_tokens_to_ids(tok)
+            for name, tok in (("pad", "<pad>"), ("bos", "<s>"), ("eos", "</s>"), ("act", PLACEHOLDER))
+        }
+        self._first_bin = vocab - NUM_BINS
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        assert self.model is not None, "configure_model() first"
+        return torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.0, fused=True)
+
+    # -- observations ---------------------------------------------------------------------------
+
+    def _instructions(self, obs: TensorDict, n: int) -> list[str]:
+        """One string per row: the ``instruction`` entry (a string, a list, a non-tensor stack)
+        or the default instruction."""
+        raw = obs["instruction"] if "instruction" in obs.keys() else None
+        if raw is None or isinstance(raw, (str, bytes)):
+            texts = [raw] * n
+        else:
+            texts = list(_flatten(raw))
+        if len(texts) != n:
+            raise ValueError(f"{len(texts)} instructions for a batch of {n}")
+        return [
+            t.decode() if isinstance(t, bytes) else (str(t) if t else self.default_instruction) for t in texts
+        ]
+
+    def _text(self, texts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``<s> text </s>`` left-padded to ``max_instruction_len + 2`` ids, and its mask."""
+        rows = []
+        for t in texts:
+            row = self._text_cache.get(t)
+            if row is None:
+                ids = self.tokenizer(t, add_special_tokens=False)["input_ids"][: self.max_instruction_len]
+                ids = [self._ids["bos"], *ids, self._ids["eos"]]
+                pad = self.max_instruction_len + 2 - len(ids)
+                row = (torch.tensor([self._ids["pad"]] * pad + ids), torch.tensor([0] * pad + [1] * len(ids)))
+                if len(self._text_cache) >= 4096:  # a bounded cache: instructions rarely vary much
+                    self._text_cache.clear()
+                self._text_cache[t] = row
+            rows.append(row)
+        return torch.stack([r[0] for r in rows]).to(device), torch.stack([r[1] for r in rows]).to(device)
+
+    def _prompt(self, obs: TensorDict) -> dict[str, torch.Tensor]:
+        """The model's prompt inputs for ``obs``: rgb, state, text ids and the prompt's mask."""
+        device = self.model.vision.position.device
+        n = obs.batch_size[0]
+        text_ids, text_mask = self._text(self._instructions(obs, n), device)
+        front = self.vision_grid**2 + (1 if self.obs_dim else 0)
+        mask = torch.cat([torch.ones(n, front, dtype=text_mask.dtype, device=device), text_mask], dim=1)
+        state = obs["state"].reshape(n, -1).to(device) if self.obs_dim else None
+        return {"rgb": obs["rgb"].to(device), "state": state, "text_ids": text_ids, "mask": mask}
+
+    # -- acting and evaluating ------------------------------------------------------------------
+
+    @property
+    def num_tokens(self) -> int:
+        """Action tokens per observation: ``chunk * action_dim`` (step-major)."""
+        return self.chunk * self.action_dim
+
+    def _gumbel(self, n: int, generators: list[torch.Generator] | None, device: torch.device) -> torch.Tensor:
+        """Gumbel noise ``[n, tokens, 256]``; row ``i``'s from ``generators[i]`` alone."""
+        shape = (self.num_tokens, NUM_BINS)
+        if generators is None:
+            u = torch.rand((n, *shape))
+        else:
+            if len(generators) != n:
+                raise ValueError(f"{len(generators)} generators for a batch of {n}")
+            u = torch.stack([torch.rand(shape, generator=g) for g in generators])
+        u = u.clamp_min(torch.finfo(u.dtype).tiny)
+        return (-torch.log(-torch.log(u))).to(device)
+
+    def _logits(self, prompt: dict[str, torch.Tensor], bins: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """Tempered logits ``[B, tokens, 256]`` and values of one full pass; ``bins`` (``[B,
+        tokens]``) are fed back in autoregressive mode (teacher forcing)."""
+        n, device = prompt["mask"].shape[0], prompt["mask"].device
+        if self.decode == "oft":
+            tail = torch.full((n, self.num_tokens), self._ids["act"], device=device)
+        else:
+            tail = bins[:, :-1] + self._first_bin
+        mask = torch.cat([prompt["mask"], torch.ones_like(tail)], dim=1)
+        logits, value, _ = self.model(tail, mask, prompt["rgb"], prompt["state"], prompt["text_ids"])
+        if self.decode == "oft":
+            logits = logits[:, 1:]  # each placeholder position gives its own token's distribution
+        return logits / self.temperature, value
+
+    def _decode(
+        self, prompt: dict[str, torch.Tensor], noise: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Autoregressive decoding through the KV cache: ``(bins, tempered logits, value)``."""
+        n, device = prompt["mask"].shape[0], prompt["mask"].device
+        empty = torch.zeros(n, 0, dtype=torch.long, device=device)
+        logits, value, cache = self.model(
+            empty, prompt["mask"], prompt["rgb"], prompt["state"], prompt["text_ids"], use_cache=True
+        )
+        mask, steps, bins = prompt["mask"], [], []
+        for k in range(self.num_tokens):
+            step = logits[:, -1] / self.temperature
+            b = _pick(step, None if noise is None else noise[:, k])
+            steps.append(step)
+            bins.append(b)
+            if k + 1 < self.num_tokens:
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                logits, _, cache = self.model(
+                    (b + self._first_bin)[:, None], mask, cache=cache, use_cache=True
+                )
+        return torch.stack(bins, dim=1), torch.stack(steps, dim=1), value
+
+    @torch.no_grad()
+    def act(
+        self, obs: TensorDict, deterministic: bool = False, generators: list[torch.Generator] | None = None
+    ) -> TensorDict:
+        """Actions ``[B, chunk * action_dim]`` (bin centres, step-major), their log-probs (summed
+        over the tokens, at ``temperature``) and the values of ``obs``. Sampling is Gumbel-max with
+        noise drawn from ``generators[i]`` for row ``i``; ``deterministic`` takes each token's
+        most likely bin. No gradients: training recomputes everything in :meth:`evaluate`."""
+        prompt = self._prompt(obs)
+        n = prompt["mask"].shape[0]
+        noise = None if deterministic else self._gumbel(n, generators, prompt["mask"].device)
+        if self.decode == "oft":
+            logits, value = self._logits(prompt, None)
+            bins = _pick(logits, noise)
+        else:
+            bins, logits, value = self._decode(prompt, noise)
+        logprob = torch.log_softmax(logits, dim=-1).gather(-1, bins[..., None]).squeeze(-1).sum(-1)
+        return TensorDict(
+            {"action": bin_centres(bins.device)[bins], "logprob": logprob, "value": value}, batch_size=[n]
+        )
+
+    @torch.no_grad()
+    def value(self, obs: TensorDict) -> torch.Tensor:
+        """The value of ``obs`` from one pass over the prompt alone (the critic reads no action)."""
+        prompt = self._prompt(obs)
+        empty = torch.zeros(prompt["mask"].shape[0], 0, dtype=torch.long, device=prompt["mask"].device)
+        return self.model(empty, prompt["mask"], prompt["rgb"], prompt["state"], prompt["text_ids"])[1]
+
+    def evaluate(self, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(log-prob of batch["action"], entropy, value)`` under the current parameters: the
+        actions are mapped back to their bins and scored in one pass (OFT: the placeholders;
+        autoregressive: the bins fed back, teacher-forced)."""
+        prompt = self._prompt(batch["obs"])
+        n = prompt["mask"].shape[0]
+        bins = action_to_bins(batch["action"].reshape(n, self.num_tokens).to(prompt["mask"].device))
+        logits, value = self._logits(prompt, bins)
+        logp = torch.log_softmax(logits, dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1).sum(-1)
+        return logp.gather(-1, bins[..., None]).squeeze(-1).sum(-1), entropy, value
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Write ``config.json`` (architecture and sizes), ``vla.safetensors`` (vision encoder,
+        state projection, value head) and ``lm/`` (the LM and the tokenizer, ``save_pretrained``
+        by ``transformers``) to ``path``."""
+        from safetensors.torch import save_file
+
+        assert self.model is not None, "configure_model() first"
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        config = {
+            "kind": "tiny_vla", "image_size": self.image_size, "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers, "num_heads": self.num_heads, "lm": self.lm,
+            "max_instruction_len": self.max_instruction_len, "vision_grid": self.vision_grid,
+            "state_dim": self.obs_dim, "action_dim": self.action_dim, "chunk": self.chunk,
+            "default_instruction": self.default_instruction, "num_bins": NUM_BINS,
+        }  # fmt: skip
+        (path / "config.json").write_text(json.dumps(config, indent=1))
+        heads = {
+            k: v.detach().contiguous().cpu()
+            for k, v in self.model.state_dict().items()
+            if not k.startswith("lm.")
+        }
+        save_file(heads, str(path / "vla.safetensors"))
+        self.model.lm.save_pretrained(path / "lm")
+        self.tokenizer.save_pretrained(path / "lm")
+        return path
+
+
+def _pick(logits: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+    """Gumbel-max sample (argmax of logits + Gumbel noise), or the argmax without noise."""
+    return (logits if noise is None else logits + noise).argmax(-1)
+
+
+def _flatten(items: Any):
+    for item in items:
+        if isinstance(item, (str, bytes)) or item is None:
+            yield item
+        else:
+            yield from _flatten(item)

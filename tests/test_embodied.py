@@ -39,6 +39,30 @@ def test_the_rollouts_log_probs_equal_the_actors_recomputed_ones(tmp_path):
     env.close()
 
 
+def test_the_rollout_values_final_observations_only_where_an_episode_was_truncated():
+    from rlinf_lightning.flow.stage import StageContext
+    from rlinf_lightning.workflows.embodied import PolicyStage
+
+    env = make_env(ENV, 4)
+    obs = env.reset(seed=0)
+    final = env.reset(seed=1)
+    policy = MLPActorCritic(hidden_sizes=(32, 32))
+    policy.configure_spaces(obs, env.action_shape)
+    env.close()
+    stage = PolicyStage(policy)
+    stage.setup(StageContext("cpu", 0, 1, 1, [0]))
+    bootstrap = torch.tensor([False, True, False, True])
+    batch = TensorDict(
+        {"obs": obs, "final_obs": final, "bootstrap": bootstrap, "env_id": torch.arange(4),
+         "shard": torch.zeros(4, dtype=torch.long), "step": torch.zeros(4, dtype=torch.long)},
+        batch_size=[4],
+    )  # fmt: skip
+    out = stage.process(batch)
+    expected = stage.net.value(final)
+    assert torch.allclose(out["final_value"][bootstrap], expected[bootstrap], atol=1e-6)
+    assert out["final_value"][~bootstrap].eq(0).all() and expected[~bootstrap].ne(0).all()
+
+
 def _fit(root, strategy, launcher, devices=2, iterations=1):
     trainer = RLTrainer(
         algorithm=PPO(update_epochs=2, num_minibatches=4),
@@ -52,7 +76,8 @@ def _fit(root, strategy, launcher, devices=2, iterations=1):
         enable_progress_bar=False,
         timeout_s=120,
     )
-    task = EmbodiedTask(ENV, num_envs=8, steps=10, eval_episodes=2)
+    # a 4-step time limit: every iteration truncates episodes, so GAE bootstraps from final values
+    task = EmbodiedTask(ENV, env_kwargs={"max_episode_steps": 4}, num_envs=8, steps=10, eval_episodes=2)
     summary = trainer.fit(MLPActorCritic(hidden_sizes=(32, 32)), task)
     last = (root / "checkpoints" / "last").read_text()
     return trainer, summary, load_file(str(root / "checkpoints" / last / "model.safetensors"))

@@ -93,7 +93,8 @@ def test_every_plan_computes_the_same_update_on_every_launcher(assets, tmp_path,
 
 def test_the_actor_ranks_are_the_actor_groups_replicas(assets, tmp_path):
     """No plan starts more processes or torch threads than its slots: under every plan the workers
-    are the only processes, one per replica, and the actor's ddp ranks are its group's replicas."""
+    are the only processes, one per replica, pinned to their slots' cores, and the actor's ddp
+    ranks are its group's replicas."""
     import os
 
     import psutil
@@ -120,6 +121,10 @@ def test_the_actor_ranks_are_the_actor_groups_replicas(assets, tmp_path):
             name
         )
         assert sum(info["torch_threads"] for info in runtime.info.values()) == 2, name  # 2 slots x 1 thread
+        usable = sorted(os.sched_getaffinity(0))
+        if len(usable) >= 2:  # each process pinned to its slots' cores: one core per slot, none shared
+            pinned = [core for info in runtime.info.values() for core in info["cores"]]
+            assert sorted(pinned) == usable[:2], name
         assert [r["rank"] for r in ranks] == list(range(actor.replicas)), name
         assert {r["world_size"] for r in ranks} == {actor.replicas}, name
         assert {r["engine"] for r in ranks} == {"ddp" if actor.replicas > 1 else "single"}, name

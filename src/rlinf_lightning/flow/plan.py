@@ -10,6 +10,7 @@ first. Groups either share no slot or are the same group.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -91,6 +92,21 @@ class ExecutionPlan:
         """``CUDA_VISIBLE_DEVICES`` for a replica process on ``slots`` (node-local GPU indices)."""
         per = self.slots_per_node or (max(slots) + 1)
         return ",".join(str(s % per) for s in slots)
+
+    def cores_of(self, slots: list[int]) -> set[int] | None:
+        """The CPU cores a replica process on ``slots`` is pinned to: on CPU a slot is a core, the
+        slot's node-local index into the cores this process may run on. ``None`` (no pinning) on
+        GPUs, or where a node has fewer cores than the plan has slots on it.
+
+        Pinning keeps what sizes its thread pool by the cores it may use (Mesa's llvmpipe renderer,
+        OpenMP) on the replica's own cores instead of competing with the neighbouring replicas."""
+        if self.accelerator != "cpu" or not hasattr(os, "sched_getaffinity"):
+            return None
+        cores = sorted(os.sched_getaffinity(0))
+        per_node = self.slots_per_node or 1 + max(s for g in self.groups for s in g.slots)
+        if per_node > len(cores):
+            return None
+        return {cores[s % per_node] for s in slots}
 
     @property
     def workers(self) -> list[tuple[WorkerGroup, int]]:

@@ -179,7 +179,13 @@ class Worker:
             self._guard(name, st.setup, self.ctx)
         for name in self.stages:
             self._switch([name], "offload")
-        return {"pid": os.getpid(), "torch_threads": torch.get_num_threads(), "device": self.ctx.device}
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return {
+            "pid": os.getpid(),
+            "torch_threads": torch.get_num_threads(),
+            "cores": cores,
+            "device": self.ctx.device,
+        }
 
     def teardown(self) -> None:
         """Each stage's ``teardown``; errors are reported, not raised (the run is ending)."""

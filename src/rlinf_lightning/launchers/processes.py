@@ -39,6 +39,8 @@ def _worker_main(name: str, build: dict[str, Any], commands: Any, replies: Any, 
     exit_with_parent(parent_pid)
     if build["visible_devices"] is not None:  # before anything touches CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = build["visible_devices"]
+    if build["cores"] is not None:  # before any library sizes a thread pool by the usable cores
+        os.sched_setaffinity(0, build["cores"])
     try:
         worker = build_worker(build)
     except BaseException:
@@ -125,6 +127,7 @@ class ProcessRuntime(Runtime):
                 "abort": self.abort,
                 "sync_meet": sync_meet,
                 "visible_devices": None if plan.accelerator == "cpu" else plan.visible_devices(slots),
+                "cores": plan.cores_of(slots),
             }
             p = self.mp.Process(
                 target=_worker_main,

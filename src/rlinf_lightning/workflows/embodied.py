@@ -90,8 +90,9 @@ class EnvStage(Stage):
     sticky = True
     in_keys = ("shard", "first_env", "envs")
     # round the loop: observations; downstream: each shard's trajectory
-    out_keys = ("obs", "final_obs", "env_id", "step", "action", "logprob", "value", "reward", "terminated",
-                "truncated", "final_value", "next_value", "mask", "score", "group_id")  # fmt: skip
+    out_keys = ("obs", "final_obs", "bootstrap", "env_id", "step", "action", "logprob", "value", "reward",
+                "terminated", "truncated", "final_value", "next_value", "mask", "score",
+                "group_id")  # fmt: skip
 
     def __init__(
         self,
@@ -143,6 +144,7 @@ class EnvStage(Stage):
             {
                 "obs": s.obs,
                 "final_obs": s.final_obs if s.final_obs is not None else s.obs,
+                "bootstrap": s.steps["truncated"][-1] if s.t > 0 else torch.zeros(n, dtype=torch.bool),
                 "env_id": torch.arange(s.first_env, s.first_env + n),
                 "shard": torch.full((n,), s.shard),
                 "step": torch.full((n,), step),
@@ -220,7 +222,7 @@ class PolicyStage(Stage):
     """
 
     name = "rollout"
-    in_keys = ("obs", "final_obs", "env_id", "step")
+    in_keys = ("obs", "final_obs", "bootstrap", "env_id", "step")
     out_keys = ("action", "logprob", "value", "final_value", "shard")
 
     def __init__(self, policy: RLModule, seed: int = 0, chunk: int = 1) -> None:
@@ -240,7 +242,13 @@ class PolicyStage(Stage):
         batch = batch.to(self.device)
         gens = self._generators(batch["env_id"], int(batch["step"][0]))
         out = self.net.act(batch["obs"], generators=gens)
-        out["final_value"] = self.net.value(batch["final_obs"])
+        # GAE bootstraps only where the last step truncated an episode: value just those rows
+        # (most steps none; a forward pass over every final observation would double the cost)
+        rows = batch["bootstrap"].nonzero().squeeze(-1)
+        final_value = torch.zeros_like(out["value"])
+        if len(rows):
+            final_value[rows] = self.net.value(batch["final_obs"][rows])
+        out["final_value"] = final_value
         out["shard"] = batch["shard"]  # which of the env stage's shards asked
         return out.to("cpu")
 

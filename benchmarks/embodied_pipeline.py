@@ -18,8 +18,9 @@ Candidates, on at most two slots (on CPU a slot is a core, one torch thread each
   ``S`` shards: while one shard simulates, the policy infers for another (RLinf's pipeline stages).
 
 Each candidate runs in a fresh process; rounds alternate the candidates. The rollout window of an
-iteration is measured from its trace (the policy's first inference to the env's end of iteration), so the PPO update, the
-same work under every plan, does not dilute the comparison; whole-iteration rates are printed too.
+iteration is measured from its trace (the policy's first inference to the env's end of the
+iteration), so the PPO update, the same work under every plan, does not dilute the comparison;
+whole-iteration rates are printed too.
 Last line: JSON with each workload's env steps/s per candidate and ``pipelined_over_sequential``
 (best S).
 """
@@ -126,7 +127,8 @@ def _rollout_windows(events: list[dict], iterations: int) -> list[float]:
     the env stage's end of the iteration (the env emits the trajectories last). Not from the env's
     first span: plans that queue the next iteration start the env's shards (which only hand back
     their current observations) while the actor still trains."""
-    marks = sorted((e for e in events if e["name"] in ("rollout", "env.end_iteration")), key=lambda e: e["ts"])
+    marks = [e for e in events if e["name"] in ("rollout", "env.end_iteration")]
+    marks.sort(key=lambda e: e["ts"])
     windows, start = [], None
     for e in marks:
         if e["name"] == "rollout" and start is None:

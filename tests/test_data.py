@@ -2,8 +2,8 @@ import json
 
 import pytest
 
+from rlinf_lightning.errors import DataError
 from rlinf_lightning.tasks.data import (
-    DataFormatError,
     generate_arithmetic,
     load_problems,
     make_arithmetic_splits,
@@ -53,6 +53,6 @@ def test_loader_reads_three_formats(tmp_path):
 def test_malformed_line_names_file_and_line(tmp_path, bad, needle):
     f = tmp_path / "d.jsonl"
     f.write_text('{"prompt": "a", "answer": "1"}\n' + bad + "\n")
-    with pytest.raises(DataFormatError) as err:
+    with pytest.raises(DataError) as err:
         load_problems(f)
     assert f"{f}:2:" in str(err.value) and needle in str(err.value)

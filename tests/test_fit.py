@@ -11,6 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rlinf_lightning import Callback, LMPolicy, RLTrainer
+from rlinf_lightning.errors import CheckpointError
 from rlinf_lightning.tasks.math import MathTask
 from trainer_defaults import cli_fit_args, tiny_trainer_kwargs
 
@@ -88,7 +89,7 @@ def test_resume_equals_uninterrupted_run(assets, tmp_path):
 
 
 def test_resume_without_checkpoint_is_a_clear_error(assets, tmp_path):
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    with pytest.raises(CheckpointError, match="no checkpoint"):
         _fit(assets, tmp_path, ckpt_path="last", max_iterations=1)
 
 

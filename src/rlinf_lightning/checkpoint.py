@@ -6,12 +6,17 @@ Sharded train engines (``ddp``, ``fsdp``) add ``sharded/``: ``torch.distributed.
 of weights and optimizer state, loadable on any number of ranks (then there is no optimizer.pt).
 ``<root>/last`` names the newest complete checkpoint; it is replaced atomically too, so a crash at
 any moment leaves either the previous or the new checkpoint, never a torn one.
+
+A checkpoint is user input (it may come from anywhere), so nothing in it is unpickled freely:
+weights are safetensors, ``optimizer.pt`` and ``rng.pt`` hold only tensors and plain containers and
+load with ``weights_only=True``, and sharded state loads through :class:`SafeShardReader`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from collections.abc import Callable
@@ -19,6 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from rlinf_lightning.errors import CheckpointError, RunError
 
 LAST = "last"
 
@@ -32,17 +42,26 @@ def _fsync_dir(path: Path) -> None:
 
 
 def rng_state() -> dict[str, Any]:
+    """Generator states as tensors and plain containers (loadable with ``weights_only=True``)."""
     import numpy as np
 
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "python": [version, list(mt), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+    }
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     import numpy as np
 
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
 def save_checkpoint(
@@ -61,41 +80,93 @@ def save_checkpoint(
     final = root / f"iter-{iteration:06d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    # clone: tied weights share storage, which safetensors refuses to write twice
-    weights = {k: v.detach().to("cpu").clone().contiguous() for k, v in actor_state["model"].items()}
-    save_file(weights, str(tmp / "model.safetensors"))
-    if actor_state.get("optimizer") is not None:
-        torch.save(actor_state["optimizer"], tmp / "optimizer.pt")
-    if write_extra is not None:
-        write_extra(tmp)
-    torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({"iteration": iteration, **state}, indent=1))
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+    try:
+        tmp.mkdir()
+        # clone: tied weights share storage, which safetensors refuses to write twice
+        weights = {k: v.detach().to("cpu").clone().contiguous() for k, v in actor_state["model"].items()}
+        save_file(weights, str(tmp / "model.safetensors"))
+        if actor_state.get("optimizer") is not None:
+            torch.save(actor_state["optimizer"], tmp / "optimizer.pt")
+        if write_extra is not None:
+            write_extra(tmp)
+        torch.save(rng_state(), tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps({"iteration": iteration, **state}, indent=1))
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+    except OSError as exc:  # e.g. the disk is full: drop the partial copy, keep the previous ones
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = (root / LAST).read_text().strip() if (root / LAST).is_file() else "none"
+        raise RunError(
+            f"could not write checkpoint {final}: {exc.strerror or exc}; the last complete "
+            f"checkpoint ({previous}) is intact and resumes with --ckpt_path last"
+        ) from exc
+    # re-saving an iteration: move the old copy aside (atomic) rather than deleting it first, so
+    # that a crash between the two renames still leaves it, and resolve_checkpoint finds it
+    old = root / f".old-{final.name}"
     if final.exists():
-        shutil.rmtree(final)
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
     os.replace(tmp, final)
     pointer = root / f".{LAST}.tmp"
     pointer.write_text(final.name)
     os.replace(pointer, root / LAST)
     _fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def resolve_checkpoint(ckpt_path: str, root: str | Path) -> Path:
-    """``"last"`` -> the newest checkpoint under ``root``; otherwise the given directory."""
+    """``"last"`` -> the newest checkpoint under ``root``; otherwise the given directory. Either
+    way the checkpoint is checked to be complete (cheaply: file headers, not contents)."""
     if ckpt_path == LAST:
         pointer = Path(root) / LAST
         if not pointer.is_file():
-            raise FileNotFoundError(f"--ckpt_path last: no checkpoint under {root} yet")
-        return Path(root) / pointer.read_text().strip()
-    path = Path(ckpt_path)
-    if not (path / "state.json").is_file():
-        raise FileNotFoundError(f"--ckpt_path {ckpt_path}: not a checkpoint directory (no state.json)")
+            raise CheckpointError(
+                f"--ckpt_path last: no checkpoint under {root} yet; run without --ckpt_path to start "
+                "fresh, or set trainer.default_root_dir to the run that wrote one"
+            )
+        path = Path(root) / pointer.read_text().strip()
+        if not path.is_dir() and (path.parent / f".old-{path.name}").is_dir():
+            path = path.parent / f".old-{path.name}"  # a crash while re-saving this iteration
+    else:
+        path = Path(ckpt_path)
+    verify_checkpoint(path)
     return path
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Raise :class:`CheckpointError` naming the first missing or unreadable file of ``path``."""
+    from safetensors import safe_open
+
+    if not path.is_dir():
+        raise CheckpointError(f"--ckpt_path {path}: no such checkpoint directory")
+    try:
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+        int(state["iteration"])
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not a checkpoint directory (no state.json)") from None
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path / 'state.json'}: corrupt ({type(exc).__name__}: {exc})") from None
+    try:
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            list(f.keys())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: partial checkpoint, model.safetensors is missing") from None
+    except Exception as exc:  # noqa: BLE001 (safetensors raises its own error types)
+        raise CheckpointError(f"{path / 'model.safetensors'}: corrupt ({exc})") from None
+    needed = ["rng.pt", "sharded/.metadata" if (path / "sharded").is_dir() else "optimizer.pt"]
+    for name in needed:
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path}: partial checkpoint, {name} is missing")
+
+
+def _load_pt(path: Path) -> Any:
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 (truncated files, pickles with code, ...)
+        raise CheckpointError(f"{path}: cannot be loaded safely ({type(exc).__name__}: {exc})") from None
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -103,12 +174,55 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], d
     from safetensors.torch import load_file
 
     path = Path(path)
-    actor = {
-        "model": load_file(str(path / "model.safetensors")),
-        "optimizer": torch.load(path / "optimizer.pt", weights_only=False)
-        if (path / "optimizer.pt").is_file()
-        else None,
-    }
+    verify_checkpoint(path)
+    try:
+        model = load_file(str(path / "model.safetensors"))
+    except Exception as exc:  # noqa: BLE001 (a file truncated after its header)
+        raise CheckpointError(f"{path / 'model.safetensors'}: corrupt ({exc})") from None
+    optimizer = _load_pt(path / "optimizer.pt") if (path / "optimizer.pt").is_file() else None
     state = json.loads((path / "state.json").read_text())
-    rng = torch.load(path / "rng.pt", weights_only=False)
-    return actor, state, rng
+    return {"model": model, "optimizer": optimizer}, state, _load_pt(path / "rng.pt")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles ``torch.distributed.checkpoint`` metadata and nothing else (no code runs)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+            or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
+            or (module, name) in {("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")}
+            or (module, name) == ("collections", "OrderedDict")
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"sharded checkpoint metadata refers to {module}.{name}")
+        return super().find_class(module, name)
+
+
+class SafeShardReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata is unpickled with an allow-list (torch's uses pickle)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"{path}: cannot be loaded safely ({type(exc).__name__}: {exc})") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` whose non-tensor items load with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj

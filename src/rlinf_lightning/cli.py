@@ -16,9 +16,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from jsonargparse import ActionConfigFile, ArgumentParser
+from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser
 
-from rlinf_lightning.errors import ConfigError
+from rlinf_lightning.errors import InputError, RunError
 
 
 def prepare(
@@ -71,7 +71,7 @@ def _fit_parser() -> ArgumentParser:
     from rlinf_lightning.tasks.base import Task
     from rlinf_lightning.trainer import RLTrainer
 
-    p = ArgumentParser(description="Train a policy with RL.", allow_abbrev=False)
+    p = ArgumentParser(description="Train a policy with RL.", allow_abbrev=False, exit_on_error=False)
     p.add_argument("--config", action=ActionConfigFile, help="YAML config file")
     p.add_class_arguments(RLTrainer, "trainer")
     # LightningCLI's subclass mode: `class_path` picks any RLModule / Task (a user's own too); a
@@ -85,7 +85,7 @@ def _fit_parser() -> ArgumentParser:
 
 
 def _function_parser(fn, description: str) -> ArgumentParser:
-    p = ArgumentParser(description=description, allow_abbrev=False)
+    p = ArgumentParser(description=description, allow_abbrev=False, exit_on_error=False)
     p.add_argument("--config", action=ActionConfigFile, help="YAML config file")
     p.add_function_arguments(fn)
     return p
@@ -94,14 +94,18 @@ def _function_parser(fn, description: str) -> ArgumentParser:
 def build_parser() -> ArgumentParser:
     from rlinf_lightning.sft import run_sft
 
-    parser = ArgumentParser(prog="rlinf", description="rlinf-lightning: RL post-training", allow_abbrev=False)
+    parser = ArgumentParser(
+        prog="rlinf", description="rlinf-lightning: RL post-training", allow_abbrev=False, exit_on_error=False
+    )
     sub = parser.add_subcommands(dest="command")
     sub.add_subcommand("fit", _fit_parser(), help="RL training (GRPO, ...)")
     sub.add_subcommand(
         "sft", _function_parser(run_sft, "Supervised warm start."), help="supervised warm start"
     )
     sub.add_subcommand("prepare", _function_parser(prepare, "Build tiny assets."), help="build model + data")
-    sub.add_subcommand("plugins", ArgumentParser(allow_abbrev=False), help="list registered components")
+    sub.add_subcommand(
+        "plugins", ArgumentParser(allow_abbrev=False, exit_on_error=False), help="list registered components"
+    )
     return parser
 
 
@@ -110,6 +114,7 @@ def list_plugins() -> None:
     from rlinf_lightning.engines import ROLLOUT_ENGINES, TRAIN_ENGINES
     from rlinf_lightning.envs import ENVS
     from rlinf_lightning.launchers import LAUNCHERS
+    from rlinf_lightning.loggers import LOGGERS
     from rlinf_lightning.registry import installed_plugins, plugin_errors
     from rlinf_lightning.rewards import REWARDS
     from rlinf_lightning.strategies import STRATEGIES
@@ -118,15 +123,64 @@ def list_plugins() -> None:
     print("installed plugins:", ", ".join(f"{n} ({d})" for n, d in plugins) or "none")
     for name, err in plugin_errors().items():
         print(f"  plugin {name} failed to load: {err}")
-    for reg in (STRATEGIES, LAUNCHERS, ROLLOUT_ENGINES, TRAIN_ENGINES, ALGORITHMS, REWARDS, ENVS):
+    for reg in (STRATEGIES, LAUNCHERS, ROLLOUT_ENGINES, TRAIN_ENGINES, ALGORITHMS, REWARDS, ENVS, LOGGERS):
         print(f"{reg.kind}:")
         for name, origin, desc in reg.describe():
             print(f"  {name:<20} {origin:<22} {desc}")
 
 
+def _config_file_problem(argv: list[str]) -> str | None:
+    """The first ``--config`` file that is missing or not valid YAML, named with the line at fault
+    (the argument parser reports YAML errors without saying which file they are in)."""
+    import yaml
+
+    paths = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    paths += [b for a, b in zip(argv, argv[1:]) if a == "--config"]
+    for path in paths:
+        try:
+            yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            return f"--config {path}: cannot read it ({exc.strerror})"
+        except UnicodeDecodeError as exc:
+            return f"--config {path}: not UTF-8 text ({exc.reason} at byte {exc.start})"
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+            what = getattr(exc, "problem", None) or str(exc)
+            return f"--config {path}{where}: invalid YAML ({what})"
+    return None
+
+
+def _with_suggestion(message: str, parser: ArgumentParser) -> str:
+    """Add the nearest known option to an "unrecognized arguments" message (typos in keys)."""
+    import difflib
+
+    if not message.startswith("unrecognized arguments:"):
+        return message
+    known = [o for p in _all_parsers(parser) for a in p._actions for o in a.option_strings]
+    for arg in message.split(":", 1)[1].split():
+        close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1)
+        if close:
+            message += f"; did you mean {close[0]}?"
+    return message + " (rlinf fit --help lists every key)"
+
+
+def _all_parsers(parser: ArgumentParser) -> list[ArgumentParser]:
+    subs = parser._subcommands_action._name_parser_map.values() if parser._subcommands_action else []
+    return [parser, *subs]
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if problem := _config_file_problem(argv):
+        print(f"rlinf: {problem}", file=sys.stderr)
+        return 2
     parser = build_parser()
-    cfg = parser.parse_args(argv)
+    try:
+        cfg = parser.parse_args(argv)
+    except ArgumentError as exc:  # one message, not the whole usage text
+        print(f"rlinf: {_with_suggestion(str(exc), parser)}", file=sys.stderr)
+        return 2
     cmd = cfg.command
     if cmd == "plugins":
         list_plugins()
@@ -142,18 +196,15 @@ def main(argv: list[str] | None = None) -> int:
         run_sft(**sub.as_dict())
         return 0
     init = parser._subcommands_action._name_parser_map["fit"].instantiate(sub)
-    trainer, policy, task = init.trainer, init.policy, init.task
-    try:
-        trainer.validate(policy, task)
-    except ConfigError as exc:
-        print(f"rlinf fit: {exc}", file=sys.stderr)
-        return 2
     from rlinf_lightning.flow.worker import StageError
     from rlinf_lightning.launchers import WorkerDied
 
     try:
-        trainer.fit(policy, task, ckpt_path=init.ckpt_path)
-    except (StageError, WorkerDied) as exc:  # the worker's own traceback is in the message
+        init.trainer.fit(init.policy, init.task, ckpt_path=init.ckpt_path)
+    except InputError as exc:  # found before any worker started: fix the input and rerun
+        print(f"rlinf fit: {exc}", file=sys.stderr)
+        return 2
+    except (StageError, WorkerDied, RunError) as exc:  # a worker's error carries its traceback
         print(f"rlinf fit: {exc}", file=sys.stderr)
         return 1
     return 0

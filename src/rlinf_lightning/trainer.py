@@ -29,6 +29,7 @@ from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.trace import write_chrome_trace
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers import LAUNCHERS
+from rlinf_lightning.loggers import LOGGERS
 from rlinf_lightning.strategies import STRATEGIES, Resources
 
 LoggerSpec = (
@@ -196,6 +197,16 @@ class RLTrainer:
             p.append(("trainer.accelerator", f"must be auto, cpu or cuda, got {self.accelerator!r}"))
         elif self.accelerator == "cuda" and not torch.cuda.is_available():
             p.append(("trainer.accelerator", "cuda was asked for but torch sees no GPU; use cpu or auto"))
+        p += self._logger_problems()
+        launcher = self.launcher if isinstance(self.launcher, str) else None
+        if launcher in LAUNCHERS and self.num_nodes > 1 and not LAUNCHERS.get(launcher).multi_node:
+            p.append(
+                (
+                    "trainer.num_nodes",
+                    f"{self.num_nodes} nodes, but launcher {launcher!r} runs every worker on this machine; "
+                    "use trainer.launcher=ray for several machines",
+                )
+            )
         for section, obj in (("policy", policy), ("task", task)):
             if obj is not None and hasattr(obj, "validate_config"):
                 p += [(f"{section}.{k}", m) for k, m in obj.validate_config()]
@@ -240,23 +251,21 @@ class RLTrainer:
         if spec is False or spec is None:
             return []
         specs = spec if isinstance(spec, list) else [spec]
-        out = []
-        for s in specs:
-            if s is True or s == "csv":
-                from lightning.pytorch.loggers import CSVLogger
+        return [
+            LOGGERS.resolve("csv" if s is True else s, self.default_root_dir)
+            if isinstance(s, str | bool)
+            else instantiate(s)
+            for s in specs
+        ]
 
-                out.append(CSVLogger(save_dir=str(self.default_root_dir), name="logs"))
-            elif s == "tensorboard":
-                from lightning.pytorch.loggers import TensorBoardLogger
-
-                out.append(TensorBoardLogger(save_dir=str(self.default_root_dir), name="logs"))
-            elif s == "wandb":
-                from lightning.pytorch.loggers import WandbLogger
-
-                out.append(WandbLogger(save_dir=str(self.default_root_dir), offline=True))
-            else:
-                out.append(instantiate(s))
-        return out
+    def _logger_problems(self) -> list[tuple[str, str]]:
+        spec = self.logger_spec
+        specs = spec if isinstance(spec, list) else [spec]
+        return [
+            ("trainer.logger", LOGGERS.unknown_message(s))
+            for s in specs
+            if isinstance(s, str) and s not in LOGGERS
+        ]
 
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
@@ -270,6 +279,9 @@ class RLTrainer:
     def fit(self, policy: Any, task: Any, ckpt_path: str | None = None) -> dict[str, Any]:
         """Train ``policy`` on ``task``; resume from ``ckpt_path`` (a directory or ``"last"``)."""
         self.validate(policy, task)
+        resume = resolve_checkpoint(ckpt_path, self.ckpt_dir) if ckpt_path else None
+        if resume is not None:  # read (safely) before any worker starts: a bad file fails now
+            train_state, state, rng = load_checkpoint(resume)
         torch.manual_seed(self.seed)
         launcher = LAUNCHERS.resolve(instantiate(self.launcher))
         self.callbacks = [instantiate(c) for c in self.callbacks]
@@ -286,13 +298,11 @@ class RLTrainer:
 
         start_it, history = 0, []
         self._spans: list[Any] = []
-        resume = resolve_checkpoint(ckpt_path, self.ckpt_dir) if ckpt_path else None
         train = workflow.roles["train"]
         t_start = time.perf_counter()
         runtime = launcher.launch(workflow, self.plan, timeout_s=self.timeout_s)
         try:
             if resume is not None:
-                train_state, state, rng = load_checkpoint(resume)
                 if (resume / "sharded").is_dir():
                     runtime.call(train, "load_sharded", str(resume / "sharded"), replicas="all")
                 else:

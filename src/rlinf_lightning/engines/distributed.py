@@ -241,8 +241,10 @@ class FSDPTrainEngine(DDPTrainEngine):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        from rlinf_lightning.checkpoint import SafeLoadPlanner, SafeShardReader
+
         state = self._dcp_state()
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=SafeShardReader(path), planner=SafeLoadPlanner())
         set_state_dict(
             self.policy.model,
             self.optimizer,

@@ -173,9 +173,11 @@ class Runtime(ABC):
 
 
 class Launcher(ABC):
-    """Starts a plan's workers. ``separate_processes``: each worker is its own process."""
+    """Starts a plan's workers. ``separate_processes``: each worker is its own process;
+    ``multi_node``: it can place workers on other machines (else every slot is on this one)."""
 
     separate_processes: bool = True
+    multi_node: bool = False
 
     @abstractmethod
     def launch(self, workflow: Workflow, plan: ExecutionPlan, *, timeout_s: float) -> Runtime: ...

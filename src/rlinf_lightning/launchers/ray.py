@@ -290,6 +290,8 @@ class RayLauncher(Launcher):
             an existing cluster.
     """
 
+    multi_node = True
+
     def __init__(self, address: str | None = None) -> None:
         self.address = address
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from tensordict import TensorDict
 
@@ -75,15 +73,9 @@ class LMPolicy(RLModule):
 
     def validate_config(self) -> list[tuple[str, str]]:
         """(key, problem) pairs found without loading anything; empty when the config is fine."""
-        problems = []
-        if not (Path(self.model_path) / "config.json").is_file():
-            problems.append(
-                (
-                    "model_path",
-                    f"{self.model_path!r} is not a model directory (no config.json). Point it at a "
-                    "save_pretrained() directory, e.g. run `rlinf prepare` to build the tiny one.",
-                )
-            )
+        from rlinf_lightning.policies.model_dir import check_causal_lm_dir
+
+        problems = [("model_path", msg) for msg in check_causal_lm_dir(self.model_path)]
         if self.lr <= 0:
             problems.append(("lr", f"must be > 0, got {self.lr}"))
         if self.dtype not in ("float32", "bfloat16", "float16"):

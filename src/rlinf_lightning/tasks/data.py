@@ -14,9 +14,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-
-class DataFormatError(ValueError):
-    """A malformed dataset line; the message names the file and the 1-based line number."""
+from rlinf_lightning.errors import DataError
 
 
 @dataclass(frozen=True)
@@ -39,6 +37,13 @@ def last_boxed(text: str) -> str | None:
 
 
 def _record_to_problem(rec: object) -> Problem:
+    problem = _parse_record(rec)
+    if not problem.answer:
+        raise ValueError("the gold answer is empty")
+    return problem
+
+
+def _parse_record(rec: object) -> Problem:
     if not isinstance(rec, dict):
         raise ValueError("expected a JSON object")
     if "prompt" in rec and "answer" in rec:
@@ -53,6 +58,9 @@ def _record_to_problem(rec: object) -> Problem:
         if boxed is None:
             raise ValueError("MATH-style 'solution' has no \\boxed{...} answer")
         return Problem(str(rec["problem"]), boxed.strip())
+    for question, gold in (("prompt", "answer"), ("question", "answer"), ("problem", "solution")):
+        if question in rec:
+            raise ValueError(f"no gold answer: a record with {question!r} needs {gold!r}")
     raise ValueError(
         f"unrecognised keys {sorted(rec)}; expected prompt/answer, question/answer (GSM8K) "
         "or problem/solution (MATH)"
@@ -60,21 +68,30 @@ def _record_to_problem(rec: object) -> Problem:
 
 
 def load_problems(path: str | Path) -> list[Problem]:
-    """Read a JSONL file of problems in any of the three formats (they may be mixed)."""
+    """Read a JSONL file of problems in any of the three formats (they may be mixed).
+
+    Raises :class:`DataError` naming the file, and the line for a bad record (invalid JSON or
+    UTF-8, no gold answer, unknown layout), or saying the file is missing or has no problems.
+    """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"dataset file not found: {path}")
+        raise DataError(f"{path}: dataset file not found")
     problems = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 problems.append(_record_to_problem(json.loads(line)))
-            except (ValueError, json.JSONDecodeError) as exc:
-                raise DataFormatError(f"{path}:{lineno}: {exc}") from None
+            except UnicodeDecodeError as exc:
+                raise DataError(
+                    f"{path}:{lineno}: not UTF-8 text ({exc.reason} at byte {exc.start})"
+                ) from None
+            except ValueError as exc:  # json.JSONDecodeError is a ValueError
+                raise DataError(f"{path}:{lineno}: {exc}") from None
     if not problems:
-        raise DataFormatError(f"{path}: no problems found")
+        raise DataError(f"{path}: no problems found (the file is empty); expected one JSON object per line")
     return problems
 
 

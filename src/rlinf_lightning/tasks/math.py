@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDict
 
+from rlinf_lightning.errors import DataError
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.tasks.base import Task
 from rlinf_lightning.tasks.data import Problem, load_problems
@@ -58,6 +59,11 @@ class MathTask(Task):
                 problems.append(
                     (key, f"file {getattr(self, key)!r} not found; run `rlinf prepare` to generate data")
                 )
+                continue
+            try:  # read up front (cheap): a bad line fails now, not mid-run
+                getattr(self, key.removesuffix("_path"))
+            except DataError as exc:
+                problems.append((key, str(exc)))
         for key in ("reward", "format_reward"):
             name = getattr(self, key)
             if name is not None and name not in REWARDS:

@@ -1,0 +1,231 @@
+"""Every bad input a user can give `rlinf fit` ends with one message naming the key or the file (and
+the line, for data), exit status 2 and no traceback, before any worker starts or anything is
+written. Each case runs the real CLI entry point (`rlinf_lightning.cli.main`) in this process; a
+traceback would escape it and fail the test."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from rlinf_lightning.cli import main
+from rlinf_lightning.policies.model_dir import TOKENIZER_FILES
+from trainer_defaults import cli_fit_args
+
+HYBRID = "rlinf_lightning.strategies.HybridStrategy"
+TRAIN = "--task.train_path"
+
+
+def _file(key: str, data: bytes, name: str = "d.jsonl") -> Callable[[Path, dict], list[str]]:
+    """An override pointing ``key`` at a file holding ``data``."""
+
+    def make(tmp: Path, assets: dict) -> list[str]:
+        (tmp / name).write_bytes(data)
+        return [f"{key}={tmp / name}"]
+
+    return make
+
+
+def _model_copy(tmp: Path, assets: dict, drop: tuple[str, ...] = ()) -> Path:
+    out = tmp / "model"
+    shutil.copytree(assets["sft"], out)
+    for name in drop:
+        (out / name).unlink(missing_ok=True)
+    return out
+
+
+def _other_config(tmp: Path, assets: dict) -> list[str]:
+    out = _model_copy(tmp, assets)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["intermediate_size"] *= 2  # the weights were saved for the original size
+    (out / "config.json").write_text(json.dumps(cfg))
+    return [f"--policy.model_path={out}"]
+
+
+def _truncated_weights(tmp: Path, assets: dict) -> list[str]:
+    out = _model_copy(tmp, assets)
+    data = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(data[: len(data) // 2])
+    return [f"--policy.model_path={out}"]
+
+
+def _checkpoint(tmp: Path, corrupt: Callable[[Path], None]) -> list[str]:
+    """A complete checkpoint under the run's directory, then ``corrupt`` applied to it."""
+    from rlinf_lightning.checkpoint import save_checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    path = save_checkpoint(tmp / "run" / "checkpoints", 1, state, {"eval_history": [], "seed": 0})
+    corrupt(path)
+    return ["--ckpt_path=last"]
+
+
+class _Exploit:
+    """A pickle that runs code when loaded with weights_only=False."""
+
+    def __reduce__(self):
+        return (exec, ("open('PWNED', 'w').write('x')",))
+
+
+def _malicious_rng(path: Path) -> None:
+    torch.save({"torch": torch.get_rng_state(), "x": _Exploit()}, path / "rng.pt")
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+# (id, overrides or a function (tmp_path, assets) -> overrides, text the message must contain)
+CASES: list[tuple[str, object, str]] = [
+    # -- config keys, types, registry names
+    ("unknown key", ["--trainer.max_iteration=3"], "--trainer.max_iterations"),
+    ("wrong type", ["--trainer.group_size=four"], "trainer.group_size"),
+    ("unknown strategy", ["--trainer.strategy=colocated"], "Did you mean 'collocated'"),
+    ("unknown launcher", ["--trainer.launcher=threads"], "trainer.launcher"),
+    ("unknown logger", ["--trainer.logger=mlflow"], "trainer.logger: unknown logger 'mlflow'"),
+    ("unknown rollout engine", ["--trainer.rollout=sglang"], "trainer.rollout"),
+    ("unknown algorithm", ["--trainer.algorithm=grpoo"], "trainer.algorithm"),
+    ("unknown reward", ["--task.reward=exact"], "task.reward"),
+    ("unknown policy class", ["--policy.class_path=rlinf_lightning.policies.NoSuch"], "NoSuch"),
+    ("unknown engine option", ["--trainer.train_engine_options={timeout: 9}"], "engine_options.timeout"),
+    ("unknown accelerator", ["--trainer.accelerator=tpu"], "trainer.accelerator"),
+    # -- out-of-range and inconsistent sizes
+    ("group size < 2", ["--trainer.group_size=1"], "trainer.group_size"),
+    ("batch not divisible", ["--trainer.rollout_batch_size=100"], "use a multiple such as 96"),
+    ("micro-batch inconsistent", ["--trainer.micro_batch_size=6"], "trainer.micro_batch_size"),
+    ("negative iterations", ["--trainer.max_iterations=-1"], "trainer.max_iterations"),
+    ("zero devices", ["--trainer.devices=0"], "trainer.devices"),
+    ("greedy RL sampling", ["--trainer.sampling.temperature=0"], "trainer.sampling.temperature"),
+    ("top_p out of range", ["--trainer.sampling.top_p=1.5"], "trainer.sampling.top_p"),
+    (
+        "mmap threshold over glibc's cap",
+        ["--trainer.train_strategy=fsdp", "--trainer.train_engine_options={malloc_mmap_threshold_mb: 64}"],
+        "malloc_mmap_threshold_mb must be in (0, 32]",
+    ),
+    # -- plans that do not fit the devices
+    ("plan needs 2 slots", ["--trainer.strategy=disaggregated"], "needs trainer.devices >= 2"),
+    (
+        "placement names no such stage",
+        [f"--trainer.strategy={{class_path: {HYBRID}, init_args: {{placement: 'rolout: 0'}}}}"],
+        "unknown stage 'rolout'",
+    ),
+    (
+        "placement on a missing slot",
+        [
+            "--trainer.devices=2",
+            f"--trainer.strategy={{class_path: {HYBRID}, init_args: "
+            "{placement: 'rollout: 0, reward,advantage,inference,actor: 2'}}",
+        ],
+        "slot 2 does not exist",
+    ),
+    ("one rank, two replicas", ["--trainer.devices=2", "--trainer.train_strategy=single"], "train_strategy"),
+    (
+        "fsdp over threads",
+        ["--trainer.devices=2", "--trainer.train_strategy=fsdp", "--trainer.launcher=inprocess"],
+        "trainer.launcher",
+    ),
+    ("nodes on a one-machine launcher", ["--trainer.num_nodes=2"], "use trainer.launcher=ray"),
+    # -- config files
+    ("invalid YAML", _file("--config", b"trainer: [1\n", "c.yaml"), "c.yaml:2:1: invalid YAML"),
+    ("missing config file", ["--config=/nonexistent/c.yaml"], "/nonexistent/c.yaml: cannot read it"),
+    # -- data files
+    ("missing data file", ["--task.train_path=/nonexistent/train.jsonl"], "task.train_path"),
+    ("malformed data", _file(TRAIN, b'{"prompt": 1\n'), "d.jsonl:1:"),
+    ("empty data", _file("--task.test_path", b""), "d.jsonl: no problems found"),
+    (
+        "gold answer missing",
+        _file(TRAIN, b'{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n'),
+        "d.jsonl:2: no gold answer",
+    ),
+    ("gold answer empty", _file(TRAIN, b'{"prompt": "a", "answer": " "}\n'), "gold answer is empty"),
+    ("GSM8K without ####", _file(TRAIN, b'{"question": "q", "answer": "4"}\n'), "d.jsonl:1: GSM8K"),
+    ("non-UTF-8 bytes", _file(TRAIN, b'{"prompt": "caf\xe9", "answer": "1"}\n'), "not UTF-8"),
+    # -- model directories
+    ("missing model directory", ["--policy.model_path=/nonexistent/model"], "policy.model_path"),
+    (
+        "model without tokenizer files",
+        lambda t, a: [f"--policy.model_path={_model_copy(t, a, drop=TOKENIZER_FILES)}"],
+        "no tokenizer files",
+    ),
+    ("model config does not match weights", _other_config, "the weights do not match config.json"),
+    ("model weights truncated", _truncated_weights, "not a readable safetensors file"),
+    # -- checkpoints
+    ("no checkpoint to resume", ["--ckpt_path=last"], "--ckpt_path last: no checkpoint under"),
+    ("no such checkpoint", ["--ckpt_path=/nonexistent/iter-000001"], "no such checkpoint directory"),
+    (
+        "corrupt checkpoint state",
+        lambda t, a: _checkpoint(t, lambda p: (p / "state.json").write_text("{")),
+        "state.json: corrupt",
+    ),
+    (
+        "partial checkpoint",
+        lambda t, a: _checkpoint(t, lambda p: (p / "optimizer.pt").unlink()),
+        "partial checkpoint, optimizer.pt is missing",
+    ),
+    (
+        "truncated checkpoint weights",
+        lambda t, a: _checkpoint(t, lambda p: _truncate(p / "model.safetensors")),
+        "model.safetensors: corrupt",
+    ),
+    (
+        "truncated optimizer state",
+        lambda t, a: _checkpoint(t, lambda p: _truncate(p / "optimizer.pt")),
+        "optimizer.pt: cannot be loaded safely",
+    ),
+    ("pickle with code", lambda t, a: _checkpoint(t, _malicious_rng), "rng.pt: cannot be loaded safely"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "needle"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_message_and_exit_2(tmp_path, assets, capsys, monkeypatch, make, needle):
+    monkeypatch.chdir(tmp_path)  # where a malicious pickle would write
+    overrides = make(tmp_path, assets) if callable(make) else make
+    argv = cli_fit_args(assets, tmp_path, "--trainer.max_iterations=1", *overrides)[3:]
+    t0 = time.perf_counter()
+    try:
+        status = main(argv)
+    except SystemExit as exc:  # argument parsing ends this way
+        status = exc.code
+    elapsed = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert needle in err, err
+    assert "Traceback" not in err and err.startswith("rlinf"), err
+    assert elapsed < 10, f"took {elapsed:.1f} s: checked before anything heavy loads"
+    assert not (tmp_path / "run" / "logs").exists()  # nothing started
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_an_unreadable_checkpoint_file_is_never_unpickled(tmp_path):
+    """The loader refuses a checkpoint whose rng.pt carries code, and the code does not run."""
+    from rlinf_lightning.checkpoint import load_checkpoint
+    from rlinf_lightning.errors import CheckpointError
+
+    model = torch.nn.Linear(2, 2)
+    path = tmp_path / "iter-000001"
+    path.mkdir()
+    save_file(model.state_dict(), str(path / "model.safetensors"))
+    torch.save(torch.optim.AdamW(model.parameters()).state_dict(), path / "optimizer.pt")
+    (path / "state.json").write_text('{"iteration": 1}')
+    marker = tmp_path / "PWNED"
+    torch.save({"x": _Payload(str(marker))}, path / "rng.pt")
+    with pytest.raises(CheckpointError, match="rng.pt: cannot be loaded safely"):
+        load_checkpoint(path)
+    assert not marker.exists()
+
+
+class _Payload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('x')",))

@@ -32,3 +32,38 @@ def test_plugins_extend_the_same_registry():
 
     assert REWARDS.get("test_len_reward")("abc", "") == 3.0
     assert ("test_len_reward", "built-in", "") in REWARDS.describe()
+
+
+PATHOLOGICAL = "\\boxed{9^{9^{9^{9}}}}"  # sympy evaluates 9^387420489 for minutes without a timeout
+
+
+def _two_calls() -> tuple[float, float, float]:
+    import time
+
+    from rlinf_lightning.rewards import math_verify_reward
+
+    t0 = time.monotonic()
+    bad = math_verify_reward(PATHOLOGICAL, "1", timeout_s=1)
+    return bad, time.monotonic() - t0, math_verify_reward("\\boxed{7}", "7", timeout_s=1)
+
+
+@pytest.mark.parametrize("where", ["main thread", "worker thread", "worker process"])
+def test_math_verify_times_out_anywhere(where):
+    """One pathological completion scores 0.0 within about the timeout, wherever the reward runs,
+    and the next call still works (off the main thread a stuck judge process is replaced)."""
+    import concurrent.futures
+
+    from rlinf_lightning.rewards import math_verify_reward
+
+    if where == "main thread":
+        bad, took, good = _two_calls()
+    else:
+        pool_cls = {
+            "worker thread": concurrent.futures.ThreadPoolExecutor,
+            "worker process": concurrent.futures.ProcessPoolExecutor,
+        }[where]
+        with pool_cls(1) as pool:
+            pool.submit(math_verify_reward, "1", "1").result(timeout=120)  # start-up not timed
+            bad, took, good = pool.submit(_two_calls).result(timeout=60)
+    assert (bad, good) == (0.0, 1.0)
+    assert took < 10, f"{took:.1f} s"

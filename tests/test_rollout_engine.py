@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
@@ -62,3 +63,10 @@ def test_tokenizer_round_trips_through_auto_tokenizer(assets):
     assert len(ids) == len(text)  # one token per character
     assert tok.decode(ids) == text
     assert tok.padding_side == "left"
+
+
+def test_a_weight_sync_that_skips_a_parameter_raises(assets):
+    engine = HFRolloutEngine(str(assets["base"]))
+    sent = [(n, p) for n, p in HFRolloutEngine(str(assets["sft"])).model.named_parameters()]
+    with pytest.raises(RuntimeError, match=r"left 1 rollout parameter.*layers.1.mlp.up_proj"):
+        engine.update_weights([(n, p) for n, p in sent if n != "model.layers.1.mlp.up_proj.weight"])

@@ -6,6 +6,7 @@ import copy
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, HFRolloutEngine, SamplingParams
@@ -81,3 +82,25 @@ def test_engine_start_leaves_the_trainers_rng_and_threads_alone(assets):
     ROLLOUT_ENGINES.get("vllm")(str(assets["sft"]))
     assert torch.set_num_threads is set_threads
     assert torch.equal(torch.random.get_rng_state(), rng) and random.getstate() == py_rng
+
+
+def test_a_weight_sync_that_skips_a_parameter_raises(assets, engine):
+    policy = LMPolicy(str(assets["sft"]))
+    policy.configure_model()
+    sent = [(n, p) for n, p in policy.model.named_parameters() if n != "model.layers.0.mlp.down_proj.weight"]
+    with pytest.raises(RuntimeError, match=r"weight sync left 1 vLLM parameter\(s\).*layers.0.mlp.down_proj"):
+        engine.update_weights(sent)
+    engine.update_weights(policy.model.named_parameters())  # the complete sync still works
+
+
+def test_a_completion_without_log_probs_raises():
+    """vLLM's own output type with a token whose log-prob is missing (was filled with 0.0)."""
+    from rlinf_vllm.engine import sampled_logprobs
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput
+
+    full = CompletionOutput(0, "", [5, 6], None, [{5: Logprob(-0.5)}, {6: Logprob(-1.0)}])
+    assert sampled_logprobs(full) == [-0.5, -1.0]
+    for logprobs in (None, [{5: Logprob(-0.5)}], [{5: Logprob(-0.5)}, {7: Logprob(-1.0)}]):
+        with pytest.raises(RuntimeError, match="log-probs for"):
+            sampled_logprobs(CompletionOutput(0, "", [5, 6], None, logprobs))

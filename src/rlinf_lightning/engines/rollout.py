@@ -182,10 +182,17 @@ class HFRolloutEngine(RolloutEngine):
         return torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()
 
     def update_weights(self, named_tensors):
-        params = dict(self.model.named_parameters())
+        params = dict(self.model.named_parameters())  # a tied lm_head is the embedding, listed once
+        updated = set()
         with torch.no_grad():
             for name, tensor in named_tensors:
                 if name in params:
                     params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+                    updated.add(name)
                 elif not name.endswith("lm_head.weight"):  # tied to the embedding in small models
                     raise KeyError(f"rollout engine has no parameter {name!r}")
+        if missing := sorted(set(params) - updated):
+            raise RuntimeError(
+                f"weight sync left {len(missing)} rollout parameter(s) with their old values: "
+                f"{', '.join(missing[:5])}; the actor's state dict must name every parameter"
+            )

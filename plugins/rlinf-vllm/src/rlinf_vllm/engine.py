@@ -31,10 +31,41 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one line per event in 
 
 
 def _reload(named_tensors: list[tuple[str, torch.Tensor]]):
-    def fn(worker) -> None:
-        worker.model_runner.reload_weights(weights_iterator=iter(named_tensors))
+    """Runs in the vLLM worker: reload in place and return the names of the engine's parameters
+    that received no tensor (vLLM itself only logs a warning about them)."""
+
+    def fn(worker) -> list[str]:
+        model = worker.model_runner.get_model()
+        expected = {n for n, _ in model.named_parameters()}
+        loaded: set[str] = set()
+        load = model.load_weights
+
+        def recording(weights):
+            names = load(weights)
+            loaded.update(names or ())
+            return names
+
+        model.load_weights = recording
+        try:
+            worker.model_runner.reload_weights(weights_iterator=iter(named_tensors))
+        finally:
+            del model.load_weights
+        return sorted(expected - loaded)
 
     return fn
+
+
+def sampled_logprobs(output) -> list[float]:
+    """The sampled tokens' log-probs of one vLLM ``CompletionOutput``; raises when vLLM returned
+    none for some token (a silent 0.0 would make that token's importance ratio wrong)."""
+    ids = list(output.token_ids)
+    steps = output.logprobs or []
+    if len(steps) != len(ids) or any(step is None or t not in step for step, t in zip(steps, ids)):
+        raise RuntimeError(
+            f"vLLM returned log-probs for {len(steps)} of {len(ids)} sampled tokens; the rollout needs "
+            "every sampled token's log-prob (SamplingParams(logprobs=0))"
+        )
+    return [float(step[t].logprob) for step, t in zip(steps, ids)]
 
 
 class _ProcessState:
@@ -120,13 +151,7 @@ class VLLMRolloutEngine(RolloutEngine):
         for out in outs:
             comps = []
             for c in out.outputs:
-                ids = list(c.token_ids)
-                lps = (
-                    [step[t].logprob for step, t in zip(c.logprobs or [], ids)]
-                    if c.logprobs
-                    else [0.0] * len(ids)
-                )
-                comps.append(Completion(ids, [float(x) for x in lps]))
+                comps.append(Completion(list(c.token_ids), sampled_logprobs(c)))
             result.append(comps)
         return result
 
@@ -136,7 +161,12 @@ class VLLMRolloutEngine(RolloutEngine):
         if tied and not any(n == "lm_head.weight" for n, _ in tensors):
             # the CPU backend repacks lm_head into its own buffer: a tied embedding must be sent twice
             tensors += [("lm_head.weight", t) for n, t in tensors if n == "model.embed_tokens.weight"]
-        self.llm.collective_rpc(_reload(tensors))
+        missing = sorted({n for names in self.llm.collective_rpc(_reload(tensors)) for n in names})
+        if missing:
+            raise RuntimeError(
+                f"weight sync left {len(missing)} vLLM parameter(s) with their old values: "
+                f"{', '.join(missing[:5])}; the actor's state dict must name every parameter"
+            )
 
     def offload(self) -> None:
         if self.cuda and not self._asleep:

@@ -172,3 +172,110 @@ def test_killing_rlinf_fit_ends_its_workers_and_train_ranks(assets, tmp_path):
     assert len(spawned) == 2  # two replicas, which are also the actor's two ddp ranks
     _, alive = psutil.wait_procs(spawned, timeout=20)
     assert not alive, [p.cmdline() for p in alive]
+
+
+@pytest.mark.parametrize("launcher", LAUNCHER_NAMES)
+def test_a_silent_channel_peer_ends_the_run_with_a_timeout(launcher):
+    """A stage that never sends: the stage waiting on it raises ChannelTimeout after timeout_s."""
+    from rlinf_lightning.flow import ChannelTimeout
+
+    rt = _toy_runtime(launcher, Slow(), Sink(), timeout_s=3.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ChannelTimeout, match=r"slow->sink.*nothing arrived within 3 s"):
+            rt.run_iteration(1, _batches())
+    finally:
+        rt.shutdown()
+    assert time.monotonic() - t0 < 30
+
+
+# -- the driver dies, or its disk fills, while it writes a checkpoint -----------------------------
+
+FAULT_FIT = (
+    "--trainer.max_iterations=4",
+    "--trainer.ckpt_every=2",
+    "--trainer.eval_every=0",
+    "--trainer.rollout_batch_size=16",
+    "--trainer.group_size=4",
+    "--trainer.train_micro_batch_size=8",
+    "--task.eval_size=8",
+    "--trainer.enable_progress_bar=false",
+)
+COMPARED = ("reward/reward", "reward/accuracy", "rollout/response_length", "actor/loss", "actor/grad_norm")
+
+
+def _run_fit(assets, run_dir, launcher: str, *extra: str, fault: tuple[str, int] | None = None):
+    """`rlinf fit` (through the fault injector when ``fault``), with every process it started."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import psutil
+
+    args = cli_fit_args(assets, run_dir, *FAULT_FIT, f"--trainer.launcher={launcher}", *extra)
+    if fault is not None:
+        injector = str(Path(__file__).parent / "fault_injection.py")
+        args = [sys.executable, injector, fault[0], str(fault[1]), *args[3:]]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: dict[int, psutil.Process] = {}
+    t0 = time.monotonic()
+    while proc.poll() is None and time.monotonic() - t0 < 240:  # note every descendant it starts
+        try:
+            seen.update({p.pid: p for p in psutil.Process(proc.pid).children(recursive=True)})
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.2)
+    out, err = proc.communicate(timeout=30)
+    return proc.returncode, out, err, list(seen.values())
+
+
+def _no_orphans(procs) -> None:
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=30)
+    assert not alive, [" ".join(p.cmdline()[:3]) for p in alive]
+
+
+def _metrics(run_dir, version: int) -> dict[int, dict[str, str]]:
+    import csv
+
+    rows: dict[int, dict[str, str]] = {}
+    with open(run_dir / "run" / "logs" / f"version_{version}" / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            rows.setdefault(int(row["step"]), {}).update({k: v for k, v in row.items() if v})
+    return rows
+
+
+@pytest.mark.parametrize("launcher", ["processes", "ray"])
+def test_checkpoint_faults_end_cleanly_and_resume_exactly(assets, tmp_path, launcher):
+    """Per launcher: an uninterrupted run; a run whose driver is SIGKILLed while writing iteration
+    4's checkpoint; a run whose disk fills while writing it. Each faulty run ends (no hang), leaves
+    no process behind and no partial checkpoint in use, and resuming from the last complete one
+    (iteration 2) logs iterations 3 and 4 exactly as the uninterrupted run did."""
+    status, _, err, procs = _run_fit(assets, tmp_path / "full", launcher)
+    assert status == 0, err
+    _no_orphans(procs)
+    want = _metrics(tmp_path / "full", 0)
+    for fault in ("kill", "disk"):
+        run = tmp_path / fault
+        t0 = time.monotonic()
+        status, _, err, procs = _run_fit(assets, run, launcher, fault=(fault, 4))
+        assert time.monotonic() - t0 < 240
+        if fault == "kill":
+            assert status == -signal.SIGKILL
+        else:
+            assert status == 1, err
+            assert "could not write checkpoint" in err and "(iter-000002) is intact" in err, err
+            assert "Traceback" not in err
+        _no_orphans(procs)
+        ckpts = run / "run" / "checkpoints"
+        assert (ckpts / "last").read_text() == "iter-000002"
+        assert not (ckpts / "iter-000004").exists()
+        status, out, err, procs = _run_fit(assets, run, launcher, "--ckpt_path=last")
+        assert status == 0, err
+        assert "resumed from" in out and "iter-000002" in out
+        _no_orphans(procs)
+        got = _metrics(run, 1)
+        for it in (3, 4):
+            for key in COMPARED:
+                assert got[it][key] == want[it][key], (fault, it, key)

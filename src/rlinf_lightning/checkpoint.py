@@ -19,7 +19,8 @@ import os
 import pickle
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,22 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
+@contextmanager
+def _write_errors(final: Path) -> Iterator[None]:
+    """A failed write (the disk is full, ...) as a :class:`RunError` saying what survives."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, RuntimeError, SafetensorError) as exc:  # torch.save raises RuntimeError
+        pointer = final.parent / LAST
+        previous = pointer.read_text().strip() if pointer.is_file() else "none"
+        raise RunError(
+            f"could not write checkpoint {final}: {type(exc).__name__}: {exc}; the last complete "
+            f"checkpoint ({previous}) is intact and resumes with --ckpt_path last"
+        ) from exc
+
+
 def save_checkpoint(
     root: str | Path,
     iteration: int,
@@ -81,27 +98,25 @@ def save_checkpoint(
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir()
-        # clone: tied weights share storage, which safetensors refuses to write twice
-        weights = {k: v.detach().to("cpu").clone().contiguous() for k, v in actor_state["model"].items()}
-        save_file(weights, str(tmp / "model.safetensors"))
-        if actor_state.get("optimizer") is not None:
-            torch.save(actor_state["optimizer"], tmp / "optimizer.pt")
+        with _write_errors(final):
+            tmp.mkdir()
+            # clone: tied weights share storage, which safetensors refuses to write twice
+            weights = {k: v.detach().to("cpu").clone().contiguous() for k, v in actor_state["model"].items()}
+            save_file(weights, str(tmp / "model.safetensors"))
+            if actor_state.get("optimizer") is not None:
+                torch.save(actor_state["optimizer"], tmp / "optimizer.pt")
         if write_extra is not None:
             write_extra(tmp)
-        torch.save(rng_state(), tmp / "rng.pt")
-        (tmp / "state.json").write_text(json.dumps({"iteration": iteration, **state}, indent=1))
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-    except OSError as exc:  # e.g. the disk is full: drop the partial copy, keep the previous ones
+        with _write_errors(final):
+            torch.save(rng_state(), tmp / "rng.pt")
+            (tmp / "state.json").write_text(json.dumps({"iteration": iteration, **state}, indent=1))
+            for f in tmp.rglob("*"):
+                if f.is_file():
+                    with open(f, "rb") as fh:
+                        os.fsync(fh.fileno())
+    except BaseException:  # drop the partial copy; the previous checkpoints stay as they are
         shutil.rmtree(tmp, ignore_errors=True)
-        previous = (root / LAST).read_text().strip() if (root / LAST).is_file() else "none"
-        raise RunError(
-            f"could not write checkpoint {final}: {exc.strerror or exc}; the last complete "
-            f"checkpoint ({previous}) is intact and resumes with --ckpt_path last"
-        ) from exc
+        raise
     # re-saving an iteration: move the old copy aside (atomic) rather than deleting it first, so
     # that a crash between the two renames still leaves it, and resolve_checkpoint finds it
     old = root / f".old-{final.name}"

@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         run_sft(**sub.as_dict())
         return 0
     init = parser._subcommands_action._name_parser_map["fit"].instantiate(sub)
+    from rlinf_lightning.flow.channel import ChannelTimeout
     from rlinf_lightning.flow.worker import StageError
     from rlinf_lightning.launchers import WorkerDied
 
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:  # found before any worker started: fix the input and rerun
         print(f"rlinf fit: {exc}", file=sys.stderr)
         return 2
-    except (StageError, WorkerDied, RunError) as exc:  # a worker's error carries its traceback
+    except (StageError, WorkerDied, ChannelTimeout, RunError) as exc:  # a StageError has its traceback
         print(f"rlinf fit: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -75,7 +75,10 @@ class Channel:
                 if self.abort.is_set():
                     raise ChannelAborted(f"channel {self.name!r}: run aborted") from None
                 if time.monotonic() >= deadline:
-                    raise ChannelTimeout(f"channel {self.name!r}: nothing arrived within {t:.0f} s") from None
+                    raise ChannelTimeout(
+                        f"channel {self.name!r}: nothing arrived within {t:.0f} s (trainer.timeout_s); "
+                        "the stage feeding it is stuck or too slow for this timeout"
+                    ) from None
 
     def poll(self, timeout: float = 0.0) -> tuple[bool, Any]:
         """``(True, item)`` if an item arrives within ``timeout`` s, else ``(False, None)``;

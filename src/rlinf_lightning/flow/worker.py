@@ -247,7 +247,9 @@ class Worker:
                     elif time.monotonic() - idle_since > self.timeout_s:
                         waiting = ", ".join(sorted({p.link.edge.channel for _, p in ports}))
                         raise ChannelTimeout(
-                            f"channels {waiting}: nothing arrived within {self.timeout_s:.0f} s"
+                            f"worker {self.name!r} waited on channel(s) {waiting}: nothing arrived within "
+                            f"{self.timeout_s:.0f} s (trainer.timeout_s); the stage feeding it is stuck "
+                            "or too slow for this timeout"
                         )
             pending = [n for n in pending if not self._runs[n].done]
 

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from rlinf_lightning.flow.channel import Channel
+from rlinf_lightning.flow.channel import Channel, ChannelTimeout
 from rlinf_lightning.flow.collective import Rendezvous, free_port, node_address
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.stage import StageContext
@@ -118,6 +118,10 @@ class RayRuntime(Runtime):
                 log_to_driver=True,
                 runtime_env={"env_vars": {"PYTHONPATH": path}} if address is None else None,
             )
+            if address is None:  # the local Ray we just started ends with this process, even killed
+                from rlinf_lightning.launchers.ray_reaper import start_reaper
+
+                start_reaper(os.getpid())
         super().__init__(workflow, plan, timeout_s)
         self.queues = {
             n: RayChannel(n, timeout_s) for link in self.links.values() for n in link.queue_names()
@@ -279,6 +283,8 @@ def _plain(exc: BaseException) -> BaseException:
     """Ray wraps a remote exception in a subclass of its own; give callers the original type."""
     if isinstance(exc, StageError):
         return StageError(exc.stage, exc.worker, exc.tb)
+    if isinstance(exc, ChannelTimeout):
+        return ChannelTimeout(*getattr(exc, "cause", exc).args)
     return exc
 
 

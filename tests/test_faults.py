@@ -279,3 +279,48 @@ def test_checkpoint_faults_end_cleanly_and_resume_exactly(assets, tmp_path, laun
         for it in (3, 4):
             for key in COMPARED:
                 assert got[it][key] == want[it][key], (fault, it, key)
+
+
+class FailsOnSecondReplica(Stage):
+    name = "fragile"
+
+    def setup(self, ctx):
+        if ctx.replica == 1:
+            raise OSError("replica 1 cannot open its device")
+        time.sleep(0.5)  # replica 0 is up (and waiting) when replica 1 fails
+
+    def process(self, batch):
+        return batch
+
+
+def _worker_processes() -> set[int]:
+    import psutil
+
+    names, found = ("spawn_main", "_RayWorker"), set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and any(n in " ".join(p.cmdline()) for n in names):
+                found.add(p.pid)
+        except psutil.Error:  # ended while we looked
+            pass
+    return found
+
+
+@pytest.mark.parametrize("launcher", LAUNCHER_NAMES)
+def test_a_failure_during_start_up_leaves_no_worker_behind(launcher):
+    """Two replicas, the second fails in setup: launch raises the worker's error, and the first
+    replica's worker (thread, process or Ray actor) is gone."""
+    before, threads = _worker_processes(), set(threading.enumerate())
+    wf = Workflow("toy").chain(FailsOnSecondReplica())
+    plan = STRATEGIES.resolve("collocated").plan(
+        wf, Resources(devices=2, threads_per_slot=1), BatchShape(8, 4)
+    )
+    t0 = time.monotonic()
+    with pytest.raises(StageError, match="replica 1 cannot open its device"):
+        LAUNCHERS.resolve(launcher).launch(wf, plan, timeout_s=30)
+    assert time.monotonic() - t0 < 30
+    deadline = time.monotonic() + 15
+    while (left := _worker_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left
+    assert not [t for t in set(threading.enumerate()) - threads if t.name.startswith("rlinf-")]

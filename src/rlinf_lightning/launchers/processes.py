@@ -106,6 +106,18 @@ class ProcessRuntime(Runtime):
             if link.broadcast
         }
         self.procs: dict[str, Any] = {}
+        try:
+            self._start(workflow, plan, timeout_s, meet, sync_meet)
+        except BaseException:  # a worker that cannot start: stop those that did
+            self._closed = True
+            for p in self.procs.values():
+                p.kill()
+                p.join(5.0)
+            raise
+        atexit.register(self.shutdown)  # before multiprocessing's exit hook joins the workers
+        self._setup()
+
+    def _start(self, workflow: Workflow, plan: ExecutionPlan, timeout_s: float, meet, sync_meet) -> None:
         for g, r in plan.workers:
             name, slots = g.worker_name(r), g.replica_slots(r)
             build = {
@@ -136,8 +148,6 @@ class ProcessRuntime(Runtime):
             )
             p.start()
             self.procs[name] = p
-        atexit.register(self.shutdown)  # before multiprocessing's exit hook joins the workers
-        self._setup()
 
     def _submit(self, workers: list[str], cmd: str, *args: Any) -> list[str]:
         for w in workers:

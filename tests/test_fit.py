@@ -122,3 +122,22 @@ def test_cli_fit_with_dotted_overrides(assets, tmp_path):
     assert "it    2/2" in res.stdout and "held-out accuracy:" in res.stdout
     assert "rollout -> reward -> advantage -> inference -> actor" in res.stdout  # the plan table
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["iterations"] == 2
+
+
+def test_grpo_raises_mean_reward_on_the_tiny_task(tmp_path):
+    """The README's recipe in small: the warm start of `scripts/run.sh` (300 SFT steps of 64, lr
+    1e-3) on 20 000 problems, then GRPO at the recipe's settings (lr 1e-4, groups of 8) for 100
+    iterations of 64 samples. The mean training reward of the last 20 iterations beats the first
+    20's by a clear margin (measured on this machine: +0.06 to +0.12 over seeds 0-3)."""
+    from rlinf_lightning.assets import build_warm_started
+
+    assets = build_warm_started(tmp_path / "assets", n_train=20000, steps=300, batch_size=64, lr=1e-3)
+    _fit(
+        assets, tmp_path, max_iterations=100, group_size=8, rollout_batch_size=64, train_micro_batch_size=64,
+        logger=True,
+    )  # fmt: skip
+    rows = sorted(_metrics(tmp_path / "run").items())
+    rewards = [float(row["reward/reward"]) for _, row in rows if row.get("reward/reward")]
+    assert len(rewards) == 100
+    first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
+    assert last > first + 0.04, (first, last)

@@ -229,3 +229,24 @@ class _Payload:
 
     def __reduce__(self):
         return (exec, (f"open({self.marker!r}, 'w').write('x')",))
+
+
+EMBODIED = [
+    ("unknown env", "--task.init_args.env=FetchReech-v4", "task.env"),
+    ("no envs", "--task.init_args.num_envs=0", "task.num_envs"),
+    ("policy without a checkpoint", "--policy.init_args.model_path=/nonexistent", "policy.model_path"),
+]
+
+
+@pytest.mark.parametrize(("override", "needle"), [c[1:] for c in EMBODIED], ids=[c[0] for c in EMBODIED])
+def test_bad_embodied_input_is_one_message_and_exit_2(tmp_path, capsys, override, needle):
+    config = Path(__file__).parents[1] / "configs" / "embodied_ppo_fetchreach.yaml"
+    argv = ["fit", f"--config={config}", f"--trainer.default_root_dir={tmp_path / 'run'}", override]
+    try:
+        status = main(argv)
+    except SystemExit as exc:
+        status = exc.code
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert needle in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()

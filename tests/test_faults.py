@@ -100,14 +100,15 @@ def test_a_killed_worker_process_ends_the_run_naming_it(launcher):
     rt = _toy_runtime(launcher, Source(), Slow())
     pid = rt.info["train/0"]["pid"]
     how = "Ray actor died" if launcher == "ray" else "killed by SIGKILL"
-    threading.Timer(2.0, os.kill, (pid, signal.SIGKILL)).start()
-    t0 = time.monotonic()
+    killed: list[float] = []
+    threading.Timer(2.0, lambda: (killed.append(time.monotonic()), os.kill(pid, signal.SIGKILL))).start()
     try:
         with pytest.raises(WorkerDied, match=rf"worker 'train/0' hosting stage\(s\) slow died: {how}"):
             rt.run_iteration(1, _batches())
+        ended = time.monotonic() - killed[0]
     finally:
         rt.shutdown()
-    assert time.monotonic() - t0 < 30
+    assert ended < ABORT_GRACE_S, f"the run ended {ended:.1f} s after the kill"  # measured 0.2 s / 0.03 s
 
 
 def _training_fit(assets, tmp_path, *overrides: str):

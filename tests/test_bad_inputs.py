@@ -181,6 +181,7 @@ CASES: list[tuple[str, object, str]] = [
         lambda t, a: _checkpoint(t, lambda p: _truncate(p / "optimizer.pt")),
         "optimizer.pt: cannot be loaded safely",
     ),
+    ("checkpoint of another model", lambda t, a: _checkpoint(t, lambda p: None), "its weights do not fit"),
     ("pickle with code", lambda t, a: _checkpoint(t, _malicious_rng), "rng.pt: cannot be loaded safely"),
 ]  # fmt: skip
 

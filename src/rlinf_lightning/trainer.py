@@ -24,7 +24,7 @@ from rlinf_lightning.callbacks import ProgressBar
 from rlinf_lightning.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint, set_rng_state
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, SamplingParams
 from rlinf_lightning.engines.train import TRAIN_ENGINES, resolve_train_engine
-from rlinf_lightning.errors import ConfigError
+from rlinf_lightning.errors import CheckpointError, ConfigError
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.trace import write_chrome_trace
 from rlinf_lightning.flow.workflow import Workflow
@@ -282,6 +282,8 @@ class RLTrainer:
         resume = resolve_checkpoint(ckpt_path, self.ckpt_dir) if ckpt_path else None
         if resume is not None:  # read (safely) before any worker starts: a bad file fails now
             train_state, state, rng = load_checkpoint(resume)
+            if hasattr(policy, "check_state_dict") and (why := policy.check_state_dict(train_state["model"])):
+                raise CheckpointError(f"{resume}: {why}; resume with the policy that wrote it")
         torch.manual_seed(self.seed)
         launcher = LAUNCHERS.resolve(instantiate(self.launcher))
         self.callbacks = [instantiate(c) for c in self.callbacks]

@@ -71,6 +71,15 @@ class LMPolicy(RLModule):
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
         return response_logprobs(logits, ids, batch["response_mask"].shape[-1], temperature)
 
+    def check_state_dict(self, state: dict[str, torch.Tensor]) -> str | None:
+        """Why ``state`` (e.g. a checkpoint's weights) cannot load into this policy, or ``None``."""
+        from rlinf_lightning.policies.model_dir import config_shapes, shape_difference
+
+        difference = shape_difference(
+            config_shapes(self.model_path), {k: list(v.shape) for k, v in state.items()}
+        )
+        return None if difference is None else f"its weights do not fit {self.model_path} ({difference})"
+
     def validate_config(self) -> list[tuple[str, str]]:
         """(key, problem) pairs found without loading anything; empty when the config is fine."""
         from rlinf_lightning.policies.model_dir import check_causal_lm_dir

@@ -59,9 +59,7 @@ def _check_weights(path: Path) -> list[str]:
         if any(path.glob("pytorch_model*.bin")):
             return []  # legacy pickled weights: transformers checks them when loading
         return [f"{path}: no weights (*.safetensors); save the model with model.save_pretrained(path)"]
-    import torch
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     saved: dict[str, list[int]] = {}
     for f in files:
@@ -70,23 +68,34 @@ def _check_weights(path: Path) -> list[str]:
                 saved.update({k: list(sf.get_slice(k).get_shape()) for k in sf.keys()})
         except Exception as exc:  # noqa: BLE001 (a truncated or foreign file)
             return [f"{f}: not a readable safetensors file ({exc}); re-save the model"]
+    difference = shape_difference(config_shapes(path), saved)
+    if difference is None:
+        return []
+    return [
+        f"{path}: the weights do not match config.json ({difference}); they were saved for another model"
+    ]
+
+
+def config_shapes(path: str | Path) -> dict[str, list[int]]:
+    """Parameter name -> shape of the causal LM that ``path``'s config.json describes, from a model
+    built on the ``meta`` device (no memory); a tied ``lm_head.weight`` is left out."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     config = AutoConfig.from_pretrained(str(path))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    expected = {k: list(v.shape) for k, v in model.state_dict().items()}
-    wrong = [
-        f"{k} is {saved[k]} in the weights but {shape} by config.json"
-        for k, shape in expected.items()
-        if k in saved and saved[k] != shape
-    ]
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    missing = sorted(set(expected) - set(saved) - tied)
-    unexpected = sorted(set(saved) - set(expected))
+    return {k: list(v.shape) for k, v in model.state_dict().items() if k not in tied}
+
+
+def shape_difference(expected: dict[str, list[int]], saved: dict[str, list[int]]) -> str | None:
+    """``None`` when ``saved`` has every expected tensor with its shape (and nothing else but a
+    tied head); otherwise a short description of the first differences."""
+    wrong = [f"{k} is {saved[k]}, expected {v}" for k, v in expected.items() if k in saved and saved[k] != v]
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected) - {"lm_head.weight"})
     if not (wrong or missing or unexpected):
-        return []
+        return None
     detail = wrong[:3] + [f"missing {k}" for k in missing[:3]] + [f"unexpected {k}" for k in unexpected[:3]]
-    n = len(wrong) + len(missing) + len(unexpected)
-    return [
-        f"{path}: the weights do not match config.json ({n} tensors differ: {'; '.join(detail)}); "
-        "the weights were saved for another model configuration"
-    ]
+    return f"{len(wrong) + len(missing) + len(unexpected)} tensors differ: {'; '.join(detail)}"

@@ -120,7 +120,7 @@ def list_plugins() -> None:
     from rlinf_lightning.strategies import STRATEGIES
 
     plugins = installed_plugins()
-    print("installed plugins:", ", ".join(f"{n} ({d})" for n, d in plugins) or "none")
+    print("installed plugins:", ", ".join(f"{n} ({d} {v})" for n, d, v in plugins) or "none")
     for name, err in plugin_errors().items():
         print(f"  plugin {name} failed to load: {err}")
     for reg in (STRATEGIES, LAUNCHERS, ROLLOUT_ENGINES, TRAIN_ENGINES, ALGORITHMS, REWARDS, ENVS, LOGGERS):

@@ -94,10 +94,10 @@ def plugin_errors() -> dict[str, str]:
     return dict(_plugin_errors)
 
 
-def installed_plugins() -> list[tuple[str, str]]:
-    """(entry-point name, distribution name) of each installed plugin."""
+def installed_plugins() -> list[tuple[str, str, str]]:
+    """(entry-point name, distribution name, its version) of each installed plugin."""
     rows = []
     for ep in entry_points(group=PLUGIN_GROUP):
         dist = getattr(ep, "dist", None)
-        rows.append((ep.name, dist.name if dist else "?"))
+        rows.append((ep.name, dist.name if dist else "?", dist.version if dist else "?"))
     return rows

@@ -38,7 +38,7 @@ def test_registered_through_the_entry_point():
     out = subprocess.run(
         [sys.executable, "-m", "rlinf_lightning.cli", "plugins"], capture_output=True, text=True
     )
-    assert "vllm (rlinf-vllm)" in out.stdout and "rlinf-vllm" in out.stdout
+    assert "vllm (rlinf-vllm 0.1.0)" in out.stdout and "rlinf-vllm" in out.stdout
 
 
 def test_sampled_logprobs_match_hf_after_an_update_and_sync(assets, engine):

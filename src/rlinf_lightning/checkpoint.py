@@ -1,6 +1,7 @@
 """Atomic checkpoints: write into a temporary directory, then rename it into place.
 
-A checkpoint directory holds ``model.safetensors`` (policy weights), ``optimizer.pt``, ``rng.pt``
+A checkpoint directory holds ``model.safetensors`` (policy weights), ``optimizer.pt`` (and
+``lr_scheduler.pt`` when the policy configures a scheduler), ``rng.pt``
 (torch / Python / NumPy generator states) and ``state.json`` (iteration, data position, ...).
 Sharded train engines (``ddp``, ``fsdp``) add ``sharded/``: ``torch.distributed.checkpoint`` shards
 of weights and optimizer state, loadable on any number of ranks (then there is no optimizer.pt).
@@ -105,6 +106,8 @@ def save_checkpoint(
             save_file(weights, str(tmp / "model.safetensors"))
             if actor_state.get("optimizer") is not None:
                 torch.save(actor_state["optimizer"], tmp / "optimizer.pt")
+            if actor_state.get("lr_scheduler") is not None:
+                torch.save(actor_state["lr_scheduler"], tmp / "lr_scheduler.pt")
         if write_extra is not None:
             write_extra(tmp)
         with _write_errors(final):
@@ -195,8 +198,10 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], d
     except Exception as exc:  # noqa: BLE001 (a file truncated after its header)
         raise CheckpointError(f"{path / 'model.safetensors'}: corrupt ({exc})") from None
     optimizer = _load_pt(path / "optimizer.pt") if (path / "optimizer.pt").is_file() else None
+    scheduler = _load_pt(path / "lr_scheduler.pt") if (path / "lr_scheduler.pt").is_file() else None
     state = json.loads((path / "state.json").read_text())
-    return {"model": model, "optimizer": optimizer}, state, _load_pt(path / "rng.pt")
+    actor = {"model": model, "optimizer": optimizer, "lr_scheduler": scheduler}
+    return actor, state, _load_pt(path / "rng.pt")
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -211,7 +211,7 @@ class FSDPTrainEngine(DDPTrainEngine):
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model, optim = get_state_dict(self.policy.model, self.optimizer, options=opts)
-        return {"model": model, "optimizer": optim}
+        return self._with_scheduler({"model": model, "optimizer": optim})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -223,12 +223,13 @@ class FSDPTrainEngine(DDPTrainEngine):
             optim_state_dict=state["optimizer"],
             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
         )
+        self._load_scheduler(state)
 
     def _dcp_state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, optim = get_state_dict(self.policy.model, self.optimizer)
-        return {"model": model, "optimizer": optim}
+        return self._with_scheduler({"model": model, "optimizer": optim})
 
     def save_sharded(self, path: str) -> None:
         """Each rank writes its shards with ``torch.distributed.checkpoint`` (a collective)."""
@@ -251,6 +252,7 @@ class FSDPTrainEngine(DDPTrainEngine):
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
         )
+        self._load_scheduler(state)
 
     def state_bytes(self) -> int:
         """Bytes of parameters, gradients and optimizer state this rank holds (local shards)."""

@@ -67,6 +67,26 @@ class TrainEngine:
 TRAIN_ENGINES: Registry[type[TrainEngine]] = Registry("train strategy")
 
 
+def split_optimizers(configured: Any) -> tuple[torch.optim.Optimizer, Any]:
+    """``(optimizer, lr_scheduler or None)`` from what ``configure_optimizers`` returned, in
+    Lightning's forms: an optimizer; ``{"optimizer": opt, "lr_scheduler": sched}`` (``sched`` may be
+    ``{"scheduler": sched, ...}``); or ``([opt], [sched])``. RL trains one optimizer, stepped once
+    per iteration, so the scheduler steps once per iteration too."""
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured, None
+    if isinstance(configured, dict) and "optimizer" in configured:
+        sched = configured.get("lr_scheduler")
+        return configured["optimizer"], sched["scheduler"] if isinstance(sched, dict) else sched
+    if isinstance(configured, (tuple, list)) and len(configured) == 2 and len(configured[0]) == 1:
+        scheds = configured[1]
+        sched = scheds[0] if scheds else None
+        return configured[0][0], sched["scheduler"] if isinstance(sched, dict) else sched
+    raise TypeError(
+        "configure_optimizers() must return an optimizer, {'optimizer': ..., 'lr_scheduler': ...} or "
+        f"([optimizer], [lr_scheduler]); got {type(configured).__name__}"
+    )
+
+
 def resolve_train_engine(name: str, replicas: int) -> str:
     """``auto`` is ``single`` on one replica and ``ddp`` on more; other names are themselves."""
     if name == "auto":
@@ -104,7 +124,7 @@ class SingleTrainEngine(TrainEngine):
         self._offloader = Offloader(ctx.device)
 
     def _make_optimizer(self) -> None:
-        self.optimizer = self.policy.configure_optimizers()
+        self.optimizer, self.scheduler = split_optimizers(self.policy.configure_optimizers())
         self.optimizer.zero_grad(set_to_none=True)
         self._count, self._loss_sum = 0.0, 0.0
 
@@ -137,18 +157,35 @@ class SingleTrainEngine(TrainEngine):
         grad_norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm) if with_grad else torch.tensor(0.0)
         if hasattr(grad_norm, "full_tensor"):  # sharded parameters: the norm over every shard
             grad_norm = grad_norm.full_tensor()
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:  # one optimizer step per iteration: step-wise schedules
+            self.scheduler.step()
         self._count, self._loss_sum = 0.0, 0.0
-        return {"grad_norm": float(grad_norm), "loss": loss_sum / max(count, 1.0)}
+        return {
+            **self.policy.pop_logged(),
+            "grad_norm": float(grad_norm),
+            "loss": loss_sum / max(count, 1.0),
+            "lr": lr,
+        }
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.policy.model.named_parameters():
             yield name, p.detach()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.policy.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        state = {"model": self.policy.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return self._with_scheduler(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.policy.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self._load_scheduler(state)
+
+    def _with_scheduler(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {**state, "lr_scheduler": self.scheduler.state_dict()} if self.scheduler is not None else state
+
+    def _load_scheduler(self, state: dict[str, Any]) -> None:
+        if self.scheduler is not None and state.get("lr_scheduler") is not None:
+            self.scheduler.load_state_dict(state["lr_scheduler"])

@@ -95,10 +95,12 @@ def test_resume_without_checkpoint_is_a_clear_error(assets, tmp_path):
 
 @pytest.mark.parametrize("logger", ["wandb", "tensorboard"])
 def test_lightning_loggers(assets, tmp_path, logger):
-    _fit(assets, tmp_path, max_iterations=1, logger=logger)
+    trainer, _ = _fit(assets, tmp_path, max_iterations=1, logger=logger)
     run = tmp_path / "run"
-    if logger == "wandb":
+    if logger == "wandb":  # always offline; the run records the resolved config and the plan
         assert list(run.glob("wandb/offline-run-*/run-*.wandb"))
+        config = trainer.loggers[0].experiment.config
+        assert config["trainer/rollout_batch_size"] == 16 and "micro-batch (samples)" in config["plan"]
     else:
         assert list(run.rglob("events.out.tfevents.*"))
 

@@ -43,8 +43,16 @@ HEADLINE = {
 }
 
 
+def _clock(seconds: float) -> str:
+    """``m:ss`` (or ``h:mm:ss``) for a progress line."""
+    m, s = divmod(int(seconds + 0.5), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
 class ProgressBar(Callback):
-    """One live line per iteration: the headline metrics, seconds per stage, throughput.
+    """One live line per iteration: the headline metrics, seconds per stage, throughput, and the
+    estimated time to the last iteration (evaluation and checkpoint pauses included, as measured).
 
     Uses ``rich`` for colour on a terminal and plain text elsewhere (CI logs, files).
     """
@@ -69,9 +77,13 @@ class ProgressBar(Callback):
         head = "".join(
             f"  {name} [green]{metrics[k]:.3f}[/green]" for k, name in HEADLINE.items() if k in metrics
         )
+        if not hasattr(self, "first"):  # iterations timed from the first one this fit ran (resume)
+            self.first, self.t_first = iteration, time.perf_counter() - metrics.get("time/iteration", 0.0)
+        done = iteration - self.first + 1
+        eta = (time.perf_counter() - self.t_first) / done * (trainer.max_iterations - iteration)
         self.console.print(
             f"[bold]it {iteration:>4}/{trainer.max_iterations}[/bold]{head}"
-            f"  | {stage_s} | {metrics.get('perf/samples_per_s', 0):.0f} samples/s"
+            f"  | {stage_s} | {metrics.get('perf/samples_per_s', 0):.0f} samples/s | ETA {_clock(eta)}"
         )
 
     def on_evaluation_end(self, trainer, iteration, accuracy) -> None:

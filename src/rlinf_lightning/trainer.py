@@ -446,6 +446,7 @@ class RLTrainer:
         out.update({f"trainer/train_engine_options/{k}": v for k, v in engine if _plain(v)})
         out.update({f"policy/{k}": v for k, v in flat(policy).items()})
         out.update({f"task/{k}": v for k, v in flat(task).items()})
+        out["plan"] = self.plan.describe()  # groups, replicas, slots and micro-batch sizes
         return out
 
 

@@ -71,9 +71,7 @@ def _check_weights(path: Path) -> list[str]:
     difference = shape_difference(config_shapes(path), saved)
     if difference is None:
         return []
-    return [
-        f"{path}: the weights do not match config.json ({difference}); they were saved for another model"
-    ]
+    return [f"{path}: the weights do not match config.json ({difference}); they were saved for another model"]
 
 
 def config_shapes(path: str | Path) -> dict[str, list[int]]:

@@ -70,6 +70,14 @@ def test_fit_writes_summary_checkpoint_and_calls_callbacks(assets, tmp_path):
     assert state["iteration"] == 3 and state["eval_history"][-1]["iteration"] == 3
     rows = _metrics(run)
     assert {1, 2, 3} <= set(rows) and "actor/grad_norm" in rows[3] and "eval/accuracy" in rows[0]
+    for key in (
+        "reward/reward_std",
+        "reward/reward_max",
+        "rollout/response_length_max",
+        "rollout/clipped_ratio",
+    ):
+        assert key in rows[3], key
+    assert float(rows[3]["reward/reward_max"]) <= 1.0 and float(rows[3]["actor/lr"]) == 1e-4
 
 
 def test_resume_equals_uninterrupted_run(assets, tmp_path):

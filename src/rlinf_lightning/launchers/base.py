@@ -49,19 +49,34 @@ def first_cause(errors: list[BaseException]) -> BaseException:
 
 
 def merge_metrics(results: list[dict[str, tuple[dict[str, float], int]]]) -> dict[str, dict[str, float]]:
-    """Per stage, the replicas' metrics averaged with weights = samples each replica processed."""
-    sums: dict[str, dict[str, list[float]]] = {}
-    for per_stage in results:
-        for stage, (metrics, samples) in per_stage.items():
-            for k, v in metrics.items():
-                acc = sums.setdefault(stage, {}).setdefault(k, [0.0, 0.0, 0.0, 0.0])
-                acc[0] += v * samples
-                acc[1] += samples
-                acc[2] += v
-                acc[3] += 1
-    return {
-        stage: {k: (a[0] / a[1] if a[1] else a[2] / a[3]) for k, a in m.items()} for stage, m in sums.items()
-    }
+    """Per stage, the replicas' metrics merged as if one replica had processed every sample: means
+    weighted by the samples each replica processed, ``*_max`` the largest, and ``*_std`` the pooled
+    standard deviation (from each replica's mean and std of the metric it belongs to)."""
+    per_stage: dict[str, list[tuple[dict[str, float], int]]] = {}
+    for result in results:
+        for stage, entry in result.items():
+            per_stage.setdefault(stage, []).append(entry)
+    return {stage: _merge(entries) for stage, entries in per_stage.items()}
+
+
+def _merge(entries: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    def mean(values: list[tuple[float, int]]) -> float:
+        total = sum(n for _, n in values)
+        return sum(v * n for v, n in values) / total if total else sum(v for v, _ in values) / len(values)
+
+    keys = dict.fromkeys(k for m, _ in entries for k in m)
+    out = {}
+    for k in keys:
+        values = [(m[k], n) for m, n in entries if k in m]
+        base = k.removesuffix("_std")
+        if k.endswith("_max"):
+            out[k] = max(v for v, _ in values)
+        elif k.endswith("_std") and all(base in m for m, _ in entries if k in m):
+            second = mean([(m[k] ** 2 + m[base] ** 2, n) for m, n in entries if k in m])
+            out[k] = max(second - mean([(m[base], n) for m, n in entries if k in m]) ** 2, 0.0) ** 0.5
+        else:
+            out[k] = mean(values)
+    return out
 
 
 class Runtime(ABC):

@@ -12,6 +12,7 @@ group took it. The actor trains and is checkpointed (role ``train``); the rollou
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
@@ -50,19 +51,32 @@ def pack_samples(
 
 
 class _Mean:
-    """Running means of named scalars over an iteration's micro-batches."""
+    """Running means of named scalars over an iteration's micro-batches; :meth:`observe` adds the
+    spread of per-sample values too (``name_std``, ``name_max``, merged exactly across replicas by
+    ``launchers.base.merge_metrics``)."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
         self.weights: dict[str, float] = {}
+        self.maxima: dict[str, float] = {}
 
     def add(self, name: str, value: float, weight: float = 1.0) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + value * weight
         self.weights[name] = self.weights.get(name, 0.0) + weight
 
+    def observe(self, name: str, values: torch.Tensor) -> None:
+        values = values.double()
+        self.add(name, float(values.mean()), len(values))
+        self.add(f"{name}_sq", float((values**2).mean()), len(values))
+        self.maxima[f"{name}_max"] = max(self.maxima.get(f"{name}_max", -math.inf), float(values.max()))
+
     def pop(self) -> dict[str, float]:
         out = {k: self.sums[k] / max(self.weights[k], 1e-12) for k in self.sums}
-        self.sums, self.weights = {}, {}
+        for k in [k for k in out if k.endswith("_sq")]:
+            name = k.removesuffix("_sq")
+            out[f"{name}_std"] = math.sqrt(max(out.pop(k) - out[name] ** 2, 0.0))
+        out.update(self.maxima)
+        self.sums, self.weights, self.maxima = {}, {}, {}
         return out
 
 
@@ -126,7 +140,16 @@ class RolloutStage(Stage):
             },
             batch_size=[len(texts)],
         )
-        self.stats.add("response_length", float(tensors["response_mask"].sum(-1).mean()), len(texts))
+        lengths = tensors["response_mask"].sum(-1)
+        self.stats.observe("response_length", lengths)
+        # clipped: stopped by max_new_tokens rather than by the end-of-sequence token
+        eos = self.tokenizer.eos_token_id
+        clipped = [
+            len(c.token_ids) >= self.sampling.max_new_tokens and c.token_ids[-1] != eos
+            for cs in completions
+            for c in cs
+        ]
+        self.stats.add("clipped_ratio", sum(clipped) / len(clipped), len(clipped))
         return out
 
     def end_iteration(self) -> dict[str, float]:
@@ -167,7 +190,7 @@ class RewardStage(Stage):
             self.stats.add("format", float(fmt.mean()), len(fmt))
         batch["reward"] = reward
         batch["correct"] = correct
-        self.stats.add("reward", float(reward.mean()), len(reward))
+        self.stats.observe("reward", reward)
         self.stats.add("accuracy", float(correct.mean()), len(correct))
         return batch
 

@@ -4,14 +4,13 @@
 
 from __future__ import annotations
 
-import csv
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from trainer_defaults import cli_fit_args
+from trainer_defaults import cli_fit_args, logged_metrics
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
@@ -34,22 +33,16 @@ def _fit(assets, run: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
 
 
-def _rows(run: Path, version: int) -> dict[int, dict[str, str]]:
-    rows: dict[int, dict[str, str]] = {}
-    with open(run / "run" / "logs" / f"version_{version}" / "metrics.csv") as f:
-        for row in csv.DictReader(f):
-            rows.setdefault(int(row["step"]), {}).update({k: v for k, v in row.items() if v})
-    return rows
-
-
 def test_class_path_policy_with_scheduler_and_self_log(assets, tmp_path):
     res = _fit(assets, tmp_path / "a", "--trainer.max_iterations=2")
     assert res.returncode == 0, res.stderr
-    rows = _rows(tmp_path / "a", 0)
+    rows = logged_metrics(tmp_path / "a" / "run")
     # LinearLR from 1/4 to 1 of 4e-4 over 4 steps: factors 0.25, 0.4375, 0.625, ...
     assert [float(rows[i]["actor/lr"]) for i in (1, 2)] == pytest.approx([1e-4, 1.75e-4])
     assert float(rows[2]["actor/policy/response_logprob"]) < 0
     assert (tmp_path / "a" / "run" / "checkpoints" / "iter-000002" / "lr_scheduler.pt").is_file()
     res = _fit(assets, tmp_path / "a", "--trainer.max_iterations=3", "--ckpt_path=last")
     assert res.returncode == 0, res.stderr
-    assert float(_rows(tmp_path / "a", 1)[3]["actor/lr"]) == pytest.approx(2.5e-4)  # the schedule resumed
+    assert float(logged_metrics(tmp_path / "a" / "run", 1)[3]["actor/lr"]) == pytest.approx(
+        2.5e-4
+    )  # the schedule resumed

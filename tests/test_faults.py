@@ -17,7 +17,7 @@ from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.launchers import LAUNCHERS, WorkerDied
 from rlinf_lightning.launchers.base import ABORT_GRACE_S
 from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
-from trainer_defaults import cli_fit_args
+from trainer_defaults import cli_fit_args, logged_metrics
 
 LAUNCHER_NAMES = ["inprocess", "processes", "ray"]
 
@@ -237,16 +237,6 @@ def _no_orphans(procs) -> None:
     assert not alive, [" ".join(p.cmdline()[:3]) for p in alive]
 
 
-def _metrics(run_dir, version: int) -> dict[int, dict[str, str]]:
-    import csv
-
-    rows: dict[int, dict[str, str]] = {}
-    with open(run_dir / "run" / "logs" / f"version_{version}" / "metrics.csv") as f:
-        for row in csv.DictReader(f):
-            rows.setdefault(int(row["step"]), {}).update({k: v for k, v in row.items() if v})
-    return rows
-
-
 @pytest.mark.parametrize("launcher", ["processes", "ray"])
 def test_checkpoint_faults_end_cleanly_and_resume_exactly(assets, tmp_path, launcher):
     """Per launcher: an uninterrupted run; a run whose driver is SIGKILLed while writing iteration
@@ -256,7 +246,7 @@ def test_checkpoint_faults_end_cleanly_and_resume_exactly(assets, tmp_path, laun
     status, _, err, procs = _run_fit(assets, tmp_path / "full", launcher)
     assert status == 0, err
     _no_orphans(procs)
-    want = _metrics(tmp_path / "full", 0)
+    want = logged_metrics(tmp_path / "full" / "run")
     for fault in ("kill", "disk"):
         run = tmp_path / fault
         t0 = time.monotonic()
@@ -276,7 +266,7 @@ def test_checkpoint_faults_end_cleanly_and_resume_exactly(assets, tmp_path, laun
         assert status == 0, err
         assert "resumed from" in out and "iter-000002" in out
         _no_orphans(procs)
-        got = _metrics(run, 1)
+        got = logged_metrics(run / "run", 1)
         for it in (3, 4):
             for key in COMPARED:
                 assert got[it][key] == want[it][key], (fault, it, key)

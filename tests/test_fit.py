@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -13,20 +11,13 @@ from safetensors.torch import load_file
 from rlinf_lightning import Callback, LMPolicy, RLTrainer
 from rlinf_lightning.errors import CheckpointError
 from rlinf_lightning.tasks.math import MathTask
-from trainer_defaults import cli_fit_args, tiny_trainer_kwargs
+from trainer_defaults import cli_fit_args, logged_metrics, tiny_trainer_kwargs
 
 
 def _fit(assets, tmp_path, ckpt_path=None, **over):
     trainer = RLTrainer(**tiny_trainer_kwargs(tmp_path, **over))
     task = MathTask(str(assets["train"]), str(assets["test"]), eval_size=16)
     return trainer, trainer.fit(LMPolicy(str(assets["sft"]), lr=1e-4), task, ckpt_path=ckpt_path)
-
-
-def _metrics(run: Path, version: int = 0) -> dict[int, dict[str, str]]:
-    rows: dict[int, dict[str, str]] = {}
-    for row in csv.DictReader(open(run / "logs" / f"version_{version}" / "metrics.csv")):
-        rows.setdefault(int(row["step"]), {}).update({k: v for k, v in row.items() if v})
-    return rows
 
 
 class Recorder(Callback):
@@ -68,7 +59,7 @@ def test_fit_writes_summary_checkpoint_and_calls_callbacks(assets, tmp_path):
     }  # fmt: skip
     state = json.loads((ckpts / "iter-000003" / "state.json").read_text())
     assert state["iteration"] == 3 and state["eval_history"][-1]["iteration"] == 3
-    rows = _metrics(run)
+    rows = logged_metrics(run)
     assert {1, 2, 3} <= set(rows) and "actor/grad_norm" in rows[3] and "eval/accuracy" in rows[0]
     for key in (
         "reward/reward_std",
@@ -85,8 +76,12 @@ def test_resume_equals_uninterrupted_run(assets, tmp_path):
     _fit(assets, tmp_path / "split", max_iterations=2, logger=True)
     _, resumed = _fit(assets, tmp_path / "split", ckpt_path="last", max_iterations=4, logger=True)
     assert resumed["resumed_from_iteration"] == 2
-    a, b = _metrics(tmp_path / "full" / "run"), _metrics(tmp_path / "split" / "run", version=1)
-    assert set(_metrics(tmp_path / "split" / "run", version=0)) == {0, 1, 2}  # the first part's log is kept
+    a, b = logged_metrics(tmp_path / "full" / "run"), logged_metrics(tmp_path / "split" / "run", version=1)
+    assert set(logged_metrics(tmp_path / "split" / "run", version=0)) == {
+        0,
+        1,
+        2,
+    }  # the first part's log is kept
     for it in (3, 4):
         for key in ("reward/reward", "rollout/response_length", "actor/loss", "actor/grad_norm"):
             assert a[it][key] == b[it][key], (it, key)
@@ -146,7 +141,7 @@ def test_grpo_raises_mean_reward_on_the_tiny_task(tmp_path):
         assets, tmp_path, max_iterations=100, group_size=8, rollout_batch_size=64, train_micro_batch_size=64,
         logger=True,
     )  # fmt: skip
-    rows = sorted(_metrics(tmp_path / "run").items())
+    rows = sorted(logged_metrics(tmp_path / "run").items())
     rewards = [float(row["reward/reward"]) for _, row in rows if row.get("reward/reward")]
     assert len(rewards) == 100
     first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20

@@ -33,3 +33,15 @@ def cli_fit_args(assets: dict, tmp_path: Path, *overrides: str) -> list[str]:
         f"--task.test_path={assets['test']}", f"--trainer.default_root_dir={tmp_path / 'run'}",
         *overrides,
     ]  # fmt: skip
+
+
+def logged_metrics(run_dir: Path, version: int = 0) -> dict[int, dict[str, str]]:
+    """``{step: {metric: value}}`` from the CSV logger of the run in ``run_dir`` (its
+    ``default_root_dir``); a step's rows (iteration and evaluation) are merged."""
+    import csv
+
+    rows: dict[int, dict[str, str]] = {}
+    with open(run_dir / "logs" / f"version_{version}" / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            rows.setdefault(int(row["step"]), {}).update({k: v for k, v in row.items() if v})
+    return rows

@@ -136,8 +136,8 @@ def save_checkpoint(
 
 
 def resolve_checkpoint(ckpt_path: str, root: str | Path) -> Path:
-    """``"last"`` -> the newest checkpoint under ``root``; otherwise the given directory. Either
-    way the checkpoint is checked to be complete (cheaply: file headers, not contents)."""
+    """``"last"`` -> the newest checkpoint under ``root``; otherwise the given directory
+    (:func:`load_checkpoint` checks it is complete)."""
     if ckpt_path == LAST:
         pointer = Path(root) / LAST
         if not pointer.is_file():
@@ -150,7 +150,6 @@ def resolve_checkpoint(ckpt_path: str, root: str | Path) -> Path:
             path = path.parent / f".old-{path.name}"  # a crash while re-saving this iteration
     else:
         path = Path(ckpt_path)
-    verify_checkpoint(path)
     return path
 
 

@@ -149,6 +149,9 @@ CASES: list[tuple[str, object, str]] = [
     ("gold answer empty", _file(TRAIN, b'{"prompt": "a", "answer": " "}\n'), "gold answer is empty"),
     ("GSM8K without ####", _file(TRAIN, b'{"question": "q", "answer": "4"}\n'), "d.jsonl:1: GSM8K"),
     ("non-UTF-8 bytes", _file(TRAIN, b'{"prompt": "caf\xe9", "answer": "1"}\n'), "not UTF-8"),
+    ("not Parquet", _file(TRAIN, b"PAR1 but not really", "d.parquet"), "d.parquet: not a readable Parquet"),
+    ("no file matches a glob", [f"{TRAIN}=/tmp/no-such-dir/train-*.parquet"], "no file matches"),
+    ("template without {prompt}", ["--task.prompt_template=Solve it."], "task.prompt_template"),
     # -- model directories
     ("missing model directory", ["--policy.model_path=/nonexistent/model"], "policy.model_path"),
     (

@@ -72,14 +72,54 @@ def build_char_tokenizer(path: str | Path) -> Path:
     return path
 
 
-def build_tiny_qwen2(path: str | Path, cfg: TinyModelConfig | None = None) -> Path:
-    """Build a randomly initialised Qwen2 (and its tokenizer) and ``save_pretrained`` it to ``path``."""
+# The non-tool part of Qwen2.5-Instruct's chat template (ChatML with a default system message).
+QWEN25_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud."
+    " You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or message.role == 'assistant' "
+    "or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def build_chat_tokenizer(path: str | Path) -> Path:
+    """Save a byte-level tokenizer in Qwen2.5-Instruct's layout to ``path``: ``Qwen2Tokenizer``, one
+    token per byte (every UTF-8 text encodes; no merges), then ``<|endoftext|>`` (padding),
+    ``<|im_start|>`` and ``<|im_end|>`` (end of a turn: the EOS a chat model stops on), and the
+    ChatML chat template. What a real Qwen2.5-Instruct directory holds, 150 000 merges smaller."""
+    from transformers import Qwen2Tokenizer
+
+    path = Path(path)
+    alphabet = sorted(_bytes_to_unicode().values())
+    tok = Qwen2Tokenizer(vocab={c: i for i, c in enumerate(alphabet)}, merges=[], unk_token=None)
+    tok.add_special_tokens({"additional_special_tokens": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]})
+    tok.pad_token, tok.eos_token = "<|endoftext|>", "<|im_end|>"
+    tok.padding_side = "left"
+    tok.chat_template = QWEN25_CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+def build_tiny_qwen2(path: str | Path, cfg: TinyModelConfig | None = None, chat: bool = False) -> Path:
+    """Build a randomly initialised Qwen2 (and its tokenizer) and ``save_pretrained`` it to ``path``.
+
+    ``chat=True`` lays it out as a chat checkpoint (Qwen2.5-Instruct): the byte-level tokenizer with
+    the ChatML template of :func:`build_chat_tokenizer`, EOS ``<|im_end|>`` in the configs.
+    """
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     cfg = cfg or TinyModelConfig()
     path = Path(path)
-    build_char_tokenizer(path)
+    (build_chat_tokenizer if chat else build_char_tokenizer)(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -99,7 +139,8 @@ def build_tiny_qwen2(path: str | Path, cfg: TinyModelConfig | None = None) -> Pa
     model = Qwen2ForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
-    (path / "rlinf_asset.json").write_text(json.dumps({"kind": "tiny_qwen2", **asdict(cfg)}, indent=1))
+    kind = "tiny_qwen2_chat" if chat else "tiny_qwen2"
+    (path / "rlinf_asset.json").write_text(json.dumps({"kind": kind, **asdict(cfg)}, indent=1))
     return path
 
 

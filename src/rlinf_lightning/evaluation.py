@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlinf_lightning.engines.rollout import RolloutEngine, SamplingParams
+from rlinf_lightning.prompts import RAW, PromptFormat
 from rlinf_lightning.rewards import REWARDS
 
 
@@ -16,13 +17,16 @@ def greedy_accuracy(
     reward: str = "math_verify",
     max_new_tokens: int = 16,
     batch_size: int = 256,
+    prompt_format: PromptFormat = RAW,
 ) -> float:
+    """Fraction of ``prompts`` whose greedy completion ``reward`` judges equal to the answer;
+    ``prompt_format`` lays the prompts out as the policy was trained on them."""
     fn = REWARDS.get(reward)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     correct = 0.0
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
-        ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in chunk]
+        ids = prompt_format.encode(tokenizer, chunk)
         outs = engine.generate(ids, list(range(i, i + len(chunk))), 1, params, 0, tokenizer.eos_token_id)
         for cs, ans in zip(outs, answers[i : i + batch_size]):
             correct += fn(tokenizer.decode(cs[0].token_ids, skip_special_tokens=True), ans)

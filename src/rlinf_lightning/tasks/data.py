@@ -1,6 +1,9 @@
-"""Math problem data: a deterministic arithmetic generator and a JSONL loader for three formats.
+"""Math problem data: a deterministic arithmetic generator and a loader for three record layouts.
 
-Every record becomes ``{"prompt": str, "answer": str}``. The loader accepts, line by line:
+Files are JSONL (read line by line, so an error names its line) or Parquet (read with Hugging Face
+``datasets``: one file, a glob such as ``gsm8k/main/train-*.parquet``, or a directory of them, as a
+dataset snapshot from the Hub lays out a split). Every record becomes ``{"prompt": str, "answer":
+str}``; the loader accepts, record by record:
 
 * native: ``{"prompt": ..., "answer": ...}``
 * GSM8K-style: ``{"question": ..., "answer": "... #### 42"}`` (gold answer after ``####``)
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +50,7 @@ def _record_to_problem(rec: object) -> Problem:
 def _parse_record(rec: object) -> Problem:
     if not isinstance(rec, dict):
         raise ValueError("expected a JSON object")
+    rec = {k: v for k, v in rec.items() if v is not None}  # null / a Parquet cell left empty
     if "prompt" in rec and "answer" in rec:
         return Problem(str(rec["prompt"]), str(rec["answer"]).strip())
     if "question" in rec and "answer" in rec:
@@ -68,12 +73,74 @@ def _parse_record(rec: object) -> Problem:
 
 
 def load_problems(path: str | Path) -> list[Problem]:
-    """Read a JSONL file of problems in any of the three formats (they may be mixed).
+    """Read problems in any of the three layouts (they may be mixed) from JSONL or Parquet.
 
-    Raises :class:`DataError` naming the file, and the line for a bad record (invalid JSON or
-    UTF-8, no gold answer, unknown layout), or saying the file is missing or has no problems.
+    Raises :class:`DataError` naming the file, and the line (JSONL) or record (Parquet) of a bad
+    record (invalid JSON or UTF-8, no gold answer, unknown layout), or saying the file is missing,
+    unreadable or has no problems.
     """
+    files = parquet_files(path)
+    if files is not None:
+        return _load_parquet(files)
+    return _load_jsonl(Path(path))
+
+
+def parquet_files(path: str | Path) -> list[Path] | None:
+    """The Parquet files ``path`` names (a ``.parquet`` file, a glob, or a directory holding
+    ``.parquet`` files), or ``None`` when it names something else (read as JSONL)."""
     path = Path(path)
+    if any(c in str(path) for c in "*?["):
+        files = sorted(path.parent.glob(path.name))
+        if not files:
+            raise DataError(f"{path}: no file matches this pattern")
+        return files
+    if path.is_dir():
+        files = sorted(path.glob("*.parquet"))
+        if not files:
+            raise DataError(f"{path}: a directory with no .parquet files; name a .jsonl or .parquet file")
+        return files
+    return [path] if path.suffix == ".parquet" else None
+
+
+def _load_parquet(files: list[Path]) -> list[Problem]:
+    from datasets import Dataset
+
+    problems = []
+    for file in files:
+        if not file.is_file():
+            raise DataError(f"{file}: dataset file not found")
+        try:  # in memory: nothing is written to the datasets cache for a local file
+            with _quiet_datasets():
+                records = Dataset.from_parquet(str(file), keep_in_memory=True)
+        except Exception as exc:  # pyarrow's errors for a truncated or non-Parquet file vary
+            raise DataError(f"{file}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+        for i, rec in enumerate(records, start=1):
+            try:
+                problems.append(_record_to_problem(rec))
+            except ValueError as exc:
+                raise DataError(f"{file}: record {i}: {exc}") from None
+    if not problems:
+        raise DataError(f"{', '.join(map(str, files))}: no problems found (no records)")
+    return problems
+
+
+@contextmanager
+def _quiet_datasets():
+    """No progress bar per file and no log line of its own: a bad file is reported once, by us."""
+    from datasets.utils import logging
+
+    bars, level = logging.is_progress_bar_enabled(), logging.get_verbosity()
+    logging.disable_progress_bar()
+    logging.set_verbosity(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def _load_jsonl(path: Path) -> list[Problem]:
     if not path.is_file():
         raise DataError(f"{path}: dataset file not found")
     problems = []

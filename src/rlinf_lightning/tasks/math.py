@@ -11,6 +11,7 @@ from tensordict import TensorDict
 
 from rlinf_lightning.errors import DataError
 from rlinf_lightning.flow.workflow import Workflow
+from rlinf_lightning.prompts import PromptFormat
 from rlinf_lightning.tasks.base import Task
 from rlinf_lightning.tasks.data import Problem, load_problems
 
@@ -20,15 +21,21 @@ if TYPE_CHECKING:
 
 
 class MathTask(Task):
-    """Math reasoning from JSONL (native, GSM8K-style or MATH-style lines).
+    """Math reasoning from JSONL or Parquet (native, GSM8K-style or MATH-style records).
 
     Args:
-        train_path: JSONL file of training problems.
-        test_path: JSONL file of held-out problems for evaluation.
+        train_path: training problems: a ``.jsonl`` file, or Parquet (a ``.parquet`` file, a glob
+            such as ``gsm8k/main/train-*.parquet``, or a directory of ``.parquet`` files).
+        test_path: held-out problems for evaluation, in the same forms.
         reward: correctness reward name (registry ``rlinf_lightning.rewards.REWARDS``).
         format_reward: optional format reward name, added with weight ``format_weight``.
         format_weight: weight of the format reward.
         eval_size: evaluate on the first ``eval_size`` test problems (``None``: all of them).
+        prompt_template: the prompt around each problem; ``{prompt}`` marks the problem text (other
+            braces, e.g. ``\\boxed{}``, are literal).
+        chat_template: wrap prompts in the tokenizer's chat template when it has one (chat models);
+            prompts are plain text for a tokenizer without one.
+        system_prompt: the chat's system message (``None``: the chat template's default).
     """
 
     input_keys = ("prompt", "answer", "group_id")
@@ -42,8 +49,13 @@ class MathTask(Task):
         format_reward: str | None = None,
         format_weight: float = 0.1,
         eval_size: int | None = None,
+        prompt_template: str = "{prompt}",
+        chat_template: bool = True,
+        system_prompt: str | None = None,
     ) -> None:
         self.train_path, self.test_path = str(train_path), str(test_path)
+        self.prompt_template, self.chat_template = prompt_template, chat_template
+        self.system_prompt = system_prompt
         self.reward, self.format_reward, self.format_weight = reward, format_reward, format_weight
         self.eval_size = eval_size
         self._train: list[Problem] | None = None
@@ -53,14 +65,13 @@ class MathTask(Task):
     def validate_config(self) -> list[tuple[str, str]]:
         from rlinf_lightning.rewards import REWARDS
 
-        problems = []
+        problems = [("prompt_template", p) for p in self.prompt_format.problems()]
         for key in ("train_path", "test_path"):
-            if not Path(getattr(self, key)).is_file():
-                problems.append(
-                    (key, f"file {getattr(self, key)!r} not found; run `rlinf prepare` to generate data")
-                )
+            path = getattr(self, key)
+            if not (Path(path).exists() or any(c in path for c in "*?[")):
+                problems.append((key, f"file {path!r} not found; run `rlinf prepare` to generate data"))
                 continue
-            try:  # read up front (cheap): a bad line fails now, not mid-run
+            try:  # read up front (cheap): a bad record fails now, not mid-run
                 getattr(self, key.removesuffix("_path"))
             except DataError as exc:
                 problems.append((key, str(exc)))
@@ -71,6 +82,10 @@ class MathTask(Task):
         if self.eval_size is not None and self.eval_size < 1:
             problems.append(("eval_size", f"must be >= 1 or null, got {self.eval_size}"))
         return problems
+
+    @property
+    def prompt_format(self) -> PromptFormat:
+        return PromptFormat(self.prompt_template, self.chat_template, self.system_prompt)
 
     @property
     def train(self) -> list[Problem]:
@@ -127,6 +142,7 @@ class MathTask(Task):
             format_reward=self.format_reward,
             format_weight=self.format_weight,
             seed=trainer.seed,
+            prompt_format=self.prompt_format,
         )
 
     def inputs(self, iteration: int, micro_batch_size: int, trainer: RLTrainer) -> list[TensorDict]:

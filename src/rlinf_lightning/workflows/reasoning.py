@@ -24,6 +24,7 @@ from rlinf_lightning.evaluation import greedy_accuracy
 from rlinf_lightning.flow.stage import Stage, StageContext
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.policies.lm import LMPolicy
+from rlinf_lightning.prompts import PromptFormat
 from rlinf_lightning.rewards import REWARDS
 from rlinf_lightning.workflows.training import TrainStage
 
@@ -81,7 +82,8 @@ class _Mean:
 
 
 class RolloutStage(Stage):
-    """Generates ``group_size`` completions per prompt with the chosen rollout engine."""
+    """Generates ``group_size`` completions per prompt with the chosen rollout engine; prompts are
+    laid out by the task's :class:`PromptFormat` (template, then the chat template if any)."""
 
     name = "rollout"
     in_keys = ("prompt", "answer", "group_id")
@@ -96,10 +98,17 @@ class RolloutStage(Stage):
     )
 
     def __init__(
-        self, policy: LMPolicy, engine: str, sampling: SamplingParams, group_size: int, seed: int
+        self,
+        policy: LMPolicy,
+        engine: str,
+        sampling: SamplingParams,
+        group_size: int,
+        seed: int,
+        prompt_format: PromptFormat | None = None,
     ) -> None:
         self.policy, self.engine_name, self.sampling = policy, engine, sampling
         self.group_size, self.seed = group_size, seed
+        self.prompt_format = prompt_format or PromptFormat()
 
     def setup(self, ctx: StageContext) -> None:
         self.tokenizer = self.policy.load_tokenizer()
@@ -115,7 +124,7 @@ class RolloutStage(Stage):
         self.engine.offload()
 
     def _generate(self, prompts: list[str], groups: list[int], n: int, params: SamplingParams):
-        prompt_ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        prompt_ids = self.prompt_format.encode(self.tokenizer, prompts)
         completions = self.engine.generate(
             prompt_ids, groups, n, params, self.seed, eos_token_id=self.tokenizer.eos_token_id
         )
@@ -161,7 +170,13 @@ class RolloutStage(Stage):
     def evaluate(self, prompts: list[str], answers: list[str], reward: str) -> float:
         """Greedy held-out accuracy with the live rollout engine (current weights)."""
         return greedy_accuracy(
-            self.engine, self.tokenizer, prompts, answers, reward, self.sampling.max_new_tokens
+            self.engine,
+            self.tokenizer,
+            prompts,
+            answers,
+            reward,
+            self.sampling.max_new_tokens,
+            prompt_format=self.prompt_format,
         )
 
 
@@ -320,12 +335,13 @@ def reasoning_workflow(
     format_reward: str | None,
     format_weight: float,
     seed: int,
+    prompt_format: PromptFormat | None = None,
 ) -> Workflow:
     temperature = sampling.temperature if sampling.temperature > 0 else 1.0
     return (
         Workflow("reasoning")
         .chain(
-            RolloutStage(policy, rollout, sampling, group_size, seed),
+            RolloutStage(policy, rollout, sampling, group_size, seed, prompt_format),
             RewardStage(reward, format_reward, format_weight),
             AdvantageStage(algorithm),
             InferenceStage(policy, algorithm, temperature),

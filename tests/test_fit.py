@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 
 import pytest
@@ -66,9 +67,20 @@ def test_fit_writes_summary_checkpoint_and_calls_callbacks(assets, tmp_path):
         "reward/reward_max",
         "rollout/response_length_max",
         "rollout/clipped_ratio",
+        "perf/response_tokens_per_s",
     ):
         assert key in rows[3], key
-    assert float(rows[3]["reward/reward_max"]) <= 1.0 and float(rows[3]["actor/lr"]) == 1e-4
+    m = {k: float(v) for k, v in rows[3].items() if k != "step"}
+    assert m["reward/reward_max"] <= 1.0 and m["actor/lr"] == 1e-4
+    # tokens: every sample's prompt and response, counted over micro-batches (and replicas)
+    samples = 16  # tiny_trainer_kwargs' rollout_batch_size
+    per_sample = m["rollout/prompt_length"] + m["rollout/response_length"]
+    assert m["rollout/tokens_total"] == pytest.approx(samples * per_sample)
+    assert m["perf/tokens_per_s"] == pytest.approx(m["rollout/tokens_total"] / m["time/iteration"], rel=1e-3)
+    # exact entropy of the sampling distribution: between 0 and log(vocabulary size)
+    assert 0.0 < m["actor/entropy"] < math.log(100)  # the character vocabulary
+    # the hf rollout engine computes in float32 like the actor: its samples' log-probs agree
+    assert 0.0 <= m["actor/approx_kl"] < 1e-4
 
 
 def test_resume_equals_uninterrupted_run(assets, tmp_path):

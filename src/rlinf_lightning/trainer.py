@@ -336,6 +336,9 @@ class RLTrainer:
                 metrics.update(self._stage_seconds(runtime))
                 metrics["time/iteration"] = dt
                 metrics["perf/samples_per_s"] = samples_per_iteration / dt
+                for k, v in list(metrics.items()):  # counts a stage reports: tokens, env steps, ...
+                    if k.endswith("_total"):
+                        metrics[f"perf/{k.split('/')[-1].removesuffix('_total')}_per_s"] = v / dt
                 self._log(metrics, it)
                 self._call("on_iteration_end", it, metrics)
                 if self.eval_every and it % self.eval_every == 0 and it != self.max_iterations:

@@ -50,7 +50,13 @@ class GRPO:
             logprobs, old_logprobs, advantages.unsqueeze(-1), clip_low=self.clip_eps, clip_high=hi
         )
         per_token = pg
-        metrics = {"clip_frac": masked_mean(clipped, mask).detach()}
+        metrics = {
+            "clip_frac": masked_mean(clipped, mask).detach(),
+            # KL(rollout policy || actor), k3 estimator on the rollout's samples. The actor steps once
+            # per iteration, after the rollout sampled with its weights, so this is the mismatch of the
+            # rollout engine's numerics (dtype, kernels) with the actor's
+            "approx_kl": masked_mean(kl_k3(old_logprobs, logprobs.detach()), mask),
+        }
         if self.needs_reference:
             if ref_logprobs is None:
                 raise ValueError("kl_coef > 0 needs ref_logprobs (the inference stage computes them)")

@@ -50,8 +50,9 @@ def first_cause(errors: list[BaseException]) -> BaseException:
 
 def merge_metrics(results: list[dict[str, tuple[dict[str, float], int]]]) -> dict[str, dict[str, float]]:
     """Per stage, the replicas' metrics merged as if one replica had processed every sample: means
-    weighted by the samples each replica processed, ``*_max`` the largest, and ``*_std`` the pooled
-    standard deviation (from each replica's mean and std of the metric it belongs to)."""
+    weighted by the samples each replica processed, ``*_max`` the largest, ``*_total`` the sum, and
+    ``*_std`` the pooled standard deviation (from each replica's mean and std of the metric it
+    belongs to)."""
     per_stage: dict[str, list[tuple[dict[str, float], int]]] = {}
     for result in results:
         for stage, entry in result.items():
@@ -71,6 +72,8 @@ def _merge(entries: list[tuple[dict[str, float], int]]) -> dict[str, float]:
         base = k.removesuffix("_std")
         if k.endswith("_max"):
             out[k] = max(v for v, _ in values)
+        elif k.endswith("_total"):
+            out[k] = sum(v for v, _ in values)
         elif k.endswith("_std") and all(base in m for m, _ in entries if k in m):
             second = mean([(m[k] ** 2 + m[base] ** 2, n) for m, n in entries if k in m])
             out[k] = max(second - mean([(m[base], n) for m, n in entries if k in m]) ** 2, 0.0) ** 0.5

@@ -8,13 +8,24 @@ from tensordict import TensorDict
 from rlinf_lightning.policies.module import RLModule
 
 
+def response_logits(logits: torch.Tensor, response_len: int, temperature: float) -> torch.Tensor:
+    """The logits that predict the last ``response_len`` tokens, in float32, over ``temperature``."""
+    return logits[:, -response_len - 1 : -1].float() / temperature
+
+
 def response_logprobs(
     logits: torch.Tensor, input_ids: torch.Tensor, response_len: int, temperature: float
 ) -> torch.Tensor:
     """Log-prob of each of the last ``response_len`` tokens given everything before it."""
-    logits = logits[:, -response_len - 1 : -1].float() / temperature
+    logits = response_logits(logits, response_len, temperature)
     targets = input_ids[:, -response_len:]
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` per position: ``logsumexp(l) - sum(softmax(l) * l)``."""
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
 
 
 class LMPolicy(RLModule):
@@ -66,10 +77,16 @@ class LMPolicy(RLModule):
         return AutoTokenizer.from_pretrained(self.model_path)
 
     def forward_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
-        ids, mask = batch["input_ids"], batch["attention_mask"]
+        """Log-probs of the response tokens. In a training forward (autograd on) it also logs
+        ``entropy``: the mean per-token entropy of the sampling distribution over the response
+        (exact, from the full logits; no gradient), which RL dashboards watch for collapse."""
+        ids, mask, response = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        return response_logprobs(logits, ids, batch["response_mask"].shape[-1], temperature)
+        if torch.is_grad_enabled():
+            entropy = token_entropy(response_logits(logits.detach(), response.shape[-1], temperature))
+            self.log("entropy", (entropy * response).sum() / response.sum().clamp_min(1.0))
+        return response_logprobs(logits, ids, response.shape[-1], temperature)
 
     def check_state_dict(self, state: dict[str, torch.Tensor]) -> str | None:
         """Why ``state`` (e.g. a checkpoint's weights) cannot load into this policy, or ``None``."""

@@ -23,7 +23,7 @@ class RLModule(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self._logged: dict[str, float] = {}
+        self._logged: dict[str, tuple[float, int]] = {}
 
     @abstractmethod
     def configure_model(self) -> None:
@@ -38,9 +38,14 @@ class RLModule(torch.nn.Module):
         raise NotImplementedError(f"{type(self).__name__} is not a language-model policy")
 
     def log(self, name: str, value: float | torch.Tensor) -> None:
-        """Record a scalar; the trainer sends it to the loggers with the iteration's metrics."""
-        self._logged[name] = float(value.detach() if isinstance(value, torch.Tensor) else value)
+        """Record a scalar; the trainer sends it to the loggers with the iteration's metrics as
+        ``actor/<name>``. Logged several times in an iteration (once per micro-batch), the mean is
+        reported, as Lightning's ``self.log(..., on_epoch=True)`` does."""
+        value = float(value.detach() if isinstance(value, torch.Tensor) else value)
+        total, calls = self._logged.get(name, (0.0, 0))
+        self._logged[name] = (total + value, calls + 1)
 
     def pop_logged(self) -> dict[str, float]:
-        out, self._logged = self._logged, {}
+        out = {name: total / calls for name, (total, calls) in self._logged.items()}
+        self._logged = {}
         return out

@@ -52,19 +52,22 @@ class _Shard:
 
 
 class _Episodes:
-    """Success, return and length of the episodes that ended this iteration."""
+    """Success, return and length of the episodes that ended this iteration, and the env steps taken
+    (``*_total`` counts are summed over replicas and reported per second as ``perf/*_per_s``)."""
 
     def __init__(self) -> None:
         self.success: list[torch.Tensor] = []
         self.returns: list[torch.Tensor] = []
         self.lengths: list[torch.Tensor] = []
+        self.env_steps = 0
 
     def metrics(self) -> dict[str, float]:
         if not self.returns:
-            return {"episodes": 0.0}
+            return {"episodes_total": 0.0, "env_steps_total": float(self.env_steps)}
         success = torch.cat(self.success)
         out = {
-            "episodes": float(len(success)),
+            "episodes_total": float(len(success)),
+            "env_steps_total": float(self.env_steps),
             "return": float(torch.cat(self.returns).mean()),
             "length": float(torch.cat(self.lengths).float().mean()),
         }
@@ -176,6 +179,7 @@ class EnvStage(Stage):
         s.steps["mask"].append(s.running.clone())  # a step of the iteration's first episode
         for i in range(self.chunk):
             step = env.step(torch.maximum(torch.minimum(actions[:, i], high), low))
+            self.episodes.env_steps += n
             live = ~(terminated | truncated)  # an env that ended inside the chunk adds nothing more
             reward += torch.where(live, step.reward, torch.zeros(n))
             s.episode_return += torch.where(live, step.reward, torch.zeros(n))

@@ -53,13 +53,15 @@ def pack_samples(
 
 class _Mean:
     """Running means of named scalars over an iteration's micro-batches; :meth:`observe` adds the
-    spread of per-sample values too (``name_std``, ``name_max``, merged exactly across replicas by
-    ``launchers.base.merge_metrics``)."""
+    spread of per-sample values too (``name_std``, ``name_max``), :meth:`count` a total
+    (``name_total``, which the trainer also reports per second as ``perf/name_per_s``); all merged
+    exactly across replicas by ``launchers.base.merge_metrics``."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
         self.weights: dict[str, float] = {}
         self.maxima: dict[str, float] = {}
+        self.totals: dict[str, float] = {}
 
     def add(self, name: str, value: float, weight: float = 1.0) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + value * weight
@@ -71,13 +73,17 @@ class _Mean:
         self.add(f"{name}_sq", float((values**2).mean()), len(values))
         self.maxima[f"{name}_max"] = max(self.maxima.get(f"{name}_max", -math.inf), float(values.max()))
 
+    def count(self, name: str, amount: float) -> None:
+        self.totals[f"{name}_total"] = self.totals.get(f"{name}_total", 0.0) + amount
+
     def pop(self) -> dict[str, float]:
         out = {k: self.sums[k] / max(self.weights[k], 1e-12) for k in self.sums}
         for k in [k for k in out if k.endswith("_sq")]:
             name = k.removesuffix("_sq")
             out[f"{name}_std"] = math.sqrt(max(out.pop(k) - out[name] ** 2, 0.0))
         out.update(self.maxima)
-        self.sums, self.weights, self.maxima = {}, {}, {}
+        out.update(self.totals)
+        self.sums, self.weights, self.maxima, self.totals = {}, {}, {}, {}
         return out
 
 
@@ -151,6 +157,9 @@ class RolloutStage(Stage):
         )
         lengths = tensors["response_mask"].sum(-1)
         self.stats.observe("response_length", lengths)
+        self.stats.observe("prompt_length", torch.tensor([float(len(p)) for p in prompt_ids]))
+        self.stats.count("tokens", float(tensors["attention_mask"].sum()))  # prompts + responses
+        self.stats.count("response_tokens", float(lengths.sum()))
         # clipped: stopped by max_new_tokens rather than by the end-of-sequence token
         eos = self.tokenizer.eos_token_id
         clipped = [

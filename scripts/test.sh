@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# README command 2: set up (idempotent), lint, and run the default (fast) test suite of the core
-# package and of every first-party plugin. Extra arguments go to pytest, e.g. `-m slow`.
+# README command 2: set up (idempotent), lint, build the documentation site, and run the default
+# (fast) test suite of the core package and of every first-party plugin. Extra arguments go to
+# pytest, e.g. `-m slow`.
 # Each plugin's tests run in their own pytest process, as a user with only that plugin would run
 # them: simulators and engines patch and import process-wide state (vLLM walks sys.modules, and
 # trimesh, which ManiSkill imports, raises on attribute access), so one plugin's imports must
@@ -10,6 +11,9 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 source .venv/bin/activate
 ruff check .
+# the documentation site: any warning (a broken link, a missing page) fails; the configuration
+# reference is generated from the code while it builds (docs/hooks/config_reference.py)
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir site
 status=0
 for suite in tests plugins/*/tests; do
   [ -d "$suite" ] || continue

@@ -23,7 +23,17 @@ from rlinf_lightning.registry import Registry
 
 @dataclass
 class SamplingParams:
-    """How completions are drawn. ``temperature=0`` is greedy (used for evaluation)."""
+    """How completions are drawn. ``temperature=0`` is greedy (used for evaluation).
+
+    Args:
+        temperature: logits are divided by it before sampling (and the sampled tokens' log-probs
+            are taken under that distribution); ``0`` is greedy (evaluation only: RL sampling
+            needs ``trainer.sampling.temperature > 0``).
+        top_p: nucleus sampling: sample from the smallest set of tokens whose probability reaches it
+            (``1.0``: all tokens).
+        top_k: sample from the ``top_k`` most likely tokens (``-1``: no limit).
+        max_new_tokens: longest completion, in tokens.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0

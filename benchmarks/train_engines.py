@@ -102,6 +102,7 @@ def _max_rss_mb() -> float:
 
 def run_one(spec: dict) -> dict:
     from rlinf_lightning.algorithms import GRPO
+    from rlinf_lightning.engines.train import TrainSpec
     from rlinf_lightning.flow import Workflow
     from rlinf_lightning.launchers import LAUNCHERS
     from rlinf_lightning.policies import LMPolicy
@@ -109,7 +110,8 @@ def run_one(spec: dict) -> dict:
 
     name = spec["engine"].split("-")[0]
     replicas = 1 if name == "single" else 2
-    actor = BenchActor(LMPolicy(spec["model"], lr=1e-5), GRPO(), name, 1.0, None, CANDIDATES[spec["engine"]])
+    train = TrainSpec(name, CANDIDATES[spec["engine"]])  # float32, as the figures in the README
+    actor = BenchActor(LMPolicy(spec["model"], lr=1e-5), GRPO(), train, 1.0, None)
     wf = Workflow("train").chain(actor).role("train", "actor")
     plan = STRATEGIES.resolve("collocated").plan(
         wf, Resources(replicas, threads_per_slot=1), BatchShape(spec["batch"], spec["batch"] // 2)

@@ -98,6 +98,7 @@ CASES: list[tuple[str, object, str]] = [
     ("unknown policy class", ["--policy.class_path=rlinf_lightning.policies.NoSuch"], "NoSuch"),
     ("unknown engine option", ["--trainer.train_engine_options={timeout: 9}"], "engine_options.timeout"),
     ("unknown accelerator", ["--trainer.accelerator=tpu"], "trainer.accelerator"),
+    ("unknown precision", ["--trainer.precision=16-mixed"], "trainer.precision: must be one of auto"),
     # -- out-of-range and inconsistent sizes
     ("group size < 2", ["--trainer.group_size=1"], "trainer.group_size"),
     ("batch not divisible", ["--trainer.rollout_batch_size=100"], "use a multiple such as 96"),

@@ -68,6 +68,7 @@ def _fit(root, strategy, launcher, devices=2, iterations=1):
         algorithm=PPO(update_epochs=2, num_minibatches=4),
         strategy=strategy,
         launcher=launcher,
+        precision="32-true",  # plans compute the same update exactly; bf16 only to its rounding
         devices=devices,
         num_threads=1,
         max_iterations=iterations,
@@ -167,8 +168,9 @@ def test_grpo_over_episodes_is_the_same_update_under_every_plan(tmp_path):
 
     def fit(name, strategy):
         trainer = RLTrainer(
-            algorithm=GRPO(), strategy=strategy, devices=2, num_threads=1, max_iterations=1,
-            default_root_dir=str(tmp_path / name), logger=False, enable_progress_bar=False, timeout_s=120,
+            algorithm=GRPO(), strategy=strategy, precision="32-true", devices=2, num_threads=1,
+            max_iterations=1, default_root_dir=str(tmp_path / name), logger=False,
+            enable_progress_bar=False, timeout_s=120,
         )  # fmt: skip
         task = EmbodiedTask(ENV, num_envs=8, steps=12, group_size=4, eval_episodes=2)
         trainer.fit(MLPActorCritic(hidden_sizes=(32, 32), init_log_std=-0.5, lr=1e-2), task)

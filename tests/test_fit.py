@@ -79,8 +79,11 @@ def test_fit_writes_summary_checkpoint_and_calls_callbacks(assets, tmp_path):
     assert m["perf/tokens_per_s"] == pytest.approx(m["rollout/tokens_total"] / m["time/iteration"], rel=1e-3)
     # exact entropy of the sampling distribution: between 0 and log(vocabulary size)
     assert 0.0 < m["actor/entropy"] < math.log(100)  # the character vocabulary
-    # the hf rollout engine computes in float32 like the actor: its samples' log-probs agree
-    assert 0.0 <= m["actor/approx_kl"] < 1e-4
+    # the hf rollout engine computes in float32, the actor in the precision auto chose (bf16-mixed
+    # on a CPU with native bf16): their log-probs of the same samples stay close
+    assert 0.0 <= m["actor/approx_kl"] < 0.05
+    # model FLOPs utilisation of the actor: a fraction of the measured peak
+    assert 0.0 < m["perf/mfu"] < 1.0 and m["perf/flops_per_s"] > 0
 
 
 def test_resume_equals_uninterrupted_run(assets, tmp_path):

@@ -39,7 +39,10 @@ class Steps(Callback):
 
 def _fit(assets, root, **over):
     steps = Steps()
-    kw = tiny_trainer_kwargs(root, **{"devices": 2, "num_threads": 1, "callbacks": [steps], **over})
+    # float32: plans compute the same update exactly (under bf16 autocast, only up to its rounding)
+    kw = tiny_trainer_kwargs(
+        root, **{"devices": 2, "num_threads": 1, "callbacks": [steps], "precision": "32-true", **over}
+    )
     trainer = RLTrainer(**kw)
     summary = trainer.fit(
         LMPolicy(str(assets["sft"]), lr=1e-3),

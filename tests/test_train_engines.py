@@ -8,6 +8,7 @@ from tensordict import TensorDict
 
 from rlinf_lightning.algorithms import GRPO
 from rlinf_lightning.engines import HFRolloutEngine, SamplingParams
+from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.flow import StageError, Workflow
 from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.policies import LMPolicy
@@ -53,7 +54,7 @@ def batches(assets) -> list[TensorDict]:
 
 def _launch(name: str, assets, replicas: int, stage: type[ActorStage] = Actor):
     """The actor alone, collocated over ``replicas`` replicas (one process each)."""
-    actor = stage(LMPolicy(str(assets["sft"]), lr=1e-3), GRPO(), name, 1.0, None)
+    actor = stage(LMPolicy(str(assets["sft"]), lr=1e-3), GRPO(), TrainSpec(name), 1.0, None)
     wf = Workflow("train").chain(actor).role("train", "actor")
     plan = STRATEGIES.resolve("collocated").plan(
         wf, Resources(replicas, threads_per_slot=1), BatchShape(12, 4)

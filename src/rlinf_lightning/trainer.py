@@ -22,8 +22,9 @@ import torch
 from rlinf_lightning.algorithms import ALGORITHMS
 from rlinf_lightning.callbacks import ProgressBar
 from rlinf_lightning.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint, set_rng_state
+from rlinf_lightning.engines.precision import PRECISIONS
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, SamplingParams
-from rlinf_lightning.engines.train import TRAIN_ENGINES, resolve_train_engine
+from rlinf_lightning.engines.train import TRAIN_ENGINES, TrainSpec, resolve_train_engine
 from rlinf_lightning.errors import CheckpointError, ConfigError
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.trace import write_chrome_trace
@@ -54,6 +55,11 @@ class RLTrainer:
             (FSDP2 shards the state; one process per replica).
         train_engine_options: keyword arguments of the train engine, e.g. for ``ddp``/``fsdp``
             ``{malloc_mmap_threshold_mb: null}``.
+        precision: how the actor trains, with Lightning's names: ``32-true``, ``bf16-mixed``
+            (float32 master weights and optimizer state, bf16 autocast forward and backward;
+            log-probs and losses in float32), ``bf16-true``, or ``auto`` (``bf16-mixed`` where the
+            device computes bf16 natively: a GPU with bf16, a CPU with AVX512-BF16 or AMX; else
+            ``32-true``).
         accelerator: what a device slot is: ``cpu``, ``cuda``, or ``auto`` (``cuda`` when available).
         devices: device slots per node (GPUs, or shares of the cores on CPU).
         num_nodes: number of machines.
@@ -88,6 +94,7 @@ class RLTrainer:
         rollout: str = "hf",
         train_strategy: str = "auto",
         train_engine_options: dict[str, Any] | None = None,
+        precision: str = "auto",
         accelerator: str = "auto",
         devices: int = 1,
         num_nodes: int = 1,
@@ -114,6 +121,7 @@ class RLTrainer:
         self.rollout = rollout
         self.train_strategy = train_strategy
         self.train_engine_options = dict(train_engine_options or {})
+        self.precision = precision
         self.accelerator = accelerator
         self.devices = devices
         self.num_nodes = num_nodes
@@ -137,6 +145,11 @@ class RLTrainer:
         self.loggers: list[Any] = []
 
     # -- configuration ---------------------------------------------------------------------------
+    @property
+    def train_spec(self) -> TrainSpec:
+        """How the task's learning stage trains (engine, its options, precision)."""
+        return TrainSpec(self.train_strategy, self.train_engine_options, self.precision)
+
     def validate(self, policy: Any = None, task: Any = None) -> None:
         """Raise :class:`ConfigError` naming every bad key; loads nothing heavy."""
         p: list[tuple[str, str]] = []
@@ -193,6 +206,8 @@ class RLTrainer:
                 p.append((f"trainer.{key}", f"must be >= 0, got {getattr(self, key)}"))
         if self.timeout_s <= 0:
             p.append(("trainer.timeout_s", f"must be > 0, got {self.timeout_s}"))
+        if self.precision not in PRECISIONS:
+            p.append(("trainer.precision", f"must be one of {', '.join(PRECISIONS)}; got {self.precision!r}"))
         if self.accelerator not in ("auto", "cpu", "cuda"):
             p.append(("trainer.accelerator", f"must be auto, cpu or cuda, got {self.accelerator!r}"))
         elif self.accelerator == "cuda" and not torch.cuda.is_available():
@@ -304,6 +319,13 @@ class RLTrainer:
         t_start = time.perf_counter()
         runtime = launcher.launch(workflow, self.plan, timeout_s=self.timeout_s)
         try:
+            if hasattr(workflow.stages[train], "engine_info"):  # what auto resolved to, on its device
+                engine = runtime.call(train, "engine_info")
+                print(
+                    f"{train}: {engine['engine']} over {engine['world_size']} replica(s),"
+                    f" precision {engine['precision']}",
+                    flush=True,
+                )
             if resume is not None:
                 if (resume / "sharded").is_dir():
                     runtime.call(train, "load_sharded", str(resume / "sharded"), replicas="all")
@@ -339,6 +361,7 @@ class RLTrainer:
                 for k, v in list(metrics.items()):  # counts a stage reports: tokens, env steps, ...
                     if k.endswith("_total"):
                         metrics[f"perf/{k.split('/')[-1].removesuffix('_total')}_per_s"] = v / dt
+                metrics.update(self._mfu(metrics, train))
                 self._log(metrics, it)
                 self._call("on_iteration_end", it, metrics)
                 if self.eval_every and it % self.eval_every == 0 and it != self.max_iterations:
@@ -417,6 +440,15 @@ class RLTrainer:
         self._log({f"eval/{k}": v for k, v in metrics.items()}, it)
         self._call("on_evaluation_end", it, metrics[task.eval_metric])
         return {"iteration": it, **metrics}
+
+    def _mfu(self, metrics: dict[str, float], train: str) -> dict[str, float]:
+        """Model FLOPs utilisation of the train stage: its model FLOPs per replica over its busy
+        seconds per replica times the measured peak of one replica's device."""
+        flops, peak = metrics.get(f"{train}/flops_total"), metrics.get(f"{train}/peak_flops")
+        busy = metrics.get(f"time/{train}")
+        if not (flops and peak and busy):
+            return {}
+        return {"perf/mfu": flops / self.plan.group_of(train).replicas / (busy * peak)}
 
     def _stage_seconds(self, runtime: Any) -> dict[str, float]:
         """Busy seconds per stage this iteration, per replica of the stage's group."""

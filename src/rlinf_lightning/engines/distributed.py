@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from rlinf_lightning.engines.precision import autocast
 from rlinf_lightning.engines.train import TRAIN_ENGINES, LossFn, SingleTrainEngine
 from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.policies.module import RLModule
@@ -84,10 +85,10 @@ class DDPTrainEngine(SingleTrainEngine):
     def check(self, replicas: int, own_process: bool) -> tuple[str, str] | None:
         return None
 
-    def setup(self, policy: RLModule, ctx: StageContext) -> None:
+    def setup(self, policy: RLModule, ctx: StageContext, precision: str = "32-true") -> None:
         if ctx.own_process and self.malloc_mmap_threshold_mb is not None:
             set_mmap_threshold(self.malloc_mmap_threshold_mb)
-        super().setup(policy, ctx)
+        super().setup(policy, ctx, precision)
 
     def _reduce(self, params: list[torch.nn.Parameter], totals: torch.Tensor) -> None:
         self.ctx.all_reduce([totals])  # the group is made on first use (thread replicas set up one by one)
@@ -120,13 +121,13 @@ class FSDPTrainEngine(DDPTrainEngine):
             )
         return None
 
-    def setup(self, policy: RLModule, ctx: StageContext) -> None:
+    def setup(self, policy: RLModule, ctx: StageContext, precision: str = "32-true") -> None:
         import torch.distributed as dist
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if ctx.own_process and self.malloc_mmap_threshold_mb is not None:
             set_mmap_threshold(self.malloc_mmap_threshold_mb)
-        self.policy, self.ctx = policy, ctx
+        self.policy, self.ctx, self.precision = policy, ctx, precision
         self.group = ctx.process_group()
         self._own_world = False
         if self.group is None and not dist.is_initialized():  # one rank: a world of one
@@ -138,10 +139,15 @@ class FSDPTrainEngine(DDPTrainEngine):
         if cuda:
             torch.cuda.set_device(torch.device(ctx.device))
         # fully_shard moves each layer to the device as it shards it: a GPU never holds the whole
-        # model, only one layer in full besides its shards
+        # model, only one layer in full besides its shards. bf16-mixed on a GPU is FSDP's mixed
+        # precision (float32 sharded master weights, bf16 gathered for compute, gradients reduced in
+        # float32); on CPU, where gloo reduces no bf16, it is autocast around each pass
+        if precision == "bf16-true":
+            policy.to(dtype=torch.bfloat16)
+        self._autocast = precision if not (cuda and precision == "bf16-mixed") else "32-true"
         kw = (
             {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-            if cuda
+            if cuda and precision == "bf16-mixed"
             else {}
         )
         for layer in _decoder_layers(policy):
@@ -152,6 +158,7 @@ class FSDPTrainEngine(DDPTrainEngine):
         self._pending: list[tuple[TensorDict, LossFn]] = []
 
     def accumulate(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:
+        self._count_flops(batch)
         self._pending.append((batch, loss_fn))  # passes run in lockstep at step()
         return {}
 
@@ -172,7 +179,8 @@ class FSDPTrainEngine(DDPTrainEngine):
         for i in range(max(counts_all)):
             real = i < len(self._pending)
             batch, fn = self._pending[i] if real else template[0]
-            loss_sum, count, m = fn(self.policy, batch.to(self.ctx.device))
+            with autocast(self._autocast, self.ctx.device):
+                loss_sum, count, m = fn(self.policy, batch.to(self.ctx.device))
             if not real:  # join the collectives with a zero loss
                 loss_sum, count = loss_sum * 0.0, 0
             loss_sum.backward()

@@ -11,17 +11,30 @@ into micro-batches and over replicas, so every plan computes the same update.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
+from rlinf_lightning.engines.flops import peak_matmul_flops
 from rlinf_lightning.engines.offload import Offloader
+from rlinf_lightning.engines.precision import autocast, param_dtype
 from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.policies.module import RLModule
 from rlinf_lightning.registry import Registry
 
 LossFn = Callable[[RLModule, TensorDict], tuple]
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """How a learning stage trains: the trainer's ``train_strategy`` (an engine name),
+    ``train_engine_options`` and ``precision`` (see ``engines.precision``)."""
+
+    strategy: str = "auto"
+    options: dict[str, Any] = field(default_factory=dict)
+    precision: str = "32-true"
 
 
 class TrainEngine:
@@ -115,10 +128,10 @@ class SingleTrainEngine(TrainEngine):
             )
         return None
 
-    def setup(self, policy: RLModule, ctx: StageContext) -> None:
-        self.policy, self.ctx = policy, ctx
+    def setup(self, policy: RLModule, ctx: StageContext, precision: str = "32-true") -> None:
+        self.policy, self.ctx, self.precision = policy, ctx, precision
         policy.configure_model()
-        policy.to(ctx.device)
+        policy.to(ctx.device, dtype=param_dtype(precision))
         policy.train()
         self._make_optimizer()
         self._offloader = Offloader(ctx.device)
@@ -126,7 +139,23 @@ class SingleTrainEngine(TrainEngine):
     def _make_optimizer(self) -> None:
         self.optimizer, self.scheduler = split_optimizers(self.policy.configure_optimizers())
         self.optimizer.zero_grad(set_to_none=True)
-        self._count, self._loss_sum = 0.0, 0.0
+        self._count, self._loss_sum, self._flops = 0.0, 0.0, 0.0
+
+    def _count_flops(self, batch: TensorDict) -> None:
+        flops = self.policy.train_flops(batch)
+        if flops is not None:
+            self._flops += flops
+
+    def _flops_metrics(self) -> dict[str, float]:
+        """This step's model FLOPs (summed over replicas by the metric merge, per second as
+        ``perf/flops_per_s``) and this device's measured peak in the training dtype: with the train
+        stage's busy seconds, the trainer's ``perf/mfu``."""
+        if not self._flops:
+            return {}
+        dtype = torch.bfloat16 if self.precision.startswith("bf16") else torch.float32
+        peak = peak_matmul_flops(self.ctx.device, dtype, torch.get_num_threads())
+        flops, self._flops = self._flops, 0.0
+        return {"flops_total": flops, "peak_flops": peak}
 
     def onload(self) -> None:
         self._offloader.onload(self.policy, self.optimizer)
@@ -135,7 +164,9 @@ class SingleTrainEngine(TrainEngine):
         self._offloader.offload(self.policy, self.optimizer)
 
     def accumulate(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:
-        loss_sum, count, metrics = loss_fn(self.policy, batch)
+        self._count_flops(batch)
+        with autocast(self.precision, self.ctx.device):
+            loss_sum, count, metrics = loss_fn(self.policy, batch)
         loss_sum.backward()
         self._count += float(count)
         self._loss_sum += float(loss_sum.detach())
@@ -165,6 +196,7 @@ class SingleTrainEngine(TrainEngine):
         self._count, self._loss_sum = 0.0, 0.0
         return {
             **self.policy.pop_logged(),
+            **self._flops_metrics(),
             "grad_norm": float(grad_norm),
             "loss": loss_sum / max(count, 1.0),
             "lr": lr,

@@ -88,6 +88,11 @@ class LMPolicy(RLModule):
             self.log("entropy", (entropy * response).sum() / response.sum().clamp_min(1.0))
         return response_logprobs(logits, ids, response.shape[-1], temperature)
 
+    def train_flops(self, batch: TensorDict) -> float:
+        from rlinf_lightning.engines.flops import causal_lm_train_flops
+
+        return causal_lm_train_flops(self.model, batch["attention_mask"])
+
     def check_state_dict(self, state: dict[str, torch.Tensor]) -> str | None:
         """Why ``state`` (e.g. a checkpoint's weights) cannot load into this policy, or ``None``."""
         from rlinf_lightning.policies.model_dir import config_shapes, shape_difference

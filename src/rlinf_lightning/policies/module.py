@@ -37,6 +37,11 @@ class RLModule(torch.nn.Module):
         """Log-probs ``[B, T]`` of the batch's response tokens under the current parameters."""
         raise NotImplementedError(f"{type(self).__name__} is not a language-model policy")
 
+    def train_flops(self, batch: TensorDict) -> float | None:
+        """Model FLOPs of one forward and backward over ``batch`` (for ``perf/mfu``); ``None``
+        when the policy does not say."""
+        return None
+
     def log(self, name: str, value: float | torch.Tensor) -> None:
         """Record a scalar; the trainer sends it to the loggers with the iteration's metrics as
         ``actor/<name>``. Logged several times in an iteration (once per micro-batch), the mean is

@@ -120,8 +120,7 @@ class EmbodiedTask(Task):
             steps=self.steps,
             chunk=self.chunk,
             group_size=self.group_size if self._episodic(trainer) else 1,
-            train_strategy=trainer.train_strategy,
-            train_engine_options=trainer.train_engine_options,
+            train=trainer.train_spec,
             seed=trainer.seed,
         )
 

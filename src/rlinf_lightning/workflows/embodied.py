@@ -28,6 +28,7 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.engines.rollout import row_seed
+from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.envs import EnvBatch, make_env
 from rlinf_lightning.flow.stage import Stage, StageContext
 from rlinf_lightning.policies.module import RLModule
@@ -414,12 +415,11 @@ class PPOActorStage(TrainStage):
         policy: RLModule,
         algorithm: Any,
         loss: PPOLoss | EpisodeGRPOLoss,
-        train_strategy: str,
-        train_engine_options: dict[str, Any] | None,
+        train: TrainSpec,
         total_samples: int,
         seed: int = 0,
     ) -> None:
-        super().__init__(policy, train_strategy, train_engine_options)
+        super().__init__(policy, train)
         self.algorithm, self.loss, self.total_samples, self.seed = algorithm, loss, total_samples, seed
         self.in_keys = loss.in_keys
         self.update_epochs = getattr(algorithm, "update_epochs", 1)
@@ -482,8 +482,7 @@ def embodied_workflow(
     steps: int,
     chunk: int,
     group_size: int,
-    train_strategy: str,
-    train_engine_options: dict[str, Any] | None,
+    train: TrainSpec,
     seed: int,
 ) -> Any:
     """PPO (an algorithm with a critic: ``compute_advantages`` over values) or GRPO over episodes."""
@@ -492,9 +491,7 @@ def embodied_workflow(
     ppo = hasattr(algorithm, "gae_lambda")
     advantage = AdvantageStage(algorithm) if ppo else EpisodeAdvantageStage(algorithm)
     loss = PPOLoss(algorithm) if ppo else EpisodeGRPOLoss(algorithm)
-    actor = PPOActorStage(
-        policy, algorithm, loss, train_strategy, train_engine_options, num_envs * steps, seed
-    )
+    actor = PPOActorStage(policy, algorithm, loss, train, num_envs * steps, seed)
     return (
         Workflow("embodied")
         .chain(EnvStage(env, env_kwargs, steps, chunk, seed, group_size, episodic=not ppo), advantage, actor)

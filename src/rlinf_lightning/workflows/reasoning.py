@@ -20,6 +20,7 @@ from tensordict import TensorDict
 
 from rlinf_lightning.engines.offload import Offloader
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, Completion, SamplingParams
+from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.evaluation import greedy_accuracy
 from rlinf_lightning.flow.stage import Stage, StageContext
 from rlinf_lightning.flow.workflow import Workflow
@@ -296,7 +297,7 @@ class PolicyLoss:
 class ActorStage(TrainStage):
     """Accumulates the policy-loss gradient over micro-batches; one optimizer step per iteration.
 
-    Every replica of the group hosting it is a rank of its train engine (``train_strategy``).
+    Every replica of the group hosting it is a rank of its train engine (``train.strategy``).
     """
 
     name = "actor"
@@ -306,12 +307,11 @@ class ActorStage(TrainStage):
         self,
         policy: LMPolicy,
         algorithm: Any,
-        train_strategy: str,
+        train: TrainSpec,
         temperature: float,
         train_micro_batch_size: int | None,
-        train_engine_options: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(policy, train_strategy, train_engine_options)
+        super().__init__(policy, train)
         self.algorithm, self.temperature = algorithm, temperature
         self.train_micro_batch_size = train_micro_batch_size
 
@@ -335,8 +335,7 @@ def reasoning_workflow(
     policy: LMPolicy,
     algorithm: Any,
     rollout: str,
-    train_strategy: str,
-    train_engine_options: dict[str, Any] | None = None,
+    train: TrainSpec,
     sampling: SamplingParams,
     group_size: int,
     train_micro_batch_size: int | None,
@@ -354,9 +353,7 @@ def reasoning_workflow(
             RewardStage(reward, format_reward, format_weight),
             AdvantageStage(algorithm),
             InferenceStage(policy, algorithm, temperature),
-            ActorStage(
-                policy, algorithm, train_strategy, temperature, train_micro_batch_size, train_engine_options
-            ),
+            ActorStage(policy, algorithm, train, temperature, train_micro_batch_size),
         )
         .sync("actor", "rollout", "weights")
         .role("train", "actor")

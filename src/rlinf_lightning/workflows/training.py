@@ -15,19 +15,24 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from rlinf_lightning.engines.train import TRAIN_ENGINES, build_train_engine, resolve_train_engine
+from rlinf_lightning.engines.precision import resolve_precision
+from rlinf_lightning.engines.train import (
+    TRAIN_ENGINES,
+    TrainSpec,
+    build_train_engine,
+    resolve_train_engine,
+)
 from rlinf_lightning.flow.stage import Stage, StageContext
 from rlinf_lightning.policies.module import RLModule
 
 
 class TrainStage(Stage):
-    """Hosts ``policy`` in the train engine ``train_strategy`` (options ``train_engine_options``)."""
+    """Hosts ``policy`` in the train engine and precision ``train`` names."""
 
-    def __init__(
-        self, policy: RLModule, train_strategy: str, train_engine_options: dict[str, Any] | None = None
-    ) -> None:
-        self.policy, self.train_strategy = policy, train_strategy
-        self.train_engine_options = dict(train_engine_options or {})
+    def __init__(self, policy: RLModule, train: TrainSpec | None = None) -> None:
+        train = train or TrainSpec()
+        self.policy, self.train_strategy, self.precision = policy, train.strategy, train.precision
+        self.train_engine_options = dict(train.options)
 
     def check_placement(self, replicas: int, own_process: bool) -> list[tuple[str, str]]:
         name = resolve_train_engine(self.train_strategy, replicas)
@@ -52,12 +57,17 @@ class TrainStage(Stage):
     def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
         self.engine = build_train_engine(self.train_strategy, ctx.replicas, self.train_engine_options)
-        self.engine.setup(copy.deepcopy(self.policy), ctx)
+        self.engine.setup(copy.deepcopy(self.policy), ctx, resolve_precision(self.precision, ctx.device))
 
     def engine_info(self) -> dict[str, Any]:
-        """Which engine trains here, and this replica's rank among how many."""
+        """Which engine trains here, in which precision, and this replica's rank among how many."""
         name = resolve_train_engine(self.train_strategy, self.ctx.replicas)
-        return {"engine": name, "rank": self.ctx.replica, "world_size": self.ctx.replicas}
+        return {
+            "engine": name,
+            "precision": self.engine.precision,
+            "rank": self.ctx.replica,
+            "world_size": self.ctx.replicas,
+        }
 
     def sync_state(self) -> TensorDict:
         return TensorDict(dict(self.engine.named_weights()), batch_size=[])

@@ -1,0 +1,92 @@
+"""Training precision (Lightning's names): bf16-mixed keeps float32 master weights, optimizer state,
+log-probs and losses while the matmuls run in bf16; bf16-true trains bf16 weights; auto picks
+bf16-mixed only where the device computes bf16 natively."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rlinf_lightning.algorithms.grpo import GRPO
+from rlinf_lightning.engines.precision import cpu_has_native_bf16, resolve_precision
+from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
+from rlinf_lightning.engines.train import SingleTrainEngine
+from rlinf_lightning.flow.stage import StageContext
+from rlinf_lightning.policies import LMPolicy
+from rlinf_lightning.workflows.reasoning import PolicyLoss, pack_samples
+
+
+def test_auto_resolves_by_hardware_and_names_are_checked():
+    assert resolve_precision("auto", "cpu") == ("bf16-mixed" if cpu_has_native_bf16() else "32-true")
+    assert resolve_precision("bf16-true", "cpu") == "bf16-true"
+    with pytest.raises(ValueError, match="precision must be one of auto, 32-true, bf16-mixed, bf16-true"):
+        resolve_precision("16-mixed", "cpu")
+
+
+def _batch(model_dir: str):
+    """A real rollout batch (tokens, log-probs, advantages) from the tiny model."""
+    policy = LMPolicy(model_dir)
+    tok = policy.load_tokenizer()
+    engine = HFRolloutEngine(model_dir)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("What is 1+2?=", "What is 30+4?=")]
+    completions = engine.generate(prompts, [0, 1], 4, SamplingParams(max_new_tokens=6), 0, tok.eos_token_id)
+    batch = pack_samples(prompts, completions, tok.pad_token_id)
+    from tensordict import TensorDict
+
+    td = TensorDict(batch, batch_size=[8])
+    td["advantage"] = torch.linspace(-1.0, 1.0, 8)
+    return td
+
+
+def _step(model_dir: str, batch, precision: str):
+    engine = SingleTrainEngine()
+    engine.setup(LMPolicy(model_dir, lr=1e-3), StageContext(), precision)
+    compute_dtypes: set[torch.dtype] = set()
+    hook = engine.policy.model.lm_head.register_forward_hook(lambda m, i, o: compute_dtypes.add(o.dtype))
+    logps: list[torch.Tensor] = []
+
+    def loss(policy, mb):
+        logps.append(policy.forward_logprobs(mb, 1.0))
+        return PolicyLoss(GRPO(), 1.0)(policy, mb)
+
+    engine.accumulate(copy.deepcopy(batch), loss)
+    hook.remove()
+    grads = {p.grad.dtype for p in engine.policy.parameters()}
+    flat_grad = torch.cat([p.grad.float().reshape(-1) for p in engine.policy.parameters()])
+    metrics = engine.step()
+    state = engine.optimizer.state_dict()["state"]
+    return {
+        "compute": compute_dtypes,
+        "logp": logps[0].dtype,
+        "params": {p.dtype for p in engine.policy.parameters()},
+        "grads": grads,
+        "adam": {s["exp_avg"].dtype for s in state.values()},
+        "metrics": metrics,
+        "flat_grad": flat_grad,
+    }
+
+
+def test_bf16_mixed_keeps_float32_state_and_log_probs_and_tracks_the_float32_update(assets):
+    batch = _batch(str(assets["sft"]))
+    full = _step(str(assets["sft"]), batch, "32-true")
+    mixed = _step(str(assets["sft"]), batch, "bf16-mixed")
+    assert full["compute"] == {torch.float32}
+    assert mixed["compute"] == {torch.bfloat16}  # the matmuls ran in bf16
+    for key in ("logp", "params", "grads", "adam"):  # master weights, grads, Adam state, log-probs
+        assert mixed[key] in ({torch.float32}, torch.float32), key
+    a, b = full["metrics"], mixed["metrics"]
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=0.05)
+    assert b["loss"] == pytest.approx(a["loss"], abs=0.02)
+    # the gradient points the same way (one AdamW step moves each weight by about lr x sign(grad),
+    # so the weights after a step would hide a wrong gradient scale; compare the gradients)
+    cosine = torch.nn.functional.cosine_similarity(full["flat_grad"], mixed["flat_grad"], dim=0)
+    assert cosine > 0.99
+
+
+def test_bf16_true_trains_bf16_weights(assets):
+    out = _step(str(assets["sft"]), _batch(str(assets["sft"])), "bf16-true")
+    assert out["params"] == {torch.bfloat16} and out["adam"] == {torch.bfloat16}
+    assert out["logp"] == torch.float32  # log-probs are computed in float32 from the logits
+    assert torch.isfinite(torch.tensor(out["metrics"]["grad_norm"]))

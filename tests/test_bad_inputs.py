@@ -98,6 +98,11 @@ CASES: list[tuple[str, object, str]] = [
     ("unknown policy class", ["--policy.class_path=rlinf_lightning.policies.NoSuch"], "NoSuch"),
     ("unknown engine option", ["--trainer.train_engine_options={timeout: 9}"], "engine_options.timeout"),
     ("unknown accelerator", ["--trainer.accelerator=tpu"], "trainer.accelerator"),
+    (
+        "micro-batches by samples and by tokens",
+        ["--trainer.train_max_tokens_per_micro_batch=512"],
+        "trainer.train_max_tokens_per_micro_batch: set either this",
+    ),
     ("unknown precision", ["--trainer.precision=16-mixed"], "trainer.precision: must be one of auto"),
     # -- out-of-range and inconsistent sizes
     ("group size < 2", ["--trainer.group_size=1"], "trainer.group_size"),

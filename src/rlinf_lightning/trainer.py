@@ -70,6 +70,10 @@ class RLTrainer:
             default: the strategy's choice, the whole batch for collocated, a quarter for pipelined).
         train_micro_batch_size: samples per forward/backward in the actor (gradient accumulation;
             default: each arriving micro-batch at once).
+        train_max_tokens_per_micro_batch: instead, cut the actor's micro-batches by tokens: samples
+            sorted by length, as many per forward/backward as fit ``rows x longest row <= this``.
+            Either way each micro-batch is trimmed to its longest prompt and response, so padding
+            costs no compute.
         sampling: temperature, top_p, top_k and max_new_tokens for rollouts.
         eval_every: evaluate on the held-out split every this many iterations (0: only before and after).
         ckpt_every: checkpoint every this many iterations (0: only at the end).
@@ -103,6 +107,7 @@ class RLTrainer:
         rollout_batch_size: int = 128,
         micro_batch_size: int | None = None,
         train_micro_batch_size: int | None = None,
+        train_max_tokens_per_micro_batch: int | None = None,
         sampling: SamplingParams | None = None,
         eval_every: int = 0,
         ckpt_every: int = 0,
@@ -130,6 +135,7 @@ class RLTrainer:
         self.rollout_batch_size = rollout_batch_size
         self.micro_batch_size = micro_batch_size
         self.train_micro_batch_size = train_micro_batch_size
+        self.train_max_tokens_per_micro_batch = train_max_tokens_per_micro_batch
         self.sampling = sampling or SamplingParams()
         self.eval_every = eval_every
         self.ckpt_every = ckpt_every
@@ -165,9 +171,20 @@ class RLTrainer:
             if isinstance(name, str) and name not in reg:
                 p.append((f"trainer.{key}", reg.unknown_message(value)))
         positive = ("devices", "num_nodes", "max_iterations", "rollout_batch_size")
-        for key in positive + ("micro_batch_size", "train_micro_batch_size"):
+        for key in positive + (
+            "micro_batch_size",
+            "train_micro_batch_size",
+            "train_max_tokens_per_micro_batch",
+        ):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 p.append((f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}"))
+        if self.train_micro_batch_size and self.train_max_tokens_per_micro_batch:
+            p.append(
+                (
+                    "trainer.train_max_tokens_per_micro_batch",
+                    "set either this or trainer.train_micro_batch_size (samples), not both",
+                )
+            )
         if self.group_size < 2:
             p.append(
                 (

@@ -137,6 +137,7 @@ class MathTask(Task):
             sampling=trainer.sampling,
             group_size=trainer.group_size,
             train_micro_batch_size=trainer.train_micro_batch_size,
+            train_max_tokens_per_micro_batch=trainer.train_max_tokens_per_micro_batch,
             reward=self.reward,
             format_reward=self.format_reward,
             format_weight=self.format_weight,

@@ -27,6 +27,7 @@ from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.prompts import PromptFormat
 from rlinf_lightning.rewards import REWARDS
+from rlinf_lightning.workflows.padding import micro_batches
 from rlinf_lightning.workflows.training import TrainStage
 
 
@@ -310,10 +311,11 @@ class ActorStage(TrainStage):
         train: TrainSpec,
         temperature: float,
         train_micro_batch_size: int | None,
+        train_max_tokens: int | None = None,
     ) -> None:
         super().__init__(policy, train)
         self.algorithm, self.temperature = algorithm, temperature
-        self.train_micro_batch_size = train_micro_batch_size
+        self.train_micro_batch_size, self.train_max_tokens = train_micro_batch_size, train_max_tokens
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
@@ -321,7 +323,7 @@ class ActorStage(TrainStage):
         self.stats = _Mean()
 
     def process(self, batch: TensorDict) -> None:
-        for chunk in batch.split(self.train_micro_batch_size or len(batch)):
+        for chunk in micro_batches(batch, self.train_micro_batch_size, self.train_max_tokens):
             for k, v in self.engine.accumulate(chunk, self.loss).items():
                 self.stats.add(k, v, len(chunk))
         return None
@@ -339,6 +341,7 @@ def reasoning_workflow(
     sampling: SamplingParams,
     group_size: int,
     train_micro_batch_size: int | None,
+    train_max_tokens_per_micro_batch: int | None = None,
     reward: str,
     format_reward: str | None,
     format_weight: float,
@@ -353,7 +356,14 @@ def reasoning_workflow(
             RewardStage(reward, format_reward, format_weight),
             AdvantageStage(algorithm),
             InferenceStage(policy, algorithm, temperature),
-            ActorStage(policy, algorithm, train, temperature, train_micro_batch_size),
+            ActorStage(
+                policy,
+                algorithm,
+                train,
+                temperature,
+                train_micro_batch_size,
+                train_max_tokens_per_micro_batch,
+            ),
         )
         .sync("actor", "rollout", "weights")
         .role("train", "actor")

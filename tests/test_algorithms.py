@@ -137,3 +137,21 @@ def test_ppo_loss_sums_clipped_value_and_entropy_terms():
     expected = (-1.0 + 0.5 * 0.5 - 0.1 * 1.0) + (2.0 + 0.5 * 0.5 - 0.1 * 3.0)
     assert torch.isclose(loss_sum, torch.tensor(expected)) and float(count) == 2.0
     assert float(m["value_loss"]) == 0.5 and float(m["entropy"]) == 2.0
+
+
+def test_truncated_importance_sampling_weights_tokens_by_the_capped_mismatch():
+    """GRPO(tis_cap): the ratio is against the actor's own log-probs (value 1 at the step), each
+    token's loss weighted by min(pi_actor / pi_rollout, cap); without a mismatch, plain GRPO."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, requires_grad=True)
+    logp = torch.log_softmax(logits, -1)
+    rollout = logp.detach() + torch.tensor([[0.0, 0.5, -0.5, -2.0, 0.1], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    adv, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 5)
+    loss, count, metrics = GRPO(tis_cap=2.0).loss(logp, rollout, adv, mask)
+    weight = torch.exp(logp.detach() - rollout).clamp(max=2.0)
+    expected = (-(torch.exp(logp - logp.detach()) * adv[:, None]) * weight).sum()
+    assert torch.allclose(loss, expected) and count == 10
+    assert metrics["tis_weight"] == pytest.approx(float(weight.mean()))
+    assert weight.max() == 2.0 and weight.min() < 1.0  # capped above, and below 1 where pi_rollout > pi
+    same = GRPO(tis_cap=2.0).loss(logp, logp.detach(), adv, mask)[0]
+    assert torch.allclose(same, GRPO().loss(logp, logp.detach(), adv, mask)[0])

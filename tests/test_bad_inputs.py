@@ -103,6 +103,7 @@ CASES: list[tuple[str, object, str]] = [
         ["--trainer.train_max_tokens_per_micro_batch=512"],
         "trainer.train_max_tokens_per_micro_batch: set either this",
     ),
+    ("unknown rollout dtype", ["--trainer.rollout_dtype=bf16"], "trainer.rollout_dtype"),
     ("unknown precision", ["--trainer.precision=16-mixed"], "trainer.precision: must be one of auto"),
     # -- out-of-range and inconsistent sizes
     ("group size < 2", ["--trainer.group_size=1"], "trainer.group_size"),

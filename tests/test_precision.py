@@ -90,3 +90,29 @@ def test_bf16_true_trains_bf16_weights(assets):
     assert out["params"] == {torch.bfloat16} and out["adam"] == {torch.bfloat16}
     assert out["logp"] == torch.float32  # log-probs are computed in float32 from the logits
     assert torch.isfinite(torch.tensor(out["metrics"]["grad_norm"]))
+
+
+def test_a_bf16_rollout_shows_its_mismatch_and_tis_weights_it(assets, tmp_path):
+    """The rollout/actor log-prob mismatch is measured (actor/approx_kl): none with a float32 rollout
+    and a float32 actor, some with a bf16 rollout, which GRPO(tis_cap) then weights."""
+    from rlinf_lightning import Callback, RLTrainer
+    from rlinf_lightning.tasks import MathTask
+    from trainer_defaults import tiny_trainer_kwargs
+
+    class Last(Callback):
+        metrics: dict = {}
+
+        def on_iteration_end(self, trainer, iteration, metrics):
+            Last.metrics = dict(metrics)
+
+    def fit(name, **over):
+        kw = tiny_trainer_kwargs(tmp_path / name, max_iterations=1, precision="32-true", callbacks=[Last()])
+        task = MathTask(str(assets["train"]), str(assets["test"]), eval_size=2)
+        RLTrainer(**{**kw, **over}).fit(LMPolicy(str(assets["sft"]), lr=1e-4), task)
+        return Last.metrics
+
+    exact = fit("fp32")
+    bf16 = fit("bf16", rollout_dtype="bfloat16", algorithm=GRPO(tis_cap=2.0))
+    assert exact["actor/approx_kl"] < 1e-6
+    assert bf16["actor/approx_kl"] > 100 * max(exact["actor/approx_kl"], 1e-9)
+    assert 0.0 < bf16["actor/tis_weight"] <= 2.0

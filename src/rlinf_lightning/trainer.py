@@ -50,6 +50,10 @@ class RLTrainer:
         launcher: how workers start: ``inprocess`` (default; threads of this process), ``processes``
             (one OS process per worker), ``ray`` (Ray actors), or a launcher object.
         rollout: rollout engine name (``hf``; ``vllm`` with the plugin).
+        rollout_dtype: the rollout engine's weights and compute dtype (``float32``, ``bfloat16``,
+            ``float16``; ``None``: the policy's ``dtype``). The actor's float32 weights are cast at
+            each sync; ``actor/approx_kl`` measures the log-prob mismatch this causes, and
+            ``GRPO(tis_cap=...)`` corrects for it.
         train_strategy: how the actor trains over the replicas of the group the plan puts it on:
             ``auto`` (``single`` on one replica, ``ddp`` on more), ``single``, ``ddp``, or ``fsdp``
             (FSDP2 shards the state; one process per replica).
@@ -96,6 +100,7 @@ class RLTrainer:
         strategy: Any = "collocated",
         launcher: Any = "inprocess",
         rollout: str = "hf",
+        rollout_dtype: str | None = None,
         train_strategy: str = "auto",
         train_engine_options: dict[str, Any] | None = None,
         precision: str = "auto",
@@ -124,6 +129,7 @@ class RLTrainer:
         self.strategy = strategy
         self.launcher = launcher
         self.rollout = rollout
+        self.rollout_dtype = rollout_dtype
         self.train_strategy = train_strategy
         self.train_engine_options = dict(train_engine_options or {})
         self.precision = precision
@@ -223,6 +229,13 @@ class RLTrainer:
                 p.append((f"trainer.{key}", f"must be >= 0, got {getattr(self, key)}"))
         if self.timeout_s <= 0:
             p.append(("trainer.timeout_s", f"must be > 0, got {self.timeout_s}"))
+        if self.rollout_dtype not in (None, "float32", "bfloat16", "float16"):
+            p.append(
+                (
+                    "trainer.rollout_dtype",
+                    f"must be float32, bfloat16, float16 or null, got {self.rollout_dtype!r}",
+                )
+            )
         if self.precision not in PRECISIONS:
             p.append(("trainer.precision", f"must be one of {', '.join(PRECISIONS)}; got {self.precision!r}"))
         if self.accelerator not in ("auto", "cpu", "cuda"):

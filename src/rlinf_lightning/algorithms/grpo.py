@@ -21,6 +21,12 @@ class GRPO:
             reference forward pass.
         scale_std: divide centred rewards by the group std (``False`` is Dr. GRPO's choice).
         loss_agg: how per-token losses become one number (see ``algorithms.losses.aggregate``).
+        tis_cap: truncated importance sampling (Yao et al., 2025) against the rollout engine's
+            numeric mismatch (e.g. a bf16 rollout): the PPO ratio is taken against the actor's own
+            log-probs before its step (the actor steps once per iteration, so those are the
+            behaviour policy as the actor computes it), and each token's loss is weighted by
+            ``min(pi_actor / pi_rollout, tis_cap)``. ``None``: the ratio against the rollout's
+            log-probs, no weight.
     """
 
     clip_eps: float = 0.2
@@ -28,6 +34,7 @@ class GRPO:
     kl_coef: float = 0.0
     scale_std: bool = True
     loss_agg: LossAgg = "token-mean"
+    tis_cap: float | None = None
 
     @property
     def needs_reference(self) -> bool:
@@ -46,9 +53,15 @@ class GRPO:
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss_sum, count, metrics)`` for one micro-batch; tensors are ``[B, T]``, advantages ``[B]``."""
         hi = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+        behaviour = old_logprobs if self.tis_cap is None else logprobs.detach()
         pg, clipped = ppo_clip_per_token(
-            logprobs, old_logprobs, advantages.unsqueeze(-1), clip_low=self.clip_eps, clip_high=hi
+            logprobs, behaviour, advantages.unsqueeze(-1), clip_low=self.clip_eps, clip_high=hi
         )
+        tis = {}
+        if self.tis_cap is not None:
+            weight = torch.exp(logprobs.detach() - old_logprobs).clamp(max=self.tis_cap)
+            pg = pg * weight
+            tis = {"tis_weight": masked_mean(weight, mask)}
         per_token = pg
         metrics = {
             "clip_frac": masked_mean(clipped, mask).detach(),
@@ -56,6 +69,7 @@ class GRPO:
             # per iteration, after the rollout sampled with its weights, so this is the mismatch of the
             # rollout engine's numerics (dtype, kernels) with the actor's
             "approx_kl": masked_mean(kl_k3(old_logprobs, logprobs.detach()), mask),
+            **tis,
         }
         if self.needs_reference:
             if ref_logprobs is None:

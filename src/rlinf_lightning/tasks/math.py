@@ -133,6 +133,7 @@ class MathTask(Task):
             policy=policy,
             algorithm=ALGORITHMS.resolve(trainer.algorithm),
             rollout=trainer.rollout,
+            rollout_dtype=trainer.rollout_dtype,
             train=trainer.train_spec,
             sampling=trainer.sampling,
             group_size=trainer.group_size,

@@ -113,15 +113,17 @@ class RolloutStage(Stage):
         group_size: int,
         seed: int,
         prompt_format: PromptFormat | None = None,
+        dtype: str | None = None,
     ) -> None:
         self.policy, self.engine_name, self.sampling = policy, engine, sampling
         self.group_size, self.seed = group_size, seed
         self.prompt_format = prompt_format or PromptFormat()
+        self.dtype = dtype or policy.dtype
 
     def setup(self, ctx: StageContext) -> None:
         self.tokenizer = self.policy.load_tokenizer()
         self.engine = ROLLOUT_ENGINES.get(self.engine_name)(
-            self.policy.model_path, device=ctx.device, dtype=self.policy.dtype
+            self.policy.model_path, device=ctx.device, dtype=self.dtype
         )
         self.stats = _Mean()
 
@@ -337,6 +339,7 @@ def reasoning_workflow(
     policy: LMPolicy,
     algorithm: Any,
     rollout: str,
+    rollout_dtype: str | None = None,
     train: TrainSpec,
     sampling: SamplingParams,
     group_size: int,
@@ -352,7 +355,7 @@ def reasoning_workflow(
     return (
         Workflow("reasoning")
         .chain(
-            RolloutStage(policy, rollout, sampling, group_size, seed, prompt_format),
+            RolloutStage(policy, rollout, sampling, group_size, seed, prompt_format, rollout_dtype),
             RewardStage(reward, format_reward, format_weight),
             AdvantageStage(algorithm),
             InferenceStage(policy, algorithm, temperature),

@@ -67,3 +67,25 @@ def test_math_verify_times_out_anywhere(where):
             bad, took, good = pool.submit(_two_calls).result(timeout=60)
     assert (bad, good) == (0.0, 1.0)
     assert took < 10, f"{took:.1f} s"
+
+
+def _in_a_thread(fn, *args):
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn, *args).result(timeout=120)
+
+
+def test_math_verify_scores_a_micro_batch_off_the_main_thread():
+    """Off the main thread a micro-batch goes to the judge process in one request; a completion that
+    hangs it costs its own timeout, and the completions after it are judged by a new process."""
+    from rlinf_lightning.rewards import REWARDS, _math_verify_batch, score
+
+    completions = ["\\boxed{7}", "8", "The answer is 12", "\\boxed{3}"] * 25
+    answers = ["7", "8", "12", "4"] * 25
+    expected = [1.0, 1.0, 1.0, 0.0] * 25
+    fn = REWARDS.get("math_verify")
+    assert score(fn, completions, answers) == expected  # main thread, in process
+    assert _in_a_thread(score, fn, completions, answers) == expected
+    stuck = ["\\boxed{1}", PATHOLOGICAL, "\\boxed{2}"]
+    assert _in_a_thread(_math_verify_batch, stuck, ["1", "1", "2"], 1) == [1.0, 0.0, 1.0]

@@ -6,7 +6,7 @@ from typing import Any
 
 from rlinf_lightning.engines.rollout import RolloutEngine, SamplingParams
 from rlinf_lightning.prompts import RAW, PromptFormat
-from rlinf_lightning.rewards import REWARDS
+from rlinf_lightning.rewards import REWARDS, score
 
 
 def greedy_accuracy(
@@ -28,6 +28,6 @@ def greedy_accuracy(
         chunk = prompts[i : i + batch_size]
         ids = prompt_format.encode(tokenizer, chunk)
         outs = engine.generate(ids, list(range(i, i + len(chunk))), 1, params, 0, tokenizer.eos_token_id)
-        for cs, ans in zip(outs, answers[i : i + batch_size]):
-            correct += fn(tokenizer.decode(cs[0].token_ids, skip_special_tokens=True), ans)
+        texts = [tokenizer.decode(cs[0].token_ids, skip_special_tokens=True) for cs in outs]
+        correct += sum(score(fn, texts, answers[i : i + batch_size]))
     return correct / max(1, len(prompts))

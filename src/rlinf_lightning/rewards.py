@@ -2,7 +2,12 @@
 
 ``math_verify`` uses the real ``math-verify`` package: it extracts the final answer from the
 completion (LaTeX or plain expression) and checks mathematical equivalence with the gold one.
-Plugins add rewards with ``REWARDS.register("name", fn)``.
+Plugins add rewards with ``REWARDS.register("name", fn)``. A reward may also offer
+``fn.prepare(threads)`` (called once by each stage replica that will use it, see :func:`prepare`) and
+``fn.batch(completions, answers) -> list[float]`` to score a whole micro-batch at once;
+:func:`score` uses it when present (``math_verify`` does: off the main thread it judges in a
+child process, and one round trip per micro-batch instead of per completion is what keeps that
+cheap).
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ def _judge(completion: str, answer: str, timeout_s: int) -> float:
 
 
 def _judge_loop(conn, parent_pid: int) -> None:
-    """The judge process: answers ``(completion, answer, timeout_s)`` requests in its main thread."""
+    """The judge process: for each ``(pairs, timeout_s)`` request, judges the ``(completion,
+    answer)`` pairs in its main thread and sends each score as soon as it has it."""
     from rlinf_lightning.flow.lifetime import exit_with_parent
 
     exit_with_parent(parent_pid)
@@ -54,24 +60,29 @@ def _judge_loop(conn, parent_pid: int) -> None:
     conn.send("ready")
     while True:
         try:
-            completion, answer, timeout_s = conn.recv()
+            pairs, timeout_s = conn.recv()
         except EOFError:
             return
-        conn.send(_judge(completion, answer, timeout_s))
+        for completion, answer in pairs:
+            conn.send(_judge(completion, answer, timeout_s))
 
 
 class _JudgeProcess:
     """math-verify's timeouts use SIGALRM, which only works in a process's main thread, and one
     pathological completion (``9^{9^{9^{9}}}``) keeps sympy busy for minutes. Off the main thread
     (the ``inprocess`` launcher's workers are threads), calls go to a child process that runs them
-    in its main thread; if it does not answer within twice the timeout it is killed (and restarted
-    for the next call), and the completion scores 0.0."""
+    in its main thread, a micro-batch per request; if a completion is not judged within twice the
+    timeout the process is killed, the completion scores 0.0, and the rest go to a new process.
+    Starting one takes about 2 s (a spawned interpreter imports this package), so they are started
+    early (:meth:`_JudgePool.add`) and kept."""
 
     def __init__(self) -> None:
         self.proc: Any = None
         self.conn: Any = None
+        self.ready = False
 
     def _start(self) -> None:
+        """Spawn the process; it imports in the background until :meth:`_wait_ready`."""
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
@@ -79,6 +90,11 @@ class _JudgeProcess:
         )
         self.proc.start()
         child.close()
+        self.ready = False
+
+    def _wait_ready(self) -> None:
+        if self.ready:
+            return
         try:
             ready = self.conn.poll(120) and self.conn.recv() == "ready"
         except EOFError:
@@ -87,20 +103,28 @@ class _JudgeProcess:
             code = self.proc.exitcode
             self.close()
             raise RuntimeError(f"the math-verify judge process did not start (exit code {code})")
+        self.ready = True
 
-    def __call__(self, completion: str, answer: str, timeout_s: int) -> float:
-        if self.proc is None or not self.proc.is_alive():
-            self._start()
-        self.conn.send((completion, answer, timeout_s))
-        if self.conn.poll(2 * timeout_s + 1):
-            return self.conn.recv()
-        warnings.warn(
-            f"math-verify took over {2 * timeout_s + 1:.0f} s on a completion ({completion[:60]!r}...); "
-            "scored 0.0",
-            stacklevel=3,
-        )
-        self.close()
-        return 0.0
+    def __call__(self, pairs: list[tuple[str, str]], timeout_s: int) -> list[float]:
+        scores: list[float] = []
+        while len(scores) < len(pairs):
+            if self.proc is None or not self.proc.is_alive():
+                self._start()
+            self._wait_ready()
+            rest = pairs[len(scores) :]
+            self.conn.send((rest, timeout_s))
+            for completion, _ in rest:
+                if not self.conn.poll(2 * timeout_s + 1):
+                    warnings.warn(
+                        f"math-verify took over {2 * timeout_s + 1:.0f} s on a completion "
+                        f"({completion[:60]!r}...); scored 0.0",
+                        stacklevel=3,
+                    )
+                    self.close()
+                    scores.append(0.0)
+                    break
+                scores.append(self.conn.recv())
+        return scores
 
     def close(self) -> None:
         if self.proc is not None:
@@ -110,18 +134,77 @@ class _JudgeProcess:
         self.proc = self.conn = None
 
 
-_judges = threading.local()
+class _JudgePool:
+    """Judge processes shared by the threads of this process: a caller takes a free one (or starts
+    one) and gives it back, so as many run as threads judge at once, and a worker thread that ends
+    (the ``inprocess`` launcher starts threads per run step) does not take its judge with it."""
+
+    def __init__(self) -> None:
+        self._free: list[_JudgeProcess] = []
+        self._lock = threading.Lock()
+
+    def add(self) -> None:
+        """Start one more judge now, without waiting for it (a stage's setup: it is ready by the
+        first iteration instead of costing that iteration its start-up)."""
+        judge = _JudgeProcess()
+        judge._start()
+        with self._lock:
+            self._free.append(judge)
+
+    def __call__(self, pairs: list[tuple[str, str]], timeout_s: int) -> list[float]:
+        with self._lock:
+            judge = self._free.pop() if self._free else _JudgeProcess()
+        try:
+            return judge(pairs, timeout_s)
+        finally:
+            with self._lock:
+                self._free.append(judge)
+
+
+_judges = _JudgePool()
 
 
 @REWARDS.register("math_verify")
 def math_verify_reward(completion: str, answer: str, timeout_s: int = MATH_VERIFY_TIMEOUT_S) -> float:
     """1.0 when math-verify judges the completion's final answer equal to the gold answer; 0.0 when
     it does not, or cannot decide within ``timeout_s`` (in any thread or process)."""
+    return _math_verify_batch([completion], [answer], timeout_s)[0]
+
+
+def _math_verify_batch(
+    completions: list[str], answers: list[str], timeout_s: int = MATH_VERIFY_TIMEOUT_S
+) -> list[float]:
+    pairs = list(zip(completions, answers))
     if threading.current_thread() is threading.main_thread():
-        return _judge(completion, answer, timeout_s)
-    if not hasattr(_judges, "judge"):
-        _judges.judge = _JudgeProcess()
-    return _judges.judge(completion, answer, timeout_s)
+        return [_judge(c, a, timeout_s) for c, a in pairs]
+    return _judges(pairs, timeout_s)
+
+
+def _prepare_math_verify(threads: bool) -> None:
+    _parse_gold("0", MATH_VERIFY_TIMEOUT_S)  # imports math-verify (and sympy) now
+    if threads:
+        _judges.add()
+
+
+math_verify_reward.batch = _math_verify_batch  # type: ignore[attr-defined]
+math_verify_reward.prepare = _prepare_math_verify  # type: ignore[attr-defined]
+
+
+def prepare(fn: RewardFn, threads: bool) -> None:
+    """Get ``fn`` ready to score (``fn.prepare``, if it has one), once per stage replica that will
+    call it; ``threads``: the replica may be called off the main thread (``math_verify`` then
+    starts a judge process for it)."""
+    ready = getattr(fn, "prepare", None)
+    if ready is not None:
+        ready(threads)
+
+
+def score(fn: RewardFn, completions: list[str], answers: list[str]) -> list[float]:
+    """``fn`` over a micro-batch: its ``batch`` form when it has one, else one call per completion."""
+    batch = getattr(fn, "batch", None)
+    if batch is not None:
+        return list(batch(completions, answers))
+    return [fn(c, a) for c, a in zip(completions, answers)]
 
 
 @REWARDS.register("exact_match")

@@ -26,7 +26,7 @@ from rlinf_lightning.flow.stage import Stage, StageContext
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.prompts import PromptFormat
-from rlinf_lightning.rewards import REWARDS
+from rlinf_lightning.rewards import REWARDS, prepare, score
 from rlinf_lightning.workflows.padding import micro_batches
 from rlinf_lightning.workflows.training import TrainStage
 
@@ -207,13 +207,15 @@ class RewardStage(Stage):
         self.correct_fn = REWARDS.get(self.reward)
         self.format_fn = REWARDS.get(self.format_reward) if self.format_reward else None
         self.stats = _Mean()
+        # its start-up (imports; a judge process where replicas are threads) before iteration 1
+        prepare(self.correct_fn, threads=not ctx.own_process)
 
     def process(self, batch: TensorDict) -> TensorDict:
         completions, answers = list(batch["completion"]), list(batch["answer"])
-        correct = torch.tensor([self.correct_fn(c, a) for c, a in zip(completions, answers)])
+        correct = torch.tensor(score(self.correct_fn, completions, answers))
         reward = correct.clone()
         if self.format_fn is not None:
-            fmt = torch.tensor([self.format_fn(c, a) for c, a in zip(completions, answers)])
+            fmt = torch.tensor(score(self.format_fn, completions, answers))
             reward += self.format_weight * fmt
             self.stats.add("format", float(fmt.mean()), len(fmt))
         batch["reward"] = reward

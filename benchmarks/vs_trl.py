@@ -1,0 +1,276 @@
+"""Ours against TRL's ``GRPOTrainer``, side by side in one run, on the same machine and threads.
+
+    python benchmarks/vs_trl.py [--steps 8] [--tiny-steps 150]
+
+Throughput (a 24 M-parameter Qwen2 built from a config, random weights): 8 prompts x 8
+completions of exactly up to 64 new tokens per optimizer step, learning rate 1e-6. TRL 1.16 runs
+at its documented defaults (bf16 autocast where supported, HF ``generate``, loss ``dapo``, group
+reward scaling, no KL) except what must match ours: ``num_generations=8``,
+``per_device_train_batch_size=64`` (all 64 completions in one step, its fastest layout),
+``max_completion_length=64``, ``learning_rate`` and ``lr_scheduler_type="constant"`` (ours keeps
+the rate constant), ``logging``/``save`` off. Ours runs ``configs``-style defaults (collocated on
+one slot of both cores, ``precision: auto``) with each rollout engine, in float32 and in bf16
+(``rollout_dtype``); the fastest is "ours". Each candidate is its own
+process; the first step (warm-up: allocation, kernel selection) is excluded.
+
+Learning (the demo's 0.4 M tiny model from the same supervised warm start, ``artifacts/``): both
+train ``--tiny-steps`` steps of 16 prompts x 8 completions of up to 6 tokens at lr 1e-4; held-out
+greedy accuracy on the 500 test problems is measured the same way for both (our HF engine on each
+result's weights); wall time is TRL's ``train()`` and our whole ``fit`` (start-up and the two
+one-problem evaluations included).
+
+The last line is one JSON object: s/step, completions/s and tokens/s of both, ``ours_over_trl``,
+each side's actor MFU where measured, and the tiny model's accuracy and wall time of both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIG = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
+       "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
+
+
+def _prompts(path: Path, n: int) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:n]]
+    return [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]
+
+
+def _reward(completions, answer, **_):
+    from rlinf_lightning.rewards import REWARDS
+
+    fn = REWARDS.get("math_verify")
+    return [fn(c, a) for c, a in zip(completions, answer)]
+
+
+def run_trl(model: str, train: Path, steps: int, batch_prompts: int, new_tokens: int, lr: float, out: Path):
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    data = Dataset.from_list(_prompts(train, batch_prompts * (steps + 1)))
+    stamps: list[float] = []
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            stamps.append(time.perf_counter())
+
+    config = GRPOConfig(
+        output_dir=str(out),
+        num_generations=8,
+        per_device_train_batch_size=8 * batch_prompts,
+        max_completion_length=new_tokens,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        max_steps=steps,
+        logging_steps=10**9,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=not torch.cuda.is_available(),
+        seed=0,
+    )
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model),
+        reward_funcs=_reward,
+        args=config,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[Stamp()],
+    )
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    trainer.save_model(str(out / "final"))
+    tok.save_pretrained(str(out / "final"))
+    per_step = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else wall
+    return {"s_per_step": per_step, "wall_s": wall, "bf16": bool(config.bf16), "final": str(out / "final")}
+
+
+def run_ours(
+    model: str, train: Path, test: Path, steps: int, batch_prompts: int, new_tokens: int, lr: float,
+    rollout: str, out: Path, rollout_dtype: str | None = None, precision: str = "auto",
+    max_tokens: int | None = None, devices: int = 1,
+):  # fmt: skip
+    from rlinf_lightning import Callback, LMPolicy, RLTrainer, SamplingParams
+    from rlinf_lightning.tasks import MathTask
+
+    stamps: list[float] = []
+    metrics: list[dict] = []
+
+    class Stamp(Callback):
+        def on_iteration_end(self, trainer, iteration, m):
+            stamps.append(time.perf_counter())
+            metrics.append(dict(m))
+
+    trainer = RLTrainer(
+        rollout=rollout,
+        rollout_dtype=rollout_dtype,
+        precision=precision,
+        devices=devices,
+        train_max_tokens_per_micro_batch=max_tokens,
+        max_iterations=steps,
+        group_size=8,
+        rollout_batch_size=8 * batch_prompts,
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=new_tokens),
+        default_root_dir=str(out),
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[Stamp()],
+        ckpt_every=0,
+    )
+    t0 = time.perf_counter()
+    summary = trainer.fit(LMPolicy(model, lr=lr), MathTask(str(train), str(test), eval_size=1))
+    wall = time.perf_counter() - t0
+    per_step = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else wall
+    steady = metrics[1:] or metrics
+    mean = lambda k: sum(m.get(k, 0.0) for m in steady) / len(steady)  # noqa: E731
+    last = (out / "checkpoints" / "last").read_text()
+    return {
+        "s_per_step": per_step,
+        "train_wall_s": summary["train_wall_s"],
+        "fit_wall_s": wall,
+        "mfu": mean("perf/mfu"),
+        "actor_s": mean("time/actor"),
+        "rollout_s": mean("time/rollout"),
+        "response_tokens_per_step": mean("rollout/response_tokens_total"),
+        "checkpoint": str(out / "checkpoints" / last),
+    }
+
+
+def held_out_accuracy(weights_dir: str, model_dir: str, test: Path) -> float:
+    """Greedy accuracy on every test problem with our HF engine and the weights in ``weights_dir``."""
+    from safetensors.torch import load_file
+
+    from rlinf_lightning.engines.rollout import HFRolloutEngine
+    from rlinf_lightning.evaluation import greedy_accuracy
+    from rlinf_lightning.policies import LMPolicy
+    from rlinf_lightning.tasks.data import load_problems
+
+    engine = HFRolloutEngine(model_dir)
+    engine.update_weights(load_file(str(Path(weights_dir) / "model.safetensors")).items())
+    problems = load_problems(test)
+    tok = LMPolicy(model_dir).load_tokenizer()
+    return greedy_accuracy(
+        engine, tok, [p.prompt for p in problems], [p.answer for p in problems], max_new_tokens=6
+    )
+
+
+def child(args) -> None:
+    spec = json.loads(args.child)
+    kind = spec.pop("kind")
+    fn = run_trl if kind == "trl" else run_ours
+    result = fn(**{k: Path(v) if k in ("train", "test", "out") else v for k, v in spec.items()})
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def spawn(kind: str, **spec) -> dict:
+    spec = {"kind": kind, **{k: str(v) if isinstance(v, Path) else v for k, v in spec.items()}}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, env=env
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{kind} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    result = json.loads(lines[-1][7:])
+    name = f"{kind} {spec.get('rollout', '')} {spec.get('rollout_dtype') or ''} {Path(spec['model']).name}"
+    print(f"[{name}] {json.dumps(result)}", flush=True)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8, help="optimizer steps of the throughput runs")
+    ap.add_argument("--tiny-steps", type=int, default=150, help="steps of the tiny model's learning runs")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+
+    from rlinf_lightning.assets import TinyModelConfig, build_tiny_qwen2
+
+    data = ROOT / "data" / "arithmetic"
+    train, test = data / "train.jsonl", data / "test.jsonl"
+    tiny = ROOT / "artifacts" / "tiny-qwen2-sft"
+    if not (train.is_file() and tiny.is_dir()):
+        sys.exit("run `bash scripts/run.sh` (or `rlinf prepare` and `rlinf sft`) first: data and warm start")
+    work = Path(tempfile.mkdtemp(prefix="vs_trl-"))
+    big = build_tiny_qwen2(work / "qwen2-24m", TinyModelConfig(**BIG))
+    common = {
+        "model": big,
+        "train": train,
+        "steps": args.steps,
+        "batch_prompts": 8,
+        "new_tokens": 64,
+        "lr": 1e-6,
+    }
+
+    trl = spawn("trl", **common, out=work / "trl")
+    ours = {}
+    candidates = {  # rollout engine, its dtype, the actor's token budget per micro-batch
+        "vllm-float32": ("vllm", None, None),
+        "vllm-bfloat16": ("vllm", "bfloat16", None),
+        "vllm-bfloat16-tokens2048": ("vllm", "bfloat16", 2048),
+        "hf-float32": ("hf", None, None),
+        "hf-bfloat16": ("hf", "bfloat16", None),
+    }
+    for name, (rollout, dtype, budget) in candidates.items():
+        ours[name] = spawn(
+            "ours",
+            **common,
+            test=test,
+            rollout=rollout,
+            rollout_dtype=dtype,
+            max_tokens=budget,
+            out=work / name,
+        )
+    best = min(ours, key=lambda r: ours[r]["s_per_step"])
+    completions = 64
+    tokens = lambda s: completions * 64 / s  # noqa: E731  (random weights: completions run to the limit)
+
+    learn = {
+        "model": tiny,
+        "train": train,
+        "steps": args.tiny_steps,
+        "batch_prompts": 16,
+        "new_tokens": 6,
+        "lr": 1e-4,
+    }
+    trl_tiny = spawn("trl", **learn, out=work / "trl-tiny")
+    tiny_runs = {  # precision auto is bf16-mixed on a CPU with AMX, which costs this 0.4 M model time
+        p: spawn("ours", **learn, test=test, rollout="hf", precision=p, out=work / f"ours-tiny-{p}")
+        for p in ("auto", "32-true")
+    }
+    trl_acc = held_out_accuracy(trl_tiny["final"], str(tiny), test)
+    tiny_acc = {p: held_out_accuracy(r["checkpoint"], str(tiny), test) for p, r in tiny_runs.items()}
+
+    result = {
+        "model_parameters_m": 24.2,
+        "trl": {"s_per_step": trl["s_per_step"], "completions_per_s": completions / trl["s_per_step"],
+                "tokens_per_s": tokens(trl["s_per_step"]), "bf16": trl["bf16"]},
+        "ours": {r: {"s_per_step": o["s_per_step"], "completions_per_s": completions / o["s_per_step"],
+                     "tokens_per_s": tokens(o["s_per_step"]), "actor_s": o["actor_s"],
+                     "rollout_s": o["rollout_s"], "mfu": o["mfu"]} for r, o in ours.items()},
+        "ours_best_rollout": best,
+        "ours_over_trl": trl["s_per_step"] / ours[best]["s_per_step"],
+        "actor_mfu": ours[best]["mfu"],
+        "tiny": {"steps": args.tiny_steps, "trl_accuracy": trl_acc, "trl_wall_s": trl_tiny["wall_s"],
+                 **{f"ours_{p}": {"accuracy": tiny_acc[p], "wall_s": r["fit_wall_s"],
+                                  "wall_over_trl": r["fit_wall_s"] / trl_tiny["wall_s"]}
+                    for p, r in tiny_runs.items()}},
+    }  # fmt: skip
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -3,7 +3,6 @@
 ``math_verify`` uses the real ``math-verify`` package: it extracts the final answer from the
 completion (LaTeX or plain expression) and checks mathematical equivalence with the gold one.
 Plugins add rewards with ``REWARDS.register("name", fn)``. A reward may also offer
-``fn.prepare(threads)`` (called once by each stage replica that will use it, see :func:`prepare`) and
 ``fn.batch(completions, answers) -> list[float]`` to score a whole micro-batch at once;
 :func:`score` uses it when present (``math_verify`` does: off the main thread it judges in a
 child process, and one round trip per micro-batch instead of per completion is what keeps that
@@ -73,16 +72,14 @@ class _JudgeProcess:
     (the ``inprocess`` launcher's workers are threads), calls go to a child process that runs them
     in its main thread, a micro-batch per request; if a completion is not judged within twice the
     timeout the process is killed, the completion scores 0.0, and the rest go to a new process.
-    Starting one takes about 2 s (a spawned interpreter imports this package), so they are started
-    early (:meth:`_JudgePool.add`) and kept."""
+    Starting one takes about 2 s (a spawned interpreter imports this package), so they are kept
+    (:class:`_JudgePool`)."""
 
     def __init__(self) -> None:
         self.proc: Any = None
         self.conn: Any = None
-        self.ready = False
 
     def _start(self) -> None:
-        """Spawn the process; it imports in the background until :meth:`_wait_ready`."""
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
@@ -90,11 +87,6 @@ class _JudgeProcess:
         )
         self.proc.start()
         child.close()
-        self.ready = False
-
-    def _wait_ready(self) -> None:
-        if self.ready:
-            return
         try:
             ready = self.conn.poll(120) and self.conn.recv() == "ready"
         except EOFError:
@@ -103,14 +95,12 @@ class _JudgeProcess:
             code = self.proc.exitcode
             self.close()
             raise RuntimeError(f"the math-verify judge process did not start (exit code {code})")
-        self.ready = True
 
     def __call__(self, pairs: list[tuple[str, str]], timeout_s: int) -> list[float]:
         scores: list[float] = []
         while len(scores) < len(pairs):
             if self.proc is None or not self.proc.is_alive():
                 self._start()
-            self._wait_ready()
             rest = pairs[len(scores) :]
             self.conn.send((rest, timeout_s))
             for completion, _ in rest:
@@ -143,14 +133,6 @@ class _JudgePool:
         self._free: list[_JudgeProcess] = []
         self._lock = threading.Lock()
 
-    def add(self) -> None:
-        """Start one more judge now, without waiting for it (a stage's setup: it is ready by the
-        first iteration instead of costing that iteration its start-up)."""
-        judge = _JudgeProcess()
-        judge._start()
-        with self._lock:
-            self._free.append(judge)
-
     def __call__(self, pairs: list[tuple[str, str]], timeout_s: int) -> list[float]:
         with self._lock:
             judge = self._free.pop() if self._free else _JudgeProcess()
@@ -180,23 +162,7 @@ def _math_verify_batch(
     return _judges(pairs, timeout_s)
 
 
-def _prepare_math_verify(threads: bool) -> None:
-    _parse_gold("0", MATH_VERIFY_TIMEOUT_S)  # imports math-verify (and sympy) now
-    if threads:
-        _judges.add()
-
-
 math_verify_reward.batch = _math_verify_batch  # type: ignore[attr-defined]
-math_verify_reward.prepare = _prepare_math_verify  # type: ignore[attr-defined]
-
-
-def prepare(fn: RewardFn, threads: bool) -> None:
-    """Get ``fn`` ready to score (``fn.prepare``, if it has one), once per stage replica that will
-    call it; ``threads``: the replica may be called off the main thread (``math_verify`` then
-    starts a judge process for it)."""
-    ready = getattr(fn, "prepare", None)
-    if ready is not None:
-        ready(threads)
 
 
 def score(fn: RewardFn, completions: list[str], answers: list[str]) -> list[float]:

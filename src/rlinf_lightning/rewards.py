@@ -142,8 +142,20 @@ class _JudgePool:
             with self._lock:
                 self._free.append(judge)
 
+    def close(self) -> None:
+        with self._lock:
+            judges, self._free = self._free, []
+        for judge in judges:
+            judge.close()
+
 
 _judges = _JudgePool()
+
+
+def close_judges() -> None:
+    """Stop this process's idle judge processes (at the end of a run: a process that runs several
+    fits keeps none between them; the next call off the main thread starts a new one)."""
+    _judges.close()
 
 
 @REWARDS.register("math_verify")

@@ -26,7 +26,7 @@ from rlinf_lightning.flow.stage import Stage, StageContext
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.prompts import PromptFormat
-from rlinf_lightning.rewards import REWARDS, score
+from rlinf_lightning.rewards import REWARDS, close_judges, score
 from rlinf_lightning.workflows.padding import micro_batches
 from rlinf_lightning.workflows.training import TrainStage
 
@@ -207,6 +207,9 @@ class RewardStage(Stage):
         self.correct_fn = REWARDS.get(self.reward)
         self.format_fn = REWARDS.get(self.format_reward) if self.format_reward else None
         self.stats = _Mean()
+
+    def teardown(self) -> None:
+        close_judges()
 
     def process(self, batch: TensorDict) -> TensorDict:
         completions, answers = list(batch["completion"]), list(batch["answer"])

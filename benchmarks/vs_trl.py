@@ -40,8 +40,9 @@ BIG = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "n
 
 
 def _prompts(path: Path, n: int) -> list[dict]:
-    rows = [json.loads(line) for line in path.read_text().splitlines()[:n]]
-    return [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]
+    from rlinf_lightning.tasks.data import load_problems
+
+    return [{"prompt": p.prompt, "answer": p.answer} for p in load_problems(path)[:n]]
 
 
 def _reward(completions, answer, **_):

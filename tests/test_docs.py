@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rlinf_lightning.cli import _fit_parser, build_parser
+from rlinf_lightning.cli import _fit_parser, build_parser, subcommand_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,7 @@ def component_expected() -> dict[str, set[str]]:
 
 
 def subcommand_expected(name: str) -> set[str]:
-    return set(build_parser()._subcommands_action._name_parser_map[name].get_defaults().keys())
+    return set(subcommand_parser(build_parser(), name).get_defaults().keys())
 
 
 def test_the_builtin_classes_are_found():

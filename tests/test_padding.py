@@ -7,7 +7,6 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning import Callback
 from rlinf_lightning.algorithms.grpo import GRPO
 from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
 from rlinf_lightning.engines.train import SingleTrainEngine
@@ -74,15 +73,15 @@ def test_trimmed_and_token_budget_micro_batches_give_the_padded_update(
 def test_a_fit_with_a_token_budget_equals_one_by_samples(assets, tmp_path):
     from rlinf_lightning import RLTrainer
     from rlinf_lightning.tasks import MathTask
-    from trainer_defaults import tiny_trainer_kwargs
+    from trainer_defaults import MetricsRecorder, tiny_trainer_kwargs
 
     def fit(name, **over):
         kw = tiny_trainer_kwargs(tmp_path / name, max_iterations=2, precision="32-true", **over)
-        steps = []
-        trainer = RLTrainer(**{**kw, "callbacks": [_Steps(steps)]})
+        steps = MetricsRecorder()
+        trainer = RLTrainer(**{**kw, "callbacks": [steps]})
         task = MathTask(str(assets["train"]), str(assets["test"]), eval_size=4, format_reward="number_format")
         trainer.fit(LMPolicy(str(assets["sft"]), lr=1e-3), task)
-        return steps
+        return steps.metrics
 
     by_samples = fit("samples", train_micro_batch_size=8)
     by_tokens = fit("tokens", train_micro_batch_size=None, train_max_tokens_per_micro_batch=96)
@@ -90,11 +89,3 @@ def test_a_fit_with_a_token_budget_equals_one_by_samples(assets, tmp_path):
     for a, b in zip(by_samples, by_tokens, strict=True):
         assert b["actor/loss"] == pytest.approx(a["actor/loss"], abs=1e-5)
         assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
-
-
-class _Steps(Callback):
-    def __init__(self, out: list) -> None:
-        self.out = out
-
-    def on_iteration_end(self, trainer, iteration, metrics):
-        self.out.append(dict(metrics))

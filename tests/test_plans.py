@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import load_file
 from tensordict import TensorDict
 
-from rlinf_lightning import Callback, LMPolicy, RLTrainer
+from rlinf_lightning import LMPolicy, RLTrainer
 from rlinf_lightning.flow import Stage, Workflow
 from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.strategies import STRATEGIES, BatchShape, CollocatedStrategy, HybridStrategy, Resources
 from rlinf_lightning.tasks.math import MathTask
-from trainer_defaults import tiny_trainer_kwargs
+from trainer_defaults import MetricsRecorder, tiny_trainer_kwargs
 
 LAUNCHER_NAMES = ["inprocess", "processes", "ray"]
 HYBRID = "rollout,reward,advantage: 0, inference,actor: 1"
@@ -27,18 +27,8 @@ PLANS = {  # every plan gets the same two slots of one thread
 }
 
 
-class Steps(Callback):
-    """Each iteration's loss and gradient norm, as logged."""
-
-    def __init__(self) -> None:
-        self.metrics: list[dict[str, float]] = []
-
-    def on_iteration_end(self, trainer, iteration, metrics):
-        self.metrics.append({k: metrics[k] for k in ("actor/loss", "actor/grad_norm", "reward/reward")})
-
-
 def _fit(assets, root, **over):
-    steps = Steps()
+    steps = MetricsRecorder(keys=("actor/loss", "actor/grad_norm", "reward/reward"))
     # float32: plans compute the same update exactly (under bf16 autocast, only up to its rounding)
     kw = tiny_trainer_kwargs(
         root, **{"devices": 2, "num_threads": 1, "callbacks": [steps], "precision": "32-true", **over}

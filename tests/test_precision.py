@@ -95,21 +95,16 @@ def test_bf16_true_trains_bf16_weights(assets):
 def test_a_bf16_rollout_shows_its_mismatch_and_tis_weights_it(assets, tmp_path):
     """The rollout/actor log-prob mismatch is measured (actor/approx_kl): none with a float32 rollout
     and a float32 actor, some with a bf16 rollout, which GRPO(tis_cap) then weights."""
-    from rlinf_lightning import Callback, RLTrainer
+    from rlinf_lightning import RLTrainer
     from rlinf_lightning.tasks import MathTask
-    from trainer_defaults import tiny_trainer_kwargs
-
-    class Last(Callback):
-        metrics: dict = {}
-
-        def on_iteration_end(self, trainer, iteration, metrics):
-            Last.metrics = dict(metrics)
+    from trainer_defaults import MetricsRecorder, tiny_trainer_kwargs
 
     def fit(name, **over):
-        kw = tiny_trainer_kwargs(tmp_path / name, max_iterations=1, precision="32-true", callbacks=[Last()])
+        steps = MetricsRecorder()
+        kw = tiny_trainer_kwargs(tmp_path / name, max_iterations=1, precision="32-true", callbacks=[steps])
         task = MathTask(str(assets["train"]), str(assets["test"]), eval_size=2)
         RLTrainer(**{**kw, **over}).fit(LMPolicy(str(assets["sft"]), lr=1e-4), task)
-        return Last.metrics
+        return steps.metrics[-1]
 
     exact = fit("fp32")
     bf16 = fit("bf16", rollout_dtype="bfloat16", algorithm=GRPO(tis_cap=2.0))

@@ -5,6 +5,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlinf_lightning import Callback
+
+
+class MetricsRecorder(Callback):
+    """Each iteration's metrics as the loggers receive them (``keys``: only those)."""
+
+    def __init__(self, keys: tuple[str, ...] | None = None) -> None:
+        self.keys = keys
+        self.metrics: list[dict[str, float]] = []
+
+    def on_iteration_end(self, trainer, iteration, metrics):
+        self.metrics.append({k: metrics[k] for k in self.keys} if self.keys else dict(metrics))
+
 
 def tiny_trainer_kwargs(tmp_path: Path, **over) -> dict:
     kw = dict(

@@ -189,10 +189,6 @@ def _summary(obj: Any) -> str:
 
 
 # -- the page ----------------------------------------------------------------------------------------
-def _subcommand(parser: Any, name: str) -> Any:
-    return parser._subcommands_action._name_parser_map[name]
-
-
 def component_classes() -> list[tuple[str, str, Any]]:
     """(registry kind, trainer key, registry) of the registries whose entries take arguments."""
     from rlinf_lightning.algorithms import ALGORITHMS
@@ -210,14 +206,14 @@ def component_classes() -> list[tuple[str, str, Any]]:
 
 def build_sections(parser: Any = None) -> list[Section]:
     """The page's sections, from ``parser`` (default: ``rlinf_lightning.cli.build_parser()``)."""
-    from rlinf_lightning.cli import build_parser
+    from rlinf_lightning.cli import build_parser, subcommand_parser
     from rlinf_lightning.engines import ROLLOUT_ENGINES
     from rlinf_lightning.envs import ENVS
     from rlinf_lightning.loggers import LOGGERS
     from rlinf_lightning.rewards import REWARDS
 
     parser = parser or build_parser()
-    fit = _subcommand(parser, "fit")
+    fit = subcommand_parser(parser, "fit")
     fit_keys = parser_keys(fit)
     out = [
         Section(
@@ -294,7 +290,7 @@ def build_sections(parser: Any = None) -> list[Section]:
                 f"`rlinf {name}`",
                 2,
                 f"{what}: keys at the top level of its config file, or `--key=value`.",
-                parser_keys(_subcommand(parser, name)),
+                parser_keys(subcommand_parser(parser, name)),
             )
         )
     return out

@@ -165,6 +165,11 @@ def _with_suggestion(message: str, parser: ArgumentParser) -> str:
     return message + " (rlinf fit --help lists every key)"
 
 
+def subcommand_parser(parser: ArgumentParser, name: str) -> ArgumentParser:
+    """The parser of ``rlinf <name>`` within :func:`build_parser`'s."""
+    return parser._subcommands_action._name_parser_map[name]
+
+
 def _all_parsers(parser: ArgumentParser) -> list[ArgumentParser]:
     subs = parser._subcommands_action._name_parser_map.values() if parser._subcommands_action else []
     return [parser, *subs]
@@ -195,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
         run_sft(**sub.as_dict())
         return 0
-    init = parser._subcommands_action._name_parser_map["fit"].instantiate(sub)
+    init = subcommand_parser(parser, "fit").instantiate(sub)
     from rlinf_lightning.flow.channel import ChannelTimeout
     from rlinf_lightning.flow.worker import StageError
     from rlinf_lightning.launchers import WorkerDied

@@ -22,7 +22,7 @@ import torch
 from rlinf_lightning.algorithms import ALGORITHMS
 from rlinf_lightning.callbacks import ProgressBar
 from rlinf_lightning.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint, set_rng_state
-from rlinf_lightning.engines.precision import PRECISIONS
+from rlinf_lightning.engines.precision import DTYPES, PRECISIONS
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, SamplingParams
 from rlinf_lightning.engines.train import TRAIN_ENGINES, TrainSpec, resolve_train_engine
 from rlinf_lightning.errors import CheckpointError, ConfigError
@@ -229,7 +229,7 @@ class RLTrainer:
                 p.append((f"trainer.{key}", f"must be >= 0, got {getattr(self, key)}"))
         if self.timeout_s <= 0:
             p.append(("trainer.timeout_s", f"must be > 0, got {self.timeout_s}"))
-        if self.rollout_dtype not in (None, "float32", "bfloat16", "float16"):
+        if self.rollout_dtype is not None and self.rollout_dtype not in DTYPES:
             p.append(
                 (
                     "trainer.rollout_dtype",

@@ -104,11 +104,12 @@ class LMPolicy(RLModule):
 
     def validate_config(self) -> list[tuple[str, str]]:
         """(key, problem) pairs found without loading anything; empty when the config is fine."""
+        from rlinf_lightning.engines.precision import DTYPES
         from rlinf_lightning.policies.model_dir import check_causal_lm_dir
 
         problems = [("model_path", msg) for msg in check_causal_lm_dir(self.model_path)]
         if self.lr <= 0:
             problems.append(("lr", f"must be > 0, got {self.lr}"))
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             problems.append(("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}"))
         return problems

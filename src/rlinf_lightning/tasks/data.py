@@ -85,11 +85,16 @@ def load_problems(path: str | Path) -> list[Problem]:
     return _load_jsonl(Path(path))
 
 
+def is_pattern(path: str | Path) -> bool:
+    """Whether ``path`` is a glob pattern (``*``, ``?`` or ``[``) rather than one file's path."""
+    return any(c in str(path) for c in "*?[")
+
+
 def parquet_files(path: str | Path) -> list[Path] | None:
     """The Parquet files ``path`` names (a ``.parquet`` file, a glob, or a directory holding
     ``.parquet`` files), or ``None`` when it names something else (read as JSONL)."""
     path = Path(path)
-    if any(c in str(path) for c in "*?["):
+    if is_pattern(path):
         files = sorted(path.parent.glob(path.name))
         if not files:
             raise DataError(f"{path}: no file matches this pattern")

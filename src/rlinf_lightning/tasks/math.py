@@ -13,7 +13,7 @@ from rlinf_lightning.errors import DataError
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.prompts import PromptFormat
 from rlinf_lightning.tasks.base import Task
-from rlinf_lightning.tasks.data import Problem, load_problems
+from rlinf_lightning.tasks.data import Problem, is_pattern, load_problems
 
 if TYPE_CHECKING:
     from rlinf_lightning.launchers.base import Runtime
@@ -68,7 +68,7 @@ class MathTask(Task):
         problems = [("prompt_template", p) for p in self.prompt_format.problems()]
         for key in ("train_path", "test_path"):
             path = getattr(self, key)
-            if not (Path(path).exists() or any(c in path for c in "*?[")):
+            if not (Path(path).exists() or is_pattern(path)):
                 problems.append((key, f"file {path!r} not found; run `rlinf prepare` to generate data"))
                 continue
             try:  # read up front (cheap): a bad record fails now, not mid-run

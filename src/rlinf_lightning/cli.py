@@ -5,6 +5,7 @@
     rlinf fit --config configs/math_grpo_tiny.yaml --trainer.max_iterations=3
     rlinf fit --config configs/math_grpo_tiny.yaml --print_config
     rlinf plugins                                   # what is registered, built-in and from plugins
+    rlinf plan --config configs/math_grpo_tiny.yaml --profile runs/x/profile.json --devices 8 --num_nodes 2
 
 Every constructor argument of ``RLTrainer`` is a config key under ``trainer.``; ``policy`` and
 ``task`` take a ``class_path`` (any ``RLModule`` / ``Task``; default ``LMPolicy`` / ``MathTask``) and
@@ -84,6 +85,55 @@ def _fit_parser() -> ArgumentParser:
     return p
 
 
+def _plan_parser() -> ArgumentParser:
+    p = _fit_parser()
+    p.description = "Rank execution plans for a cluster from a saved auto profile."
+    p.add_argument("--profile", type=str, required=True, help="profile.json written by strategy auto")
+    p.add_argument("--devices", type=int, default=None, help="slots per node (default trainer.devices)")
+    p.add_argument("--num_nodes", type=int, default=None, help="nodes (default trainer.num_nodes)")
+    p.add_argument(
+        "--speedup",
+        type=float | dict[str, float],
+        default=1.0,
+        help="how many times faster one of the cluster's devices is than the profiled slot; "
+        "one number or per stage, e.g. {rollout: 20, actor: 30}",
+    )
+    p.add_argument("--top", type=int, default=5, help="how many ranked plans to print")
+    return p
+
+
+def rank_plans(init, profile: str, devices: int | None, num_nodes: int | None, speedup, top: int) -> int:
+    """``rlinf plan``: simulate every candidate on the stated cluster from a saved profile."""
+    from rlinf_lightning.auto.profile import Profile
+    from rlinf_lightning.auto.search import candidates, describe, placement_syntax
+    from rlinf_lightning.strategies import Resources
+
+    trainer, policy, task = init.trainer, init.policy, init.task
+    try:
+        prof = Profile.load(profile).scaled(speedup)
+    except ValueError as exc:
+        print(f"rlinf plan: --profile {exc}", file=sys.stderr)
+        return 2
+    workflow = task.build_workflow(policy, trainer)
+    if prof.workflow != workflow.name:
+        print(
+            f"rlinf plan: --profile {profile} measured workflow {prof.workflow!r}; this config's is "
+            f"{workflow.name!r}",
+            file=sys.stderr,
+        )
+        return 2
+    accelerator = trainer.accelerator if trainer.accelerator != "auto" else prof.accelerator
+    res = Resources(devices or trainer.devices, num_nodes or trainer.num_nodes, accelerator, 1)
+    ranked = candidates(workflow, res, task.batch_shape(trainer), prof)
+    print(f"plans for {res.num_nodes} node(s) x {res.devices} device(s), by predicted seconds per iteration:")
+    for i, c in enumerate(ranked[:top], 1):
+        print(f"  {i}. {c.predicted_s:8.3f} s  {describe(c)}")
+    best = ranked[0]
+    print(f"placement: {placement_syntax(best)}")
+    print(f"micro_batch_size: {best.micro_batch}")
+    return 0
+
+
 def _function_parser(fn, description: str) -> ArgumentParser:
     p = ArgumentParser(description=description, allow_abbrev=False, exit_on_error=False)
     p.add_argument("--config", action=ActionConfigFile, help="YAML config file")
@@ -106,6 +156,7 @@ def build_parser() -> ArgumentParser:
     sub.add_subcommand(
         "plugins", ArgumentParser(allow_abbrev=False, exit_on_error=False), help="list registered components"
     )
+    sub.add_subcommand("plan", _plan_parser(), help="rank execution plans for a cluster from a profile")
     return parser
 
 
@@ -200,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
 
         run_sft(**sub.as_dict())
         return 0
+    if cmd == "plan":
+        init = subcommand_parser(parser, "plan").instantiate(sub)
+        return rank_plans(init, init.profile, init.devices, init.num_nodes, init.speedup, init.top)
     init = subcommand_parser(parser, "fit").instantiate(sub)
     from rlinf_lightning.flow.channel import ChannelTimeout
     from rlinf_lightning.flow.worker import StageError

@@ -13,6 +13,7 @@ module never branches on which strategy, engine, task or stage it drives.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from rlinf_lightning.flow.trace import write_chrome_trace
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.loggers import LOGGERS
-from rlinf_lightning.strategies import STRATEGIES, Resources
+from rlinf_lightning.strategies import STRATEGIES, Replan, Resources, RunInfo
 
 LoggerSpec = (
     Any  # True/False, "csv" | "wandb" | "tensorboard", a {class_path, init_args} dict, a Logger, or a list
@@ -286,7 +287,8 @@ class RLTrainer:
             accelerator = "cuda" if torch.cuda.is_available() else "cpu"
         resources = Resources(self.devices, self.num_nodes, accelerator, self.num_threads)
         batch = task.batch_shape(self)
-        plan = STRATEGIES.resolve(instantiate(self.strategy)).plan(workflow, resources, batch)
+        self._strategy = STRATEGIES.resolve(instantiate(self.strategy))
+        plan = self._strategy.plan(workflow, resources, batch)
         plan.validate(workflow, len(resources.slots))
         return workflow, plan
 
@@ -345,9 +347,12 @@ class RLTrainer:
 
         start_it, history = 0, []
         self._spans: list[Any] = []
+        self.replan_s = 0.0  # seconds spent starting the workers of a new plan mid-run
         train = workflow.roles["train"]
         t_start = time.perf_counter()
         runtime = launcher.launch(workflow, self.plan, timeout_s=self.timeout_s)
+        launch_s = time.perf_counter() - t_start
+        self._strategy.on_launch(RunInfo(self.default_root_dir, self.max_iterations, launch_s))
         try:
             if hasattr(workflow.stages[train], "engine_info"):  # what auto resolved to, on its device
                 engine = runtime.call(train, "engine_info")
@@ -368,24 +373,33 @@ class RLTrainer:
             self._call("on_fit_start", policy)
             if not history:
                 history.append(self._evaluate(runtime, task, 0))
-            micro_batch = self.plan.micro_batch_size[workflow.source_edge.channel]
+            source = workflow.source_edge.channel
+            micro_batch: dict[int, int] = {}  # iteration -> its input's micro-batch size
+
+            def start(i: int) -> None:
+                micro_batch[i] = self.plan.micro_batch_size[source]
+                runtime.start_iteration(i, task.inputs(i, micro_batch[i], self))
+
             samples, train_s, started = 0, 0.0, False
             for it in range(start_it + 1, self.max_iterations + 1):
                 self.iteration = it
                 self._call("on_iteration_start", it)
                 if not started:
                     t_ready = time.perf_counter()
-                    runtime.start_iteration(it, task.inputs(it, micro_batch, self))
+                    start(it)
                 started = not self._idle_after(it)
                 if started:  # queued now, the workers start it the moment they finish this one
-                    runtime.start_iteration(it + 1, task.inputs(it + 1, micro_batch, self))
+                    start(it + 1)
                 stage_metrics = runtime.finish_iteration()
                 dt = time.perf_counter() - t_ready
                 t_ready += dt
                 samples += samples_per_iteration
                 train_s += dt
+                spans = runtime.pop_spans()
+                replan = self._strategy.observe(it, dt, spans, micro_batch.pop(it), started)
                 metrics = {f"{st}/{k}": v for st, m in stage_metrics.items() for k, v in m.items()}
-                metrics.update(self._stage_seconds(runtime))
+                metrics.update(self._stage_seconds(spans))
+                metrics.update(self._strategy.metrics)
                 metrics["time/iteration"] = dt
                 metrics["perf/samples_per_s"] = samples_per_iteration / dt
                 for k, v in list(metrics.items()):  # counts a stage reports: tokens, env steps, ...
@@ -400,6 +414,8 @@ class RLTrainer:
                     if it == self.max_iterations:
                         history.append(self._evaluate(runtime, task, it))
                     self._save(runtime, train, it, history)
+                if replan is not None and it < self.max_iterations:
+                    runtime = self._replan(replan, runtime, launcher, workflow, train)
             summary = self._summary(task, history, start_it, time.perf_counter() - t_start, train_s, samples)
             (self.default_root_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             for lg in self.loggers:
@@ -456,6 +472,7 @@ class RLTrainer:
         """Whether the workers must be idle after iteration ``it`` (evaluation, checkpoint, the end)."""
         return (
             it == self.max_iterations
+            or self._strategy.holds_after(it)
             or bool(self.eval_every and it % self.eval_every == 0)
             or bool(self.ckpt_every and it % self.ckpt_every == 0)
         )
@@ -480,10 +497,38 @@ class RLTrainer:
             return {}
         return {"perf/mfu": flops / self.plan.group_of(train).replicas / (busy * peak)}
 
-    def _stage_seconds(self, runtime: Any) -> dict[str, float]:
+    def _replan(self, replan: Replan, runtime: Any, launcher: Any, workflow: Workflow, train: str) -> Any:
+        """Run the next iterations under ``replan.plan``: the same groups take the new micro-batch
+        sizes at once; other groups get new workers, which receive the training state (through a
+        sharded checkpoint for a sharded engine) and the synced weights before they continue."""
+
+        def layout(plan: ExecutionPlan) -> list[tuple]:
+            return [(g.name, g.stages, g.slots, g.slots_per_replica, g.schedule) for g in plan.groups]
+
+        if layout(self.plan) == layout(replan.plan):
+            self.plan = replan.plan
+            return runtime
+        t0 = time.perf_counter()
+        tmp = self.default_root_dir / ".replan"
+        sharded = runtime.call(train, "save_sharded", str(tmp), replicas="all")[0]
+        state = None if sharded else runtime.call(train, "state_dict", replicas="all")[0]
+        runtime.shutdown()
+        self.plan = replan.plan
+        print(self.plan.describe(), flush=True)
+        runtime = launcher.launch(workflow, self.plan, timeout_s=self.timeout_s)
+        if sharded:
+            runtime.call(train, "load_sharded", str(tmp), replicas="all")
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            runtime.call(train, "load_state_dict", state, replicas="all")
+        runtime.resync()
+        self.replan_s += time.perf_counter() - t0
+        print(f"new workers running in {time.perf_counter() - t0:.1f} s", flush=True)
+        return runtime
+
+    def _stage_seconds(self, spans: list[Any]) -> dict[str, float]:
         """Busy seconds per stage this iteration, per replica of the stage's group."""
         out: dict[str, float] = {}
-        spans = runtime.pop_spans()
         if self.trace:
             self._spans.extend(spans)
         for s in spans:

@@ -3,7 +3,8 @@
 from functools import partial
 
 from rlinf_lightning.registry import Registry
-from rlinf_lightning.strategies.base import BatchShape, Resources, Strategy
+from rlinf_lightning.strategies.auto import AutoStrategy
+from rlinf_lightning.strategies.base import BatchShape, Replan, Resources, RunInfo, Strategy
 from rlinf_lightning.strategies.collocated import CollocatedStrategy
 from rlinf_lightning.strategies.disaggregated import DisaggregatedStrategy
 from rlinf_lightning.strategies.hybrid import HybridStrategy
@@ -17,13 +18,17 @@ STRATEGIES.register(
 )
 STRATEGIES.register("disaggregated", DisaggregatedStrategy)
 STRATEGIES.register("hybrid", HybridStrategy)
+STRATEGIES.register("auto", AutoStrategy)
 
 __all__ = [
     "STRATEGIES",
+    "AutoStrategy",
     "BatchShape",
     "CollocatedStrategy",
     "DisaggregatedStrategy",
     "HybridStrategy",
+    "Replan",
     "Resources",
+    "RunInfo",
     "Strategy",
 ]

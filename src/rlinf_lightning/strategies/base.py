@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 
 from rlinf_lightning.flow.plan import ExecutionPlan, Schedule, WorkerGroup
+from rlinf_lightning.flow.worker import Span
 from rlinf_lightning.flow.workflow import Workflow
 
 
@@ -53,12 +55,56 @@ class BatchShape:
         return self.group_size
 
 
+@dataclass
+class RunInfo:
+    """What a strategy learns once the workers run: where the run writes, how long it is, and
+    how long starting the workers took (what a change of placement would cost again)."""
+
+    run_dir: Path
+    max_iterations: int
+    launch_s: float
+
+
+@dataclass
+class Replan:
+    """A strategy's request to run the next iterations under ``plan`` (``reason`` is logged).
+    The same groups with other micro-batch sizes take effect at once; other groups restart the
+    workers, carrying the training state over."""
+
+    plan: ExecutionPlan
+    reason: str
+
+
 class Strategy(ABC):
+    """Turns a workflow into a plan. A fixed strategy only implements :meth:`plan`; an adaptive
+    one also watches the run (:meth:`observe`) and may ask for another plan between iterations.
+
+    Attributes:
+        metrics: what the strategy reports with each iteration's metrics (e.g. predicted seconds).
+    """
+
     name: str = "strategy"
+    metrics: dict[str, float] = {}
 
     @abstractmethod
     def plan(self, workflow: Workflow, resources: Resources, batch: BatchShape) -> ExecutionPlan:
         """Place every stage and size each channel's micro-batches (in samples)."""
+
+    def on_launch(self, info: RunInfo) -> None:
+        """The workers of the first plan are running."""
+
+    def holds_after(self, iteration: int) -> bool:
+        """Whether the workers must be idle after ``iteration`` (not start the next one early),
+        so that a new plan can take over right after it."""
+        return False
+
+    def observe(
+        self, iteration: int, seconds: float, spans: list[Span], micro_batch: int, queued: bool
+    ) -> Replan | None:
+        """Iteration ``iteration`` took ``seconds`` at ``micro_batch`` samples per input message;
+        ``spans`` are its stage calls; ``queued``: the next iteration already started (so only
+        the micro-batch size can change before the one after). Returns a new plan or ``None``."""
+        return None
 
     @staticmethod
     def group(

@@ -1,0 +1,204 @@
+"""Profile: what each stage costs, measured from a run's own spans, fitted as a function of the
+plan's granularity, and saved as JSON for reuse (``rlinf plan``, ``AutoStrategy(profile=...)``).
+
+Every number comes from real calls on one slot of this machine (on CPU one core, one torch
+thread): a stage's ``process`` calls at each micro-batch size the profiling iterations used, its
+``end_iteration`` (for the learning stage: the optimizer step and the gradient all-reduce), the
+sync edges' two ends, and the part of an iteration no span covers (the driver's feeding and
+collecting, messages between processes), which the simulator adds as a constant.
+
+A stage's time per call is fitted as ``a + b x micro_batch`` (least squares, both >= 0): ``a``
+is what a call costs however small (Python, kernel launches, a simulator's step), ``b`` what each
+sample adds. With one measured size the fit is proportional (``a = 0``), which is exact at that
+size and optimistic for smaller ones; the search then stays at measured sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlinf_lightning.flow.worker import Span
+
+PROFILE_VERSION = 1
+
+
+@dataclass
+class StageCost:
+    """One stage on one slot: per-call seconds ``a + b x micro_batch``, end-of-iteration seconds."""
+
+    a: float = 0.0
+    b: float = 0.0
+    end_s: float = 0.0
+    sizes: list[int] = field(default_factory=list)  # the micro-batch sizes the fit saw
+
+    def call_s(self, micro_batch: int) -> float:
+        return self.a + self.b * micro_batch
+
+    @classmethod
+    def fit(cls, points: list[tuple[int, float]], end_s: float = 0.0) -> StageCost:
+        """Least squares over ``(micro_batch, seconds)`` points, clamped to ``a, b >= 0``."""
+        sizes = sorted({n for n, _ in points})
+        if not points:
+            return cls(end_s=end_s)
+        if len(sizes) == 1:
+            n = sizes[0]
+            return cls(0.0, statistics.fmean(t for _, t in points) / max(n, 1), end_s, sizes)
+        xs, ys = [float(n) for n, _ in points], [t for _, t in points]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        a = my - b * mx
+        if b < 0:
+            a, b = my, 0.0
+        elif a < 0:
+            a, b = 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+        return cls(a, b, end_s, sizes)
+
+
+@dataclass
+class Profile:
+    """Per-stage costs of one workflow on one slot, plus what the simulator needs besides.
+
+    Attributes:
+        workflow: the workflow's name (a profile is reused only for the workflow it measured).
+        stages: stage name -> its :class:`StageCost`.
+        sync_s: per stage at either end of a sync edge, seconds of its side of the sync.
+        overhead_s: seconds per iteration outside every stage call (driver, messages).
+        message_s: seconds a message costs when it crosses between workers.
+        launch_s: seconds from launching the workers to their first iteration (what a change of
+            placement costs: the workers are started anew).
+        accelerator: what one slot was (``cpu``: a core, one torch thread; ``cuda``: a GPU).
+        points: per stage, the ``(micro_batch, seconds)`` calls behind its fit (kept, so that a
+            re-fit can replace the stale ones).
+        end_samples, sync_samples: per stage, the measured end-of-iteration and sync seconds.
+    """
+
+    workflow: str
+    stages: dict[str, StageCost] = field(default_factory=dict)
+    sync_s: dict[str, float] = field(default_factory=dict)
+    overhead_s: float = 0.0
+    message_s: float = 0.0005
+    launch_s: float = 0.0
+    accelerator: str = "cpu"
+    points: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    end_samples: dict[str, list[float]] = field(default_factory=dict)
+    sync_samples: dict[str, list[float]] = field(default_factory=dict)
+
+    # -- from spans ----------------------------------------------------------------------------------
+    def add_spans(self, spans: Iterable[Span], micro_batch: int, skip_first: bool = False) -> None:
+        """Record one iteration's ``process`` calls at source granularity ``micro_batch``, and its
+        end-of-iteration and sync costs. ``skip_first`` drops each worker's first call of each
+        stage (the first iteration's one-off set-up: lazy imports, caches, allocator growth) and
+        the iteration's end-of-iteration and sync costs."""
+        spans = sorted(spans, key=lambda s: s.start)
+        seen: set[tuple[str, str]] = set()
+        ends: dict[str, list[float]] = {}
+        sync: dict[str, float] = {}
+        for s in spans:
+            d = s.end - s.start
+            if s.kind == "process":
+                if skip_first and (s.worker, s.stage) not in seen:
+                    seen.add((s.worker, s.stage))
+                    continue
+                self.points.setdefault(s.stage, []).append((micro_batch, d))
+            elif s.kind == "end_iteration":
+                ends.setdefault(s.stage, []).append(d)
+            elif s.kind in ("sync_state", "apply_sync", "sync_broadcast", "sync_receive"):
+                sync[s.stage] = max(sync.get(s.stage, 0.0), d)
+        if skip_first:  # the first step also builds optimizer state, measures the peak, ...
+            return
+        for stage, ds in ends.items():
+            # replicas of a collective step wait for the slowest; the last to arrive waited least
+            self.end_samples.setdefault(stage, []).append(min(ds))
+        for stage, d in sync.items():
+            self.sync_samples.setdefault(stage, []).append(d)
+
+    def refit(self, recent: dict[str, list[tuple[int, float]]] | None = None) -> None:
+        """Fit every stage from its points. ``recent``: newer points that replace older ones at
+        the same micro-batch sizes (the workload drifted: what was measured at a size is stale)."""
+        for stage, pts in (recent or {}).items():
+            sizes = {n for n, _ in pts}
+            self.points[stage] = [p for p in self.points.get(stage, []) if p[0] not in sizes] + pts
+        for stage, pts in self.points.items():
+            end = statistics.median(self.end_samples[stage]) if self.end_samples.get(stage) else 0.0
+            self.stages[stage] = StageCost.fit(pts, end)
+        for stage, ds in self.end_samples.items():
+            if stage not in self.stages:
+                self.stages[stage] = StageCost(end_s=statistics.median(ds))
+        self.sync_s = {stage: statistics.median(ds) for stage, ds in self.sync_samples.items()}
+
+    def shifted(self, recent: Profile) -> Profile:
+        """A copy whose stages keep their per-sample slope but take their per-call constant, end
+        of iteration and sync costs from ``recent`` (a profile of the last iterations, at one
+        granularity): the best guess one size allows after a drift, refined once a second size
+        has run."""
+        out = Profile.from_dict(self.to_dict())
+        for stage, pts in recent.points.items():
+            old = out.stages.get(stage, StageCost())
+            ends = recent.end_samples.get(stage)
+            end = statistics.median(ends) if ends else old.end_s
+            a = statistics.fmean(t - old.b * n for n, t in pts)
+            if a >= 0:
+                out.stages[stage] = StageCost(a, old.b, end, sorted({n for n, _ in pts}))
+            else:  # cheaper per sample than before: proportional at the new size
+                out.stages[stage] = StageCost.fit(pts, end)
+        for stage, ds in recent.sync_samples.items():
+            out.sync_s[stage] = statistics.median(ds)
+        return out
+
+    def scaled(self, speed: float | dict[str, float]) -> Profile:
+        """A copy for devices ``speed`` times as fast as the profiled slot (one factor, or one per
+        stage, default 1): every stage's call, end-of-iteration and sync seconds divided by it."""
+        out = Profile.from_dict(self.to_dict())
+
+        def factor(stage: str) -> float:
+            f = speed.get(stage, 1.0) if isinstance(speed, dict) else speed
+            if f <= 0:
+                raise ValueError(f"speed-up for {stage!r} must be > 0, got {f}")
+            return float(f)
+
+        for stage, c in out.stages.items():
+            f = factor(stage)
+            out.stages[stage] = StageCost(c.a / f, c.b / f, c.end_s / f, list(c.sizes))
+        out.sync_s = {stage: t / factor(stage) for stage, t in out.sync_s.items()}
+        return out
+
+    # -- JSON ------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": PROFILE_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Profile:
+        if d.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {d.get('version')!r}; this library reads {PROFILE_VERSION}")
+        return cls(
+            workflow=d["workflow"],
+            stages={k: StageCost(**v) for k, v in d["stages"].items()},
+            sync_s=dict(d["sync_s"]),
+            overhead_s=d["overhead_s"],
+            message_s=d["message_s"],
+            launch_s=d["launch_s"],
+            accelerator=d["accelerator"],
+            points={k: [(int(n), float(t)) for n, t in v] for k, v in d["points"].items()},
+            end_samples={k: list(v) for k, v in d["end_samples"].items()},
+            sync_samples={k: list(v) for k, v in d["sync_samples"].items()},
+        )
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}: not a readable profile ({type(exc).__name__}: {exc})") from None

@@ -1,0 +1,252 @@
+"""Simulate one iteration of a plan from a profile: predicted seconds, not a sum of stage times.
+
+The simulator runs the plan's schedule the way the workers do (``flow.worker``), with the real
+wiring (``flow.wiring.wire``) and each call's cost from the :class:`~.profile.Profile`:
+
+- the input's micro-batches wait in the source queue; a replica of a group pulls the next one
+  when it is free (shared queues), a sticky stage's replica gets the keys it owns;
+- a ``sequential`` replica runs its stages turn by turn, each to the end of the iteration (a
+  loop's head and body in one turn); an ``interleaved`` one serves whichever hosted stage has a
+  message waiting, downstream first, so groups on different slots overlap;
+- a loop sends each micro-batch ``turns`` times round head -> body -> head;
+- a stage's end of iteration follows its last input; the learning stage's replicas step together
+  (a collective: each waits for the last to arrive);
+- a message between workers costs ``profile.message_s``; sync state costs its two measured ends
+  (plus a message when it crosses workers); a worker's iteration ends after it applied its syncs.
+
+The iteration time is the last worker's end plus ``profile.overhead_s``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from rlinf_lightning.auto.profile import Profile
+from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroup
+from rlinf_lightning.flow.wiring import Link, wire
+from rlinf_lightning.flow.workflow import SOURCE, Workflow
+
+
+@dataclass
+class _Msg:
+    key: int
+    turn: int
+    origin: int
+    ready: float
+    crossed: bool
+
+
+@dataclass
+class _Worker:
+    group: WorkerGroup
+    replica: int
+    turns: list[list[str]]
+    free_at: float = 0.0
+    turn: int = 0
+    blocked: bool = False  # waiting in a collective step
+    finished_at: float | None = None  # all turns done (syncs still to apply)
+    end: float | None = None  # the iteration's end on this worker
+    done: set[str] = field(default_factory=set)
+
+
+def _turns(workflow: Workflow, group: WorkerGroup) -> list[list[str]]:
+    order = [n for n in workflow.order if n in group.stages]
+    if group.schedule == "interleaved":
+        return [order]
+    turns: list[list[str]] = []
+    for n in order:
+        lp = workflow.loop_of(n)
+        if lp is not None and n == lp.body and lp.head in group.stages:
+            continue
+        turns.append([n] + ([lp.body] if lp and n == lp.head and lp.body in group.stages else []))
+    return turns
+
+
+class _Sim:
+    def __init__(self, workflow: Workflow, plan: ExecutionPlan, profile: Profile, batch: int) -> None:
+        self.wf, self.plan, self.profile = workflow, plan, profile
+        self.links: dict[str, Link] = wire(workflow, plan)
+        self.mb = plan.micro_batch_size[workflow.source_edge.channel]
+        self.workers = [_Worker(g, r, _turns(workflow, g)) for g, r in plan.workers]
+        self.by_slot = {(w.group.name, w.replica): w for w in self.workers}
+        self.queues: dict[tuple[str, int | None], list[_Msg]] = {}
+        self.done_at: dict[tuple[str, int], float] = {}  # (stage, replica) -> end of its iteration
+        self.in_flight: dict[tuple[str, int], int] = {}
+        self.arrived: dict[str, dict[int, float]] = {}  # collective step: replica -> arrival
+        self.sync_ready: dict[tuple[str, int], float] = {}  # (dst stage, replica) -> state arrives
+        self.train = workflow.roles.get("train")
+        src = self.links[workflow.source_edge.channel]
+        n_msgs = math.ceil(batch / self.mb)
+        for k in range(n_msgs):
+            self._put(src, _Msg(k, 0, 0, 0.0, False), replica=0)
+
+    # -- queues ----------------------------------------------------------------------------------
+    def _queue(self, link: Link, replica: int | None) -> list[_Msg]:
+        key = (link.edge.channel, None if link.mode == "shared" else replica)
+        return self.queues.setdefault(key, [])
+
+    def _put(self, link: Link, msg: _Msg, replica: int, target: int | None = None) -> None:
+        if link.mode == "local":
+            self._queue(link, replica).append(msg)
+            return
+        msg.crossed = link.edge.src != SOURCE
+        if link.mode == "shared":
+            self._queue(link, None).append(msg)
+            return
+        if target is None:
+            target = msg.origin if link.edge.kind == "return" else msg.key
+        self._queue(link, target % link.consumers).append(msg)
+
+    def _inputs(self, stage: str) -> list[Link]:
+        return [
+            link
+            for link in self.links.values()
+            if link.edge.dst == stage and link.edge.kind in ("stream", "loop", "return")
+        ]
+
+    def _inputs_end(self, stage: str, replica: int) -> float | None:
+        """When the last producer of ``stage``'s counted inputs on ``replica`` ended (None: not yet)."""
+        t = 0.0
+        for link in self._inputs(stage):
+            e = link.edge
+            if e.kind == "return" or e.src == SOURCE:
+                continue
+            producers = [replica] if link.mode == "local" else range(link.producers)
+            for r in producers:
+                end = self.done_at.get((e.src, r))
+                if end is None:
+                    return None
+                t = max(t, end)
+        return t
+
+    # -- one worker's next step -------------------------------------------------------------------
+    def _candidates(self, w: _Worker) -> list[str]:
+        if w.turn >= len(w.turns):
+            return []
+        return [s for s in reversed(w.turns[w.turn]) if s not in w.done]
+
+    def _next(self, w: _Worker) -> tuple[float, str, str, tuple | None] | None:
+        """(time, stage, action, queue item) of the worker's next step, or None if it waits on
+        something that has not happened yet."""
+        best = None
+        for s in self._candidates(w):
+            for link in self._inputs(s):
+                q = self._queue(link, w.replica)
+                if q:
+                    m = min(q, key=lambda m: m.ready)
+                    t = max(w.free_at, m.ready)
+                    if best is None or t < best[0]:
+                        best = (t, s, "process", (link, m))
+            end = self._inputs_end(s, w.replica)
+            pending = any(self._queue(link, w.replica) for link in self._inputs(s))
+            if end is not None and not pending and not self.in_flight.get((s, w.replica), 0):
+                t = max(w.free_at, end)
+                if best is None or t < best[0]:
+                    best = (t, s, "end", None)
+        return best
+
+    def _cost(self, stage: str) -> float:
+        c = self.profile.stages.get(stage)
+        return max(c.call_s(self.mb), 0.0) if c else 0.0
+
+    def _process(self, w: _Worker, t: float, stage: str, link: Link, m: _Msg) -> None:
+        self._queue(link, w.replica).remove(m)
+        t_end = t + self._cost(stage) + (self.profile.message_s if m.crossed else 0.0)
+        w.free_at = t_end
+        lp = self.wf.loop_of(stage)
+        key = (stage, w.replica)
+        if lp is not None and lp.head == stage:
+            turn = 1 if link.edge.kind == "stream" else m.turn + 1
+            if link.edge.kind == "stream":
+                self.in_flight[key] = self.in_flight.get(key, 0) + 1
+            if turn <= lp.turns:
+                out = self.links[f"{lp.head}->{lp.body}"]
+                self._put(out, _Msg(m.key, turn, w.replica, t_end, False), w.replica)
+                return
+            self.in_flight[key] -= 1
+        elif lp is not None:  # the body answers the head replica that asked
+            back = self.links[f"{lp.body}->{lp.head}"]
+            self._put(back, _Msg(m.key, m.turn, m.origin, t_end, False), w.replica)
+            return
+        out_edge = self.wf.output_edge(stage)
+        if out_edge is not None:
+            self._put(self.links[out_edge.channel], _Msg(m.key, 0, w.replica, t_end, False), w.replica)
+
+    def _finish_stage(self, w: _Worker, stage: str, t_end: float) -> None:
+        w.done.add(stage)
+        w.free_at = t_end
+        self.done_at[(stage, w.replica)] = t_end
+        for e in self.wf.edges_of("sync"):
+            if e.src != stage:
+                continue
+            t_state = t_end + self.profile.sync_s.get(stage, 0.0)
+            w.free_at = t_state
+            link = self.links[e.channel]
+            for target in link.sync_targets(w.replica):
+                cross = 0.0 if link.mode == "local" else self.profile.message_s
+                self.sync_ready[(e.dst, target)] = t_state + cross
+        if all(s in w.done for s in w.turns[w.turn]):
+            w.turn += 1
+            if w.turn >= len(w.turns):
+                w.finished_at = w.free_at
+
+    def _end(self, w: _Worker, t: float, stage: str) -> None:
+        cost = self.profile.stages[stage].end_s if stage in self.profile.stages else 0.0
+        if stage == self.train and w.group.replicas > 1:  # a collective step
+            arrived = self.arrived.setdefault(stage, {})
+            arrived[w.replica] = t
+            w.blocked = True
+            if len(arrived) < w.group.replicas:
+                return
+            t_end = max(arrived.values()) + cost
+            for r in arrived:
+                peer = self.by_slot[(w.group.name, r)]
+                peer.blocked = False
+                self._finish_stage(peer, stage, t_end)
+            return
+        self._finish_stage(w, stage, t + cost)
+
+    def _apply_syncs(self, w: _Worker) -> bool:
+        """End the worker's iteration once the sync state for its stages arrived."""
+        t = w.finished_at or 0.0
+        for e in self.wf.edges_of("sync"):
+            if e.dst in w.group.stages:
+                ready = self.sync_ready.get((e.dst, w.replica))
+                if ready is None:
+                    return False
+                t = max(t, ready) + self.profile.sync_s.get(e.dst, 0.0)
+        w.end = t
+        return True
+
+    def run(self) -> float:
+        while True:
+            steps = []
+            for w in self.workers:
+                if w.end is not None or w.blocked:
+                    continue
+                if w.finished_at is not None:
+                    if self._apply_syncs(w):
+                        steps.append(None)  # progress made
+                    continue
+                nxt = self._next(w)
+                if nxt is not None:
+                    steps.append((nxt[0], id(w), w, nxt))
+            if all(w.end is not None for w in self.workers):
+                return max(w.end for w in self.workers) + self.profile.overhead_s
+            real = [s for s in steps if s is not None]
+            if not real:
+                if None in steps:
+                    continue
+                stuck = [w.group.worker_name(w.replica) for w in self.workers if w.end is None]
+                raise RuntimeError(f"simulated plan {self.plan.strategy!r} cannot finish: {stuck} wait")
+            t, _, w, (_, stage, action, item) = min(real, key=lambda s: (s[0], s[1]))
+            if action == "process":
+                self._process(w, t, stage, *item)
+            else:
+                self._end(w, t, stage)
+
+
+def simulate(workflow: Workflow, plan: ExecutionPlan, profile: Profile, batch: int) -> float:
+    """Predicted seconds of one iteration of ``batch`` samples under ``plan``."""
+    return _Sim(workflow, plan, profile, batch).run()

@@ -1,0 +1,294 @@
+"""Auto: measure the run's own stages, simulate every candidate plan, run the best, keep re-tuning.
+
+RLinf's auto placement is an offline tool (stage times measured by hand, typed into YAML, a
+script run, its placement pasted back). Here the first two iterations are the measurement:
+
+1. They run under the profiling plan, collocated with one replica per slot (each stage on one
+   slot, as every candidate's groups are), at two granularities: iteration 1 at two micro-batches
+   per replica (its first call per stage is set-up and is dropped), iteration 2 at one. They
+   train like every other iteration: nothing is thrown away.
+2. Each stage's time per call is fitted as ``a + b x micro_batch`` (``auto.profile``); the part
+   of an iteration no stage call covers is calibrated so the profiling plan's simulation matches
+   its measured iteration 2.
+3. Every candidate (``auto.search``: collocated, every two-group split of stages and slots, every
+   granularity; minus what memory refuses) is simulated (``auto.simulate``); the five fastest are
+   printed. Changing the granularity is free; changing the placement restarts the workers, so it
+   is taken only when the predicted saving over the remaining iterations exceeds the measured
+   launch time.
+4. From then on each iteration logs ``auto/predicted_s`` and ``auto/measured_s``. When they differ
+   by more than ``retune_threshold`` for ``retune_patience`` iterations in a row, the stages are
+   re-fitted from the recent iterations (first keeping each stage's per-sample slope, the only
+   guess one granularity allows; then, once the new granularity has run, from both) and the best
+   plan is taken again, with the reason printed.
+
+The profile is saved as JSON (``save_profile``) and can be given back (``profile``) to skip the
+measurement, or ranked for a larger cluster with ``rlinf plan``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlinf_lightning.auto.profile import Profile
+from rlinf_lightning.auto.search import KINDS, Candidate, candidates, describe
+from rlinf_lightning.auto.simulate import simulate
+from rlinf_lightning.flow.plan import ExecutionPlan
+from rlinf_lightning.flow.worker import Span
+from rlinf_lightning.flow.workflow import Workflow
+from rlinf_lightning.strategies.base import BatchShape, Replan, Resources, RunInfo, Strategy
+from rlinf_lightning.strategies.collocated import CollocatedStrategy
+
+PROFILING_ITERATIONS = 2
+
+
+@dataclass
+class _Seen:
+    iteration: int
+    micro_batch: int
+    seconds: float
+    spans: list[Span]
+
+
+class AutoStrategy(Strategy):
+    """Chooses and re-tunes the plan itself (see the module docstring).
+
+    Args:
+        profile: a saved profile (JSON) to plan from instead of measuring this run's first
+            iterations.
+        save_profile: where to write the profile (default ``<default_root_dir>/profile.json``;
+            ``""``: not written).
+        retune_threshold: relative gap between measured and predicted seconds per iteration that
+            counts as drift.
+        retune_patience: iterations in a row with drift before re-tuning.
+        top: how many ranked plans to print.
+        placements: the kinds of placement to choose from: ``collocated`` (every stage on every
+            slot) and ``split`` (two groups on disjoint slots, pipelined).
+    """
+
+    name = "auto"
+
+    def __init__(
+        self,
+        profile: str | None = None,
+        save_profile: str | None = None,
+        retune_threshold: float = 0.15,
+        retune_patience: int = 2,
+        top: int = 5,
+        placements: list[str] | None = None,
+    ) -> None:
+        self.kinds = tuple(placements or KINDS)
+        if unknown := sorted(set(self.kinds) - set(KINDS)):
+            raise ValueError(f"strategy 'auto': unknown placements {unknown}; choose from {list(KINDS)}")
+        if retune_threshold <= 0:
+            raise ValueError(f"strategy 'auto': retune_threshold must be > 0, got {retune_threshold}")
+        if retune_patience < 1:
+            raise ValueError(f"strategy 'auto': retune_patience must be >= 1, got {retune_patience}")
+        self.profile_path, self.save_profile = profile, save_profile
+        self.retune_threshold, self.retune_patience, self.top = retune_threshold, retune_patience, top
+        self.profile: Profile | None = Profile.load(profile) if profile else None
+        self.metrics: dict[str, float] = {}
+
+    # -- planning ------------------------------------------------------------------------------------
+    def plan(self, workflow: Workflow, resources: Resources, batch: BatchShape) -> ExecutionPlan:
+        self.workflow, self.resources, self.batch = workflow, resources, batch
+        if self.profile is not None:
+            if self.profile.workflow != workflow.name:
+                raise ValueError(
+                    f"strategy 'auto': profile {self.profile_path} measured workflow "
+                    f"{self.profile.workflow!r}, this run's is {workflow.name!r}"
+                )
+            self.ranked = self.rank()
+            self.current = self.ranked[0]
+            self._profiling = False
+            return self.current.plan
+        self._profiling = True
+        replicas = len(resources.slots)
+        first = BatchShape(batch.rollout_batch_size, batch.group_size, batch.micro_batch_for(2 * replicas))
+        if workflow.stages[workflow.order[0]].sticky:  # its state is cut once: profile the final cut
+            first.micro_batch_size = batch.micro_batch_for(replicas)
+        plan = CollocatedStrategy(replicas=replicas).plan(workflow, resources, first)
+        plan.strategy, plan.notes = "auto", f"profiling: collocated over {replicas} replica(s)"
+        self.current = Candidate("collocated", plan)
+        return plan
+
+    def rank(self) -> list[Candidate]:
+        assert self.profile is not None
+        fits = None
+        try:
+            from rlinf_lightning.flow.memory import memory_problems
+
+            def fits(plan: ExecutionPlan) -> bool:
+                return not memory_problems(self.workflow, plan)
+        except ImportError:
+            pass
+        return self._candidates(self.profile, fits)
+
+    def on_launch(self, info: RunInfo) -> None:
+        self.info, self.queued = info, False
+        self.seen: deque[_Seen] = deque(maxlen=self.retune_patience + 1)
+        self._drift, self._probe_from = 0, None
+        if self.profile is not None and not self._profiling:
+            self.profile.launch_s = info.launch_s
+            self._print_ranking(f"from profile {self.profile_path}")
+
+    def holds_after(self, iteration: int) -> bool:
+        # while measuring, and while a drift may turn into a new plan, the next iteration waits
+        return self._profiling or self._drift > 0 or self._probe_from is not None
+
+    # -- each iteration -----------------------------------------------------------------------------
+    def observe(
+        self, iteration: int, seconds: float, spans: list[Span], micro_batch: int, queued: bool
+    ) -> Replan | None:
+        self.queued = queued
+        self.seen.append(_Seen(iteration, micro_batch, seconds, spans))
+        if self._profiling:
+            return self._profile_step(iteration, seconds, spans, micro_batch)
+        predicted = self._predict(micro_batch)
+        self.metrics = {
+            "auto/predicted_s": predicted,
+            "auto/measured_s": seconds,
+            "auto/micro_batch": micro_batch,
+        }
+        if self._probe_from is not None and micro_batch == self.current.micro_batch:
+            return self._after_probe(iteration)
+        if abs(seconds - predicted) > self.retune_threshold * predicted:
+            self._drift += 1
+        else:
+            self._drift = 0
+        if self._drift < self.retune_patience or self._probe_from is not None:
+            return None
+        self._drift = 0
+        recent = [s for s in self.seen if s.micro_batch == micro_batch][-self.retune_patience :]
+        guess = self.profile.shifted(self._measured(recent))
+        ranked = self._candidates(guess)
+        best = self._choose(ranked, iteration)
+        why = (
+            f"measured {statistics.fmean(s.seconds for s in recent):.3f} s per iteration vs predicted "
+            f"{predicted:.3f} s for {len(recent)} iterations"
+        )
+        self.profile = guess
+        if self._is_current(best):
+            self._recalibrate(recent)
+            print(f"auto: iteration {iteration}: {why}; re-fitted, the plan stays", flush=True)
+            return None
+        self._probe_from = micro_batch
+        return self._switch(best, iteration, f"{why}; re-fitted from them")
+
+    # -- steps ----------------------------------------------------------------------------------------
+    def _profile_step(
+        self, iteration: int, seconds: float, spans: list[Span], micro_batch: int
+    ) -> Replan | None:
+        if self.profile is None:
+            self.profile = Profile(self.workflow.name, accelerator=self.resources.accelerator)
+        self.profile.add_spans(spans, micro_batch, skip_first=iteration == 1)
+        if iteration < PROFILING_ITERATIONS:
+            second = self.batch.micro_batch_for(len(self.resources.slots))
+            if self.workflow.stages[self.workflow.order[0]].sticky or second == micro_batch:
+                return None
+            return Replan(self._at(second), f"profiling: micro-batch {micro_batch} -> {second}")
+        self._profiling = False
+        self.profile.launch_s = self.info.launch_s
+        self.profile.refit()
+        self._recalibrate([self.seen[-1]])
+        self.ranked = self.rank()
+        self._print_ranking(f"measured in iterations 1-{iteration}")
+        if self.save_profile != "":
+            path = Path(self.save_profile or self.info.run_dir / "profile.json")
+            print(f"auto: profile saved to {self.profile.save(path)}", flush=True)
+        best = self._choose(self.ranked, iteration)
+        if self._is_current(best):
+            return None
+        return self._switch(best, iteration, "the best predicted plan")
+
+    def _after_probe(self, iteration: int) -> Replan | None:
+        """The new granularity has run: re-fit every stage from the drifted iterations at both
+        sizes and take the best plan again."""
+        recent = [s for s in self.seen if s.micro_batch in (self._probe_from, self.current.micro_batch)]
+        self._probe_from, self._drift = None, 0
+        self.profile = self._measured(recent)
+        self._recalibrate([s for s in recent if s.micro_batch == self.current.micro_batch])
+        best = self._choose(self._candidates(self.profile), iteration)
+        if self._is_current(best):
+            print(f"auto: iteration {iteration}: re-fitted at two granularities, the plan stays", flush=True)
+            return None
+        return self._switch(best, iteration, "re-fitted at two granularities")
+
+    def _choose(self, ranked: list[Candidate], iteration: int) -> Candidate:
+        """The fastest candidate, unless it needs new workers that the remaining iterations do not
+        pay for; then the fastest at the current placement."""
+        here = [c for c in ranked if c.placement == self.current.placement]
+        best = ranked[0]
+        if best.placement == self.current.placement or not here:
+            return best
+        if self.queued:  # the next iteration runs on these workers already
+            return here[0]
+        remaining = self.info.max_iterations - iteration
+        if (here[0].predicted_s - best.predicted_s) * remaining > self.profile.launch_s:
+            return best
+        return here[0]
+
+    def _switch(self, best: Candidate, iteration: int, why: str) -> Replan:
+        old = self.current
+        self.current = best
+        change = (
+            f"micro-batch {old.micro_batch} -> {best.micro_batch}"
+            if best.placement == old.placement
+            else f"{describe(old)} -> {describe(best)}"
+        )
+        reason = f"iteration {iteration}: {why}: {change} (predicted {best.predicted_s:.3f} s per iteration)"
+        print(f"auto: {reason}", flush=True)
+        return Replan(best.plan, reason)
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def _candidates(self, profile: Profile, fits=None) -> list[Candidate]:
+        return candidates(self.workflow, self.resources, self.batch, profile, fits, self.kinds)
+
+    def _is_current(self, c: Candidate) -> bool:
+        return c.placement == self.current.placement and c.micro_batch == self.current.micro_batch
+
+    def _predict(self, micro_batch: int) -> float:
+        """Predicted seconds of the current placement at ``micro_batch``."""
+        assert self.profile is not None
+        return simulate(self.workflow, self._at(micro_batch), self.profile, self.batch.rollout_batch_size)
+
+    def _at(self, micro_batch: int) -> ExecutionPlan:
+        """The current placement at granularity ``micro_batch``."""
+        plan = self.current.plan
+        mbs = {ch: micro_batch for ch in plan.micro_batch_size}
+        return ExecutionPlan(
+            plan.strategy,
+            plan.groups,
+            mbs,
+            plan.slots_per_node,
+            plan.accelerator,
+            plan.notes,
+            plan.sync_transport,
+        )
+
+    def _measured(self, seen: list[_Seen]) -> Profile:
+        """A profile of just ``seen`` (fitted), keeping the current one's launch and message costs."""
+        assert self.profile is not None
+        p = Profile(
+            self.workflow.name, message_s=self.profile.message_s, accelerator=self.profile.accelerator
+        )
+        p.launch_s, p.overhead_s = self.profile.launch_s, self.profile.overhead_s
+        for s in seen:
+            p.add_spans(s.spans, s.micro_batch)
+        p.refit()
+        return p
+
+    def _recalibrate(self, seen: list[_Seen]) -> None:
+        """Set the per-iteration overhead so the simulation of what ran matches what was measured."""
+        assert self.profile is not None
+        self.profile.overhead_s = 0.0
+        sims = [self._predict(s.micro_batch) for s in seen]
+        self.profile.overhead_s = max(0.0, statistics.fmean(s.seconds - p for s, p in zip(seen, sims)))
+
+    def _print_ranking(self, source: str) -> None:
+        lines = [f"auto: plans ranked by predicted seconds per iteration ({source}):"]
+        for i, c in enumerate(self.ranked[: self.top], 1):
+            lines.append(f"  {i}. {c.predicted_s:7.3f} s  {describe(c)}")
+        print("\n".join(lines), flush=True)

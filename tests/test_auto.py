@@ -1,0 +1,207 @@
+"""The auto strategy: its profile, its simulator against measured plans, re-tuning under drift."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlinf_lightning import Callback, RLTrainer
+from rlinf_lightning.auto.profile import Profile, StageCost
+from rlinf_lightning.auto.simulate import simulate
+from rlinf_lightning.flow.stage import Stage
+from rlinf_lightning.flow.workflow import Workflow
+from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
+from rlinf_lightning.tasks.base import Task
+
+BATCH, UNIT = 64, 4
+
+
+class Sleeper(Stage):
+    """Costs ``a + b x samples`` seconds per call (a sleep, so threads overlap as processes would);
+    from iteration ``change_at`` on, ``a`` becomes ``a_after``."""
+
+    def __init__(self, name: str, a: float, b: float, a_after: float | None = None, change_at: int = 0):
+        self.name, self.a, self.b, self.a_after, self.change_at = name, a, b, a_after, change_at
+
+    def begin_iteration(self, iteration: int) -> None:
+        self.cost_a = self.a_after if self.a_after is not None and iteration >= self.change_at else self.a
+
+    def process(self, batch: TensorDict) -> TensorDict:
+        time.sleep(self.cost_a + self.b * batch.batch_size[0])
+        return batch
+
+
+class Learner(Sleeper):
+    def setup(self, ctx) -> None:
+        self.steps = 0
+
+    def process(self, batch: TensorDict) -> None:
+        super().process(batch)
+
+    def end_iteration(self) -> dict[str, float]:
+        self.steps += 1
+        return {"steps": float(self.steps)}
+
+    def sync_state(self) -> TensorDict:
+        return TensorDict({"steps": torch.tensor(self.steps)}, [])
+
+    def state_dict(self):
+        return {"model": {"steps": torch.tensor([float(self.steps)])}, "optimizer": None}
+
+    def load_state_dict(self, state) -> None:
+        self.steps = int(state["model"]["steps"])
+
+    def save_sharded(self, path: str) -> bool:
+        return False  # the state is small: state_dict carries it
+
+
+class Generator(Sleeper):
+    def apply_sync(self, source, state) -> None:
+        self.steps = int(state["steps"])
+
+
+class SleepTask(Task):
+    """A two-stage workflow whose generator's per-call cost jumps at ``change_at``."""
+
+    input_keys = ("x",)
+
+    def __init__(self, change_at: int = 10_000) -> None:
+        self.change_at = change_at
+
+    def batch_shape(self, trainer) -> BatchShape:
+        return BatchShape(BATCH, UNIT, trainer.micro_batch_size)
+
+    def build_workflow(self, policy, trainer) -> Workflow:
+        return (
+            Workflow("sleepers")
+            .chain(
+                Generator("gen", a=0.0005, b=0.001, a_after=0.03, change_at=self.change_at),
+                Learner("learn", a=0.0005, b=0.0006),
+            )
+            .sync("learn", "gen", "weights")
+            .role("train", "learn")
+        )
+
+    def inputs(self, iteration, micro_batch_size, trainer):
+        return [
+            TensorDict({"x": torch.zeros(micro_batch_size)}, [micro_batch_size])
+            for _ in range(BATCH // micro_batch_size)
+        ]
+
+    def evaluate(self, runtime):
+        return {"accuracy": 0.0}
+
+
+class Recorder(Callback):
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_iteration_end(self, trainer, iteration, metrics):
+        self.rows.append({"iteration": iteration, **metrics})
+
+
+class _Policy:
+    pass
+
+
+def _fit(tmp_path, strategy, iterations: int, change_at: int = 10_000) -> tuple[RLTrainer, Recorder]:
+    rec = Recorder()
+    trainer = RLTrainer(
+        strategy=strategy,
+        launcher="inprocess",
+        devices=2,
+        max_iterations=iterations,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[rec],
+        timeout_s=60,
+    )
+    trainer.fit(_Policy(), SleepTask(change_at))
+    return trainer, rec
+
+
+def test_stage_cost_fit_recovers_a_line_and_clamps_to_nonnegative():
+    c = StageCost.fit([(8, 0.01 + 8 * 0.002), (16, 0.01 + 16 * 0.002), (32, 0.01 + 32 * 0.002)])
+    assert c.a == pytest.approx(0.01) and c.b == pytest.approx(0.002)
+    assert StageCost.fit([(8, 0.05), (16, 0.04)]).b == 0.0  # no negative slope
+    one = StageCost.fit([(16, 0.032)])
+    assert one.a == 0.0 and one.call_s(16) == pytest.approx(0.032)
+
+
+def test_simulated_pipeline_matches_the_hand_computed_schedule():
+    """Disaggregated gen | learn, M micro-batches: the pipeline's makespan is
+    M x max(stage) + min(stage) (plus the sync's two ends)."""
+    wf = SleepTask().build_workflow(None, None)
+    p = Profile("sleepers", message_s=0.0)
+    p.stages = {"gen": StageCost(0.001, 0.001), "learn": StageCost(0.0, 0.0005, end_s=0.002)}
+    p.sync_s = {"learn": 0.001, "gen": 0.001}
+    for mb in (8, 16, 32):
+        plan = STRATEGIES.get("disaggregated")().plan(wf, Resources(2), BatchShape(BATCH, UNIT, mb))
+        m, gen, learn = BATCH // mb, 0.001 + 0.001 * mb, 0.0005 * mb
+        expected = m * gen + learn + 0.002 + 0.001 + 0.001
+        assert simulate(wf, plan, p, BATCH) == pytest.approx(expected)
+    # collocated: each of two replicas runs half the micro-batches, then the collective step
+    plan = STRATEGIES.get("collocated")().plan(wf, Resources(2), BatchShape(BATCH, UNIT, 8))
+    half = BATCH // 8 // 2
+    assert simulate(wf, plan, p, BATCH) == pytest.approx(half * (0.009 + 0.004) + 0.002 + 0.002)
+
+
+def test_profile_round_trips_through_json(tmp_path):
+    p = Profile("w", stages={"a": StageCost(0.1, 0.2, 0.3, [8])}, sync_s={"a": 0.01}, launch_s=2.0)
+    p.points = {"a": [(8, 1.7)]}
+    assert Profile.load(p.save(tmp_path / "p.json")).to_dict() == p.to_dict()
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="bad.json: not a readable profile"):
+        Profile.load(tmp_path / "bad.json")
+
+
+def test_auto_profiles_predicts_within_15_percent_and_reports_it(tmp_path):
+    trainer, rec = _fit(tmp_path, "auto", iterations=8)
+    assert (tmp_path / "profile.json").is_file()
+    tuned = [r for r in rec.rows if "auto/predicted_s" in r]
+    assert [r["iteration"] for r in tuned] == list(range(3, 9))
+    errors = [abs(r["auto/measured_s"] - r["auto/predicted_s"]) / r["auto/measured_s"] for r in tuned]
+    assert sorted(errors)[len(errors) // 2] < 0.15, errors
+
+
+def test_retuning_switches_granularity_within_three_iterations_of_a_cost_change(tmp_path):
+    """The generator's per-call cost jumps from 0.5 ms to 30 ms at iteration 8: small micro-batches
+    (short pipeline fill) were best; now few large ones are (the per-call cost dominates)."""
+    change = 8
+    strategy = {
+        "class_path": "rlinf_lightning.strategies.AutoStrategy",
+        "init_args": {"placements": ["split"], "retune_patience": 1},
+    }
+    trainer, rec = _fit(tmp_path, strategy, iterations=change + 5, change_at=change)
+    mb = {int(r["iteration"]): int(r["auto/micro_batch"]) for r in rec.rows if "auto/micro_batch" in r}
+    assert mb[change - 1] <= 16, mb
+    switched = [it for it in range(change, change + 4) if mb[it] >= 32]
+    assert switched and switched[0] <= change + 3, mb
+    assert all(mb[it] >= 32 for it in range(switched[0], change + 5)), mb
+
+
+def test_rlinf_plan_ranks_a_cluster_from_a_saved_profile(tmp_path, capsys):
+    from rlinf_lightning.cli import main
+    from rlinf_lightning.flow.placement import parse_placement
+
+    stages = ("rollout", "reward", "advantage", "inference", "actor")
+    prof = Profile("reasoning", message_s=0.001, launch_s=5.0)
+    prof.stages = {s: StageCost(0.002, 0.0003) for s in stages}
+    prof.stages["actor"] = StageCost(0.03, 0.0002, end_s=0.005)
+    path = prof.save(tmp_path / "profile.json")
+    argv = ["plan", "--config", "configs/math_grpo_tiny.yaml", "--profile", str(path)]
+    assert main([*argv, "--devices", "8", "--num_nodes", "2", "--speedup", "{rollout: 2.0}"]) == 0
+    out = capsys.readouterr().out
+    assert "plans for 2 node(s) x 8 device(s)" in out and " 1. " in out and " 5. " in out
+    placement = next(ln for ln in out.splitlines() if ln.startswith("placement: "))[len("placement: ") :]
+    groups = parse_placement(placement, 16, stages)
+    assert sorted(s for names, _ in groups for s in names) == sorted(stages)
+    assert int(next(ln for ln in out.splitlines() if ln.startswith("micro_batch_size: ")).split()[-1]) > 0
+
+    (tmp_path / "broken.json").write_text("{")
+    assert main([*argv[:3], "--profile", str(tmp_path / "broken.json")]) == 2
+    assert "broken.json: not a readable profile" in capsys.readouterr().err

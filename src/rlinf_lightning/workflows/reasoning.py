@@ -134,7 +134,8 @@ class RolloutStage(Stage):
         dim x dtype bytes``, rows being the larger of a micro-batch's samples and an evaluation
         batch. Not counted: the logits and sampling buffers of a step, and what an engine reserves
         beyond this (vLLM takes ``gpu_memory_utilization`` of the device)."""
-        shape = self.policy.architecture()
+        architecture = getattr(self.policy, "architecture", None)  # an LMPolicy's; unknown otherwise
+        shape = architecture() if architecture is not None else None
         if shape is None:
             return None
         size = dtype_bytes(self.dtype)

@@ -8,6 +8,8 @@ from rlinf_lightning.engines.rollout import RolloutEngine, SamplingParams
 from rlinf_lightning.prompts import RAW, PromptFormat
 from rlinf_lightning.rewards import REWARDS, score
 
+EVAL_BATCH_SIZE = 256  # prompts generated at once when evaluating
+
 
 def greedy_accuracy(
     engine: RolloutEngine,
@@ -16,7 +18,7 @@ def greedy_accuracy(
     answers: list[str],
     reward: str = "math_verify",
     max_new_tokens: int = 16,
-    batch_size: int = 256,
+    batch_size: int = EVAL_BATCH_SIZE,
     prompt_format: PromptFormat = RAW,
 ) -> float:
     """Fraction of ``prompts`` whose greedy completion ``reward`` judges equal to the answer;

@@ -27,6 +27,7 @@ from rlinf_lightning.engines.precision import DTYPES, PRECISIONS
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, SamplingParams
 from rlinf_lightning.engines.train import TRAIN_ENGINES, TrainSpec, resolve_train_engine
 from rlinf_lightning.errors import CheckpointError, ConfigError
+from rlinf_lightning.flow.memory import memory_problems
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.trace import write_chrome_trace
 from rlinf_lightning.flow.workflow import Workflow
@@ -262,18 +263,20 @@ class RLTrainer:
             raise ConfigError(p)
 
     def _check_plan(self, policy: Any, task: Any) -> list[tuple[str, str]]:
-        """Whether the task's workflow has a plan on these resources that every stage can run on."""
+        """Whether the task's workflow has a plan on these resources that every stage can run on,
+        and whose estimated memory fits the devices (``flow.memory``)."""
         try:
             workflow, plan = self._build_plan(policy, task)
         except ValueError as exc:  # the strategy cannot place this workflow on these resources
             return [("trainer.strategy", str(exc))]
         separate = LAUNCHERS.resolve(instantiate(self.launcher)).separate_processes
-        return [
+        placement = [
             problem
             for g in plan.groups
             for s in g.stages
             for problem in workflow.stages[s].check_placement(g.replicas, separate)
         ]
+        return placement or memory_problems(workflow, plan)
 
     def _build_plan(self, policy: Any, task: Any) -> tuple[Workflow, ExecutionPlan]:
         """The task's workflow (stages built from config only, nothing loaded) and the strategy's plan."""

@@ -2,7 +2,7 @@
 
 from rlinf_lightning.flow.channel import Channel, ChannelAborted, ChannelTimeout, EndOfIteration, Message
 from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroup
-from rlinf_lightning.flow.stage import Stage, StageContext
+from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.flow.worker import Span, StageError, Worker
 from rlinf_lightning.flow.workflow import Workflow
 
@@ -12,6 +12,7 @@ __all__ = [
     "ChannelTimeout",
     "EndOfIteration",
     "ExecutionPlan",
+    "MemoryPart",
     "Message",
     "Span",
     "Stage",

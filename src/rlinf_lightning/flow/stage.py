@@ -7,14 +7,28 @@ passed, ``end_iteration``. ``onload``/``offload`` bracket its turn on a shared d
 collocated plan (context switching). A stage never learns which strategy, launcher or transport
 runs it; a data-parallel stage learns its replica index and may ask for a process group over its
 group's replicas (:meth:`StageContext.process_group`), which is how a train engine's ranks are the
-replicas the plan placed.
+replicas the plan placed. Before anything starts, a stage may say how much device memory it will
+hold (:meth:`Stage.memory`, from its configuration), so that a plan that cannot fit is refused up
+front (``flow.memory``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from tensordict import TensorDict
+
+
+@dataclass(frozen=True)
+class MemoryPart:
+    """Part of what a stage holds on its device: ``nbytes``, ``what`` they are (for messages, e.g.
+    ``"0.49 B parameters x 16 bytes (float32 weights, gradients, 2 Adam moments)"``), and a
+    configuration change that would shrink it, if there is one (``fix``)."""
+
+    nbytes: int
+    what: str
+    fix: str | None = None
 
 
 class Stage:
@@ -41,6 +55,22 @@ class Stage:
         """``(config key, problem)`` pairs if this stage cannot run on ``replicas`` replicas
         (``own_process``: each replica is its own process). Called before anything starts."""
         return []
+
+    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
+        """What this stage holds on one replica's device while it runs, estimated from its
+        configuration only (nothing loaded, no weights read); ``None``: unknown (the default).
+
+        Args:
+            device: the replica's torch device (``cpu``, ``cuda:0``).
+            replicas: how many replicas its group has (a sharded engine holds 1/replicas each).
+            micro_batch: the largest message (samples) the plan sends the stage.
+        """
+        return None
+
+    def memory_bytes(self, device: str = "cpu", replicas: int = 1, micro_batch: int = 1) -> int | None:
+        """The sum of :meth:`memory` (``None``: unknown)."""
+        parts = self.memory(device, replicas, micro_batch)
+        return None if parts is None else sum(p.nbytes for p in parts)
 
     def onload(self) -> None:
         """Bring this stage's state onto its device before its turn (collocated plans)."""

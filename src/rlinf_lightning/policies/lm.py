@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.policies.module import RLModule
+
+if TYPE_CHECKING:
+    from rlinf_lightning.policies.model_dir import CausalLMShape
 
 
 def response_logits(logits: torch.Tensor, response_len: int, temperature: float) -> torch.Tensor:
@@ -70,6 +75,18 @@ class LMPolicy(RLModule):
         return torch.optim.AdamW(
             self.model.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay, fused=True
         )  # fused: one kernel over every parameter instead of a Python loop per tensor (3x faster here)
+
+    def parameter_count(self) -> int | None:
+        """From ``model_path``'s config.json alone (a meta-device model; no weights read, cached)."""
+        shape = self.architecture()
+        return None if shape is None else shape.parameters
+
+    def architecture(self) -> CausalLMShape | None:
+        """Parameters and attention shape (:class:`~rlinf_lightning.policies.model_dir.CausalLMShape`)
+        from ``model_path``'s config.json, or ``None`` without one."""
+        from rlinf_lightning.policies.model_dir import causal_lm_shape
+
+        return causal_lm_shape(self.model_path)
 
     def load_tokenizer(self):
         from transformers import AutoTokenizer

@@ -9,6 +9,7 @@ same weights; or loaded from a directory written by :meth:`save_pretrained`.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -135,6 +136,19 @@ class MLPActorCritic(RLModule):
             from safetensors.torch import load_file
 
             self.model.load_state_dict(load_file(str(Path(self.model_path) / "model.safetensors")))
+
+    def parameter_count(self) -> int | None:
+        """Counted on the meta device from the sizes; a saved model's config.json is read, its
+        weights are not (the generic count would load them)."""
+        if self.model_path is None or self.model is not None:
+            return super().parameter_count()
+        probe = copy.deepcopy(self)
+        try:
+            probe._load_config()
+        except (OSError, ValueError, KeyError):
+            return None
+        probe.model_path = None  # the same architecture, built instead of loaded
+        return probe.parameter_count()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         assert self.model is not None, "configure_model() first"

@@ -3,13 +3,17 @@
 Loading a directory whose tokenizer files are missing, or whose weights were saved for another
 config, fails late and obscurely (a reshape error deep in attention, after workers started). These
 checks read only ``config.json``, the tokenizer files and the safetensors headers, and compare the
-weights' names and shapes with a model built from the config on the ``meta`` device (no memory).
+weights' names and shapes with a model built from the config on the ``meta`` device (no memory);
+the same model gives the parameter count and attention shape a memory estimate needs.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -74,17 +78,62 @@ def _check_weights(path: Path) -> list[str]:
     return [f"{path}: the weights do not match config.json ({difference}); they were saved for another model"]
 
 
+@dataclass(frozen=True)
+class CausalLMShape:
+    """What a memory estimate needs from a causal LM's config.json (see :func:`causal_lm_shape`)."""
+
+    parameters: int  # shared tensors (a tied lm_head) once
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+
+def causal_lm_shape(path: str | Path) -> CausalLMShape | None:
+    """Parameter count and attention shape of the causal LM that ``path``'s config.json describes,
+    from a model built on the ``meta`` device (no memory, no weights read); ``None`` without a
+    config.json. Cached per config.json (path, mtime, size): a planner may ask for every candidate."""
+    _, model = _meta_causal_lm(path)
+    if model is None:
+        return None
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    return CausalLMShape(
+        parameters=sum(p.numel() for p in model.parameters()),  # parameters() lists a tied one once
+        layers=config.num_hidden_layers,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+    )
+
+
 def config_shapes(path: str | Path) -> dict[str, list[int]]:
     """Parameter name -> shape of the causal LM that ``path``'s config.json describes, from a model
     built on the ``meta`` device (no memory); a tied ``lm_head.weight`` is left out."""
+    config, model = _meta_causal_lm(path)
+    if model is None:
+        raise FileNotFoundError(f"{Path(path) / 'config.json'} does not exist")
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    return {k: list(v.shape) for k, v in model.state_dict().items() if k not in tied}
+
+
+def _meta_causal_lm(path: str | Path) -> tuple[Any, Any]:
+    """``(config, model on the meta device)`` for ``path``, or ``(None, None)`` without a config.json."""
+    try:
+        stat = (Path(path) / "config.json").stat()
+    except OSError:
+        return None, None
+    return _build_meta_causal_lm(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=8)
+def _build_meta_causal_lm(path: str, mtime_ns: int, size: int) -> tuple[Any, Any]:
+    """The meta-device model, cached by the config file's identity (the key's last two parts)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(path))
-    with torch.device("meta"):
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):  # as accelerate's init_empty_weights, buffers included: no memory at all
         model = AutoModelForCausalLM.from_config(config)
-    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    return {k: list(v.shape) for k, v in model.state_dict().items() if k not in tied}
+    return config, model
 
 
 def shape_difference(expected: dict[str, list[int]], saved: dict[str, list[int]]) -> str | None:

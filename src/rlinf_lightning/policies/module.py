@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from abc import abstractmethod
 
 import torch
@@ -32,6 +33,32 @@ class RLModule(torch.nn.Module):
     @abstractmethod
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """Return the optimizer for the parameters this module trains."""
+
+    def parameter_count(self) -> int | None:
+        """Parameters of the network :meth:`configure_model` builds (a shared one once), counted
+        without memory: ``configure_model`` runs on a copy of this module under torch's ``meta``
+        device (as accelerate's ``init_empty_weights``), so nothing is allocated or initialised.
+        ``None`` when it cannot run yet (e.g. sizes an env has not given). Cached while the
+        module's hyper-parameters stay the same.
+
+        Override it when ``configure_model`` reads weight files (the copy would read them too) or
+        the count is known more cheaply (``LMPolicy`` reads config.json).
+        """
+        if any(True for _ in self.parameters()):  # already built
+            return sum(p.numel() for p in self.parameters())
+        key = tuple((k, repr(v)) for k, v in sorted(vars(self).items()) if not k.startswith("_"))
+        cached = self.__dict__.get("_parameter_count")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        probe = copy.deepcopy(self)
+        try:
+            with torch.device("meta"):
+                probe.configure_model()
+        except Exception:  # noqa: BLE001 (cannot be built yet; the run itself reports why)
+            return None
+        count = sum(p.numel() for p in probe.parameters())
+        self.__dict__["_parameter_count"] = (key, count)
+        return count
 
     def forward_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
         """Log-probs ``[B, T]`` of the batch's response tokens under the current parameters."""

@@ -30,6 +30,7 @@ shapes whatever its instructions.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import tempfile
@@ -409,6 +410,19 @@ class TinyVLA(RLModule):
             for name, tok in (("pad", "<pad>"), ("bos", "<s>"), ("eos", "</s>"), ("act", PLACEHOLDER))
         }
         self._first_bin = vocab - NUM_BINS
+
+    def parameter_count(self) -> int | None:
+        """Counted on the meta device from the sizes; a saved model's config.json is read, its
+        weights are not (the generic count would load them)."""
+        if self.model_path is None or self.model is not None:
+            return super().parameter_count()
+        probe = copy.deepcopy(self)
+        try:
+            probe._load_config()
+        except (OSError, ValueError, KeyError):
+            return None
+        probe.model_path = None  # the same architecture, built instead of loaded
+        return probe.parameter_count()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         assert self.model is not None, "configure_model() first"

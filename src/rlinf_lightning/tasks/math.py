@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,6 +63,7 @@ class MathTask(Task):
         self._train: list[Problem] | None = None
         self._test: list[Problem] | None = None
         self._orders: dict[tuple[int, int], list[int]] = {}
+        self._prompt_tokens: dict[tuple[str, PromptFormat], int] = {}
 
     def validate_config(self) -> list[tuple[str, str]]:
         from rlinf_lightning.rewards import REWARDS
@@ -144,7 +147,23 @@ class MathTask(Task):
             format_weight=self.format_weight,
             seed=trainer.seed,
             prompt_format=self.prompt_format,
+            max_prompt_tokens=self.longest_prompt_tokens(policy),
+            eval_prompts=len(self.test),
         )
+
+    def longest_prompt_tokens(self, policy: Any) -> int | None:
+        """Tokens of the longest prompt the rollout sees (train and test problems, laid out by the
+        prompt format), for the memory estimate; ``None`` for a policy without a tokenizer. Only
+        the 32 longest problems in characters are encoded (tokens grow with characters, and
+        encoding every problem of a large set would take seconds). Cached per model directory."""
+        if not hasattr(policy, "load_tokenizer"):
+            return None
+        key = (str(getattr(policy, "model_path", "")), self.prompt_format)
+        if key not in self._prompt_tokens:
+            longest = heapq.nlargest(32, {p.prompt for p in itertools.chain(self.train, self.test)}, key=len)
+            ids = self.prompt_format.encode(policy.load_tokenizer(), longest)
+            self._prompt_tokens[key] = max((len(i) for i in ids), default=0)
+        return self._prompt_tokens[key]
 
     def inputs(self, iteration: int, micro_batch_size: int, trainer: RLTrainer) -> list[TensorDict]:
         """``rollout_batch_size / group_size`` prompts, in micro-batches of whole prompt groups."""

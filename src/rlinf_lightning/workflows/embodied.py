@@ -30,9 +30,10 @@ from tensordict import TensorDict
 from rlinf_lightning.engines.rollout import row_seed
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.envs import EnvBatch, make_env
-from rlinf_lightning.flow.stage import Stage, StageContext
+from rlinf_lightning.flow.memory import weights_part
+from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.policies.module import RLModule
-from rlinf_lightning.workflows.training import TrainStage
+from rlinf_lightning.workflows.training import TrainStage, policy_dtype
 
 
 @dataclass
@@ -233,6 +234,11 @@ class PolicyStage(Stage):
     def __init__(self, policy: RLModule, seed: int = 0, chunk: int = 1) -> None:
         self.policy, self.seed, self.chunk = policy, seed, chunk
 
+    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
+        """The policy's weights (parameter count x dtype bytes); not its forward's activations."""
+        n = self.policy.parameter_count()
+        return None if n is None else [weights_part(n, policy_dtype(self.policy))]
+
     def setup(self, ctx: StageContext) -> None:
         self.device = ctx.device
         self.net = copy.deepcopy(self.policy)
@@ -303,6 +309,9 @@ class AdvantageStage(Stage):
     def __init__(self, algorithm: Any) -> None:
         self.algorithm = algorithm
 
+    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
+        return []  # a few numbers per sample
+
     def process(self, traj: TensorDict) -> TensorDict:
         adv, ret = self.algorithm.compute_advantages(
             traj["reward"], traj["value"], traj["terminated"], traj["truncated"], traj["final_value"],
@@ -335,6 +344,9 @@ class EpisodeAdvantageStage(Stage):
 
     def __init__(self, algorithm: Any) -> None:
         self.algorithm = algorithm
+
+    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
+        return []  # a few numbers per sample
 
     def setup(self, ctx: StageContext) -> None:
         self.kept, self.groups = 0.0, 0.0

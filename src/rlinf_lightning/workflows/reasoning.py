@@ -21,8 +21,9 @@ from tensordict import TensorDict
 from rlinf_lightning.engines.offload import Offloader
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, Completion, SamplingParams
 from rlinf_lightning.engines.train import TrainSpec
-from rlinf_lightning.evaluation import greedy_accuracy
-from rlinf_lightning.flow.stage import Stage, StageContext
+from rlinf_lightning.evaluation import EVAL_BATCH_SIZE, greedy_accuracy
+from rlinf_lightning.flow.memory import dtype_bytes, weights_part
+from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.prompts import PromptFormat
@@ -91,7 +92,11 @@ class _Mean:
 
 class RolloutStage(Stage):
     """Generates ``group_size`` completions per prompt with the chosen rollout engine; prompts are
-    laid out by the task's :class:`PromptFormat` (template, then the chat template if any)."""
+    laid out by the task's :class:`PromptFormat` (template, then the chat template if any).
+
+    ``max_prompt_tokens`` (the task's longest prompt) and ``eval_prompts`` (how many it evaluates
+    on) only size the memory estimate.
+    """
 
     name = "rollout"
     in_keys = ("prompt", "answer", "group_id")
@@ -114,11 +119,38 @@ class RolloutStage(Stage):
         seed: int,
         prompt_format: PromptFormat | None = None,
         dtype: str | None = None,
+        max_prompt_tokens: int | None = None,
+        eval_prompts: int = 0,
     ) -> None:
         self.policy, self.engine_name, self.sampling = policy, engine, sampling
         self.group_size, self.seed = group_size, seed
         self.prompt_format = prompt_format or PromptFormat()
         self.dtype = dtype or policy.dtype
+        self.max_prompt_tokens, self.eval_prompts = max_prompt_tokens, eval_prompts
+
+    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
+        """The weights in the rollout dtype, and the KV cache of the largest batch it generates:
+        ``rows x (longest prompt + max_new_tokens) x layers x 2 (keys, values) x KV heads x head
+        dim x dtype bytes``, rows being the larger of a micro-batch's samples and an evaluation
+        batch. Not counted: the logits and sampling buffers of a step, and what an engine reserves
+        beyond this (vLLM takes ``gpu_memory_utilization`` of the device)."""
+        architecture = getattr(self.policy, "architecture", None)  # an LMPolicy's; unknown otherwise
+        shape = architecture() if architecture is not None else None
+        if shape is None:
+            return None
+        size = dtype_bytes(self.dtype)
+        rows = max(micro_batch, min(self.eval_prompts, EVAL_BATCH_SIZE))
+        tokens = (self.max_prompt_tokens or 0) + self.sampling.max_new_tokens
+        kv = rows * tokens * shape.layers * 2 * shape.kv_heads * shape.head_dim * size
+        fix = None if size <= 2 else "trainer.rollout_dtype=bfloat16 (half the rollout's memory)"
+        return [
+            weights_part(shape.parameters, self.dtype, fix=fix),
+            MemoryPart(
+                kv,
+                f"KV cache ({rows} rows x {tokens} tokens x {shape.layers} layers x 2 x "
+                f"{shape.kv_heads} KV heads x {shape.head_dim} x {size} bytes)",
+            ),
+        ]
 
     def setup(self, ctx: StageContext) -> None:
         self.tokenizer = self.policy.load_tokenizer()
@@ -208,6 +240,9 @@ class RewardStage(Stage):
         self.format_fn = REWARDS.get(self.format_reward) if self.format_reward else None
         self.stats = _Mean()
 
+    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
+        return []  # no model (a judge process, if any, lives outside the device's budget)
+
     def teardown(self) -> None:
         close_judges()
 
@@ -242,6 +277,9 @@ class AdvantageStage(Stage):
     def setup(self, ctx: StageContext) -> None:
         self.stats = _Mean()
 
+    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
+        return []  # a few numbers per sample
+
     def process(self, batch: TensorDict) -> TensorDict:
         batch["advantage"] = self.algorithm.compute_advantages(batch["reward"], batch["group_id"])
         _, inv = torch.unique(batch["group_id"], return_inverse=True)
@@ -262,6 +300,14 @@ class InferenceStage(Stage):
 
     def __init__(self, policy: LMPolicy, algorithm: Any, temperature: float) -> None:
         self.policy, self.algorithm, self.temperature = policy, algorithm, temperature
+
+    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
+        """The reference weights in the policy's dtype (nothing when the algorithm has no KL term).
+        Not counted: a forward's activations and logits."""
+        if not self.algorithm.needs_reference:
+            return []
+        n = self.policy.parameter_count()
+        return None if n is None else [weights_part(n, self.policy.dtype, "reference weights")]
 
     def setup(self, ctx: StageContext) -> None:
         self.ref = None
@@ -353,12 +399,24 @@ def reasoning_workflow(
     format_weight: float,
     seed: int,
     prompt_format: PromptFormat | None = None,
+    max_prompt_tokens: int | None = None,
+    eval_prompts: int = 0,
 ) -> Workflow:
     temperature = sampling.temperature if sampling.temperature > 0 else 1.0
     return (
         Workflow("reasoning")
         .chain(
-            RolloutStage(policy, rollout, sampling, group_size, seed, prompt_format, rollout_dtype),
+            RolloutStage(
+                policy,
+                rollout,
+                sampling,
+                group_size,
+                seed,
+                prompt_format,
+                rollout_dtype,
+                max_prompt_tokens,
+                eval_prompts,
+            ),
             RewardStage(reward, format_reward, format_weight),
             AdvantageStage(algorithm),
             InferenceStage(policy, algorithm, temperature),

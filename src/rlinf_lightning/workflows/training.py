@@ -22,8 +22,15 @@ from rlinf_lightning.engines.train import (
     build_train_engine,
     resolve_train_engine,
 )
-from rlinf_lightning.flow.stage import Stage, StageContext
+from rlinf_lightning.flow.memory import count_text, dtype_bytes
+from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.policies.module import RLModule
+
+
+def policy_dtype(policy: RLModule) -> str:
+    """The dtype name a policy's weights are built in: its ``dtype`` (``LMPolicy``), else float32."""
+    dtype = getattr(policy, "dtype", None)
+    return dtype if isinstance(dtype, str) else "float32"
 
 
 class TrainStage(Stage):
@@ -53,6 +60,30 @@ class TrainStage(Stage):
             return [("trainer.train_engine_options", str(exc))]
         problem = engine.check(replicas, own_process)
         return [problem] if problem else []
+
+    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
+        """The train engine's state: weights, gradients and the two Adam moments, four tensors per
+        parameter in the weights' dtype (the policy's ``dtype``, float32 unless it says otherwise;
+        bfloat16 under ``bf16-true``): 16 bytes per parameter in float32, 8 in bfloat16. Under
+        ``bf16-mixed`` add 2: the bfloat16 copies of the weights autocast keeps from the forward for
+        the backward. An ``fsdp`` engine holds 1/replicas of it on each replica.
+
+        Not counted: activations (they depend on the sequence lengths, the attention kernel and
+        recomputation), an optimizer outside Adam's family; so this is a floor."""
+        n = self.policy.parameter_count()
+        if n is None:
+            return None
+        precision = resolve_precision(self.precision, device)
+        dtype = "bfloat16" if precision == "bf16-true" else policy_dtype(self.policy)
+        size = dtype_bytes(dtype)
+        per = 4 * size + (2 if precision == "bf16-mixed" and size > 2 else 0)
+        shards = replicas if resolve_train_engine(self.train_strategy, replicas) == "fsdp" else 1
+        sharded = f" / {shards} fsdp shards" if shards > 1 else ""
+        what = f"{count_text(n)} parameters x {per} bytes{sharded}"
+        what += f" ({dtype} weights, gradients, 2 Adam moments"
+        what += "; bfloat16 weight copies for autocast)" if per > 4 * size else ")"
+        fix = f"trainer.precision=bf16-true (8 bytes per parameter instead of {per})" if size > 2 else None
+        return [MemoryPart(-(-n * per // shards), what, fix)]
 
     def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx

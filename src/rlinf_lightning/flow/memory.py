@@ -1,0 +1,194 @@
+"""Whether a plan fits its devices' memory, estimated before anything loads.
+
+Each stage says what it holds on one replica's device while it runs (:meth:`Stage.memory`, from
+its configuration: parameter counts come from a model built on the ``meta`` device, nothing is
+loaded). A worker (one replica of a group) holds the sum of its stages' shares, or the largest of
+them when its group context-switches (``collocated_offload``: each stage offloads after its turn,
+to host memory from a GPU, to a spill file on disk from a CPU). Then:
+
+* on CPU every worker of a node shares the node's memory: this machine's physical memory, or its
+  cgroup's limit where lower (other nodes are taken to be alike);
+* on CUDA each worker has the GPU of its first slot (``total_memory``; GPUs of other nodes are
+  taken to be like this machine's).
+
+No margin is kept for the process itself (interpreter, CUDA context, allocator fragmentation) and
+stages leave out what they cannot bound from the configuration (activations, the rollout's
+transient logits): the estimate is a floor. So a plan it refuses cannot run, while one it lets
+through may still run out of memory. A stage that gives no estimate (``None``) counts as nothing
+and is named as such in the message.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroup
+from rlinf_lightning.flow.stage import MemoryPart
+from rlinf_lightning.flow.workflow import Workflow
+
+GIB = 2**30
+
+
+def gib(nbytes: float) -> str:
+    """``"45.1 GiB"``."""
+    return f"{nbytes / GIB:.1f} GiB"
+
+
+def count_text(n: int) -> str:
+    """A parameter count for messages: ``"2.82 B"``, ``"0.41 M"``, ``"10,057"``."""
+    if n >= 10**9:
+        return f"{n / 1e9:.2f} B"
+    if n >= 10**5:
+        return f"{n / 1e6:.2f} M"
+    return f"{n:,}"
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a torch dtype name (``float32`` -> 4)."""
+    import torch
+
+    return getattr(torch, dtype).itemsize
+
+
+def weights_part(parameters: int, dtype: str, what: str = "weights", fix: str | None = None) -> MemoryPart:
+    """``parameters`` held in ``dtype``: ``"bfloat16 weights (0.49 B parameters x 2 bytes)"``."""
+    size = dtype_bytes(dtype)
+    return MemoryPart(
+        parameters * size, f"{dtype} {what} ({count_text(parameters)} parameters x {size} bytes)", fix
+    )
+
+
+@dataclass
+class WorkerMemory:
+    """What one worker (a replica of a group) holds: its stages' parts, and which stages gave none."""
+
+    group: WorkerGroup
+    replica: int
+    device: str
+    node: int
+    parts: dict[str, list[MemoryPart]] = field(default_factory=dict)
+    unknown: list[str] = field(default_factory=list)
+
+    def stage_bytes(self, stage: str) -> int:
+        return sum(p.nbytes for p in self.parts.get(stage, []))
+
+    @property
+    def nbytes(self) -> int:
+        """The sum over its stages, or the largest when they take turns (context switching)."""
+        shares = [self.stage_bytes(s) for s in self.parts] or [0]
+        return max(shares) if self.group.context_switch else sum(shares)
+
+
+def stage_micro_batch(workflow: Workflow, plan: ExecutionPlan, stage: str) -> int:
+    """Samples per message into ``stage`` (a loop body gets its head's messages)."""
+    loop = workflow.loop_of(stage)
+    edge = workflow.input_edge(loop.head if loop is not None and loop.body == stage else stage)
+    if edge is not None and edge.channel in plan.micro_batch_size:
+        return plan.micro_batch_size[edge.channel]
+    return max(plan.micro_batch_size.values(), default=1)
+
+
+def worker_memory(workflow: Workflow, plan: ExecutionPlan) -> list[WorkerMemory]:
+    """Every worker's estimated memory, in plan order."""
+    out = []
+    for group, replica in plan.workers:
+        slots = group.replica_slots(replica)
+        w = WorkerMemory(group, replica, plan.device_of(slots), plan.node_of(slots[0]))
+        for name in group.stages:
+            parts = workflow.stages[name].memory(
+                w.device, group.replicas, stage_micro_batch(workflow, plan, name)
+            )
+            if parts is None:
+                w.unknown.append(name)
+            else:
+                w.parts[name] = parts
+        out.append(w)
+    return out
+
+
+def host_memory() -> int:
+    """This machine's physical memory, or its cgroup's memory limit where that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            total = min(total, int(Path(limit).read_text().strip()))
+        except (OSError, ValueError):  # absent, or "max" (no limit)
+            pass
+    return total
+
+
+def gpu_memory(index: int) -> int | None:
+    """Total memory of this machine's GPU ``index``; ``None`` where torch sees no such GPU."""
+    import torch
+
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        return None
+    return torch.cuda.get_device_properties(index).total_memory
+
+
+def memory_problems(workflow: Workflow, plan: ExecutionPlan) -> list[tuple[str, str]]:
+    """``[("trainer.strategy", message)]`` when some device of ``plan`` cannot hold what its workers
+    need (see the module docstring), else ``[]``. The message names the plan, the device, each
+    stage's share and what it is made of, the total against what the device has, and the fixes.
+    Cheap: parameter counts are cached by the policies, so a planner may ask for many plans."""
+    places: dict[str, list[WorkerMemory]] = {}
+    have: dict[str, int | None] = {}
+    host = host_memory() if plan.accelerator == "cpu" else 0
+    for w in worker_memory(workflow, plan):
+        if plan.accelerator == "cpu":
+            place, size = f"node {w.node} (CPU memory)", host
+        else:
+            gpu = int(w.device.split(":")[1]) if ":" in w.device else 0
+            place, size = f"GPU {gpu} of node {w.node}", gpu_memory(gpu)
+        places.setdefault(place, []).append(w)
+        have[place] = size
+    over = [p for p, ws in places.items() if have[p] is not None and sum(w.nbytes for w in ws) > have[p]]
+    if not over:
+        return []
+    place, ws = over[0], places[over[0]]
+    shared = f" shared by {len(ws)} workers" if len(ws) > 1 else ""
+    more = f" (and {len(over) - 1} more devices likewise)" if len(over) > 1 else ""
+    need = gib(sum(w.nbytes for w in ws))
+    head = f"plan {plan.strategy!r} needs {need} on {place}{shared}{more}, which has {gib(have[place])}"
+    fixes = _fixes(ws, have[place], "GPUs" if plan.accelerator != "cpu" else "nodes")
+    return [("trainer.strategy", f"{head}: {_shares(ws)}. Fix: {fixes}")]
+
+
+def _shares(workers: list[WorkerMemory]) -> str:
+    """``"actor 45.1 GiB = ...; rollout 3.2 GiB = 2.9 GiB ... + 0.3 GiB ..."`` over the workers."""
+    names = list(dict.fromkeys(s for w in workers for s in w.parts))
+    names.sort(key=lambda s: -sum(w.stage_bytes(s) for w in workers))
+    out = []
+    for name in names:
+        holders = [w for w in workers if name in w.parts]
+        total = sum(w.stage_bytes(name) for w in holders)
+        if not total:
+            continue
+        parts = [p for p in holders[0].parts[name] if p.nbytes]
+        made_of = parts[0].what if len(parts) == 1 else " + ".join(f"{gib(p.nbytes)} {p.what}" for p in parts)
+        per = f" ({len(holders)} replicas x {gib(total / len(holders))})" if len(holders) > 1 else ""
+        out.append(f"{name} {gib(total)}{per} = {made_of}")
+    if any(w.group.context_switch for w in workers):
+        out.append("stages that take turns (context switching) count their largest share only")
+    unknown = sorted({s for w in workers for s in w.unknown})
+    if unknown:
+        out.append(f"not counted (no estimate): {', '.join(unknown)}")
+    return "; ".join(out)
+
+
+def _fixes(workers: list[WorkerMemory], have: int, devices: str) -> str:
+    """What would shrink the need: always a smaller model or more devices; context switching where
+    it alone would fit; then what the stages' parts suggest (a lower precision, a bf16 rollout)."""
+    key = "trainer.devices, trainer.num_nodes" if devices == "GPUs" else "trainer.num_nodes"
+    fixes = [
+        "a smaller model",
+        f"more {devices} ({key}) with the actor sharded (trainer.train_strategy=fsdp) or the stages "
+        "apart (trainer.strategy=disaggregated)",
+    ]
+    turns = sum(max([w.stage_bytes(s) for s in w.parts] or [0]) for w in workers)
+    if turns <= have and not all(w.group.context_switch for w in workers):
+        fixes.append(f"trainer.strategy=collocated_offload (stages take turns: {gib(turns)})")
+    fixes += list(dict.fromkeys(p.fix for w in workers for ps in w.parts.values() for p in ps if p.fix))
+    return "; or ".join(fixes)

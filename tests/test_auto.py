@@ -184,7 +184,7 @@ def test_retuning_switches_granularity_within_three_iterations_of_a_cost_change(
     assert all(mb[it] >= 32 for it in range(switched[0], change + 5)), mb
 
 
-def test_rlinf_plan_ranks_a_cluster_from_a_saved_profile(tmp_path, capsys):
+def test_rlinf_plan_ranks_a_cluster_from_a_saved_profile(assets, tmp_path, capsys):
     from rlinf_lightning.cli import main
     from rlinf_lightning.flow.placement import parse_placement
 
@@ -194,6 +194,8 @@ def test_rlinf_plan_ranks_a_cluster_from_a_saved_profile(tmp_path, capsys):
     prof.stages["actor"] = StageCost(0.03, 0.0002, end_s=0.005)
     path = prof.save(tmp_path / "profile.json")
     argv = ["plan", "--config", "configs/math_grpo_tiny.yaml", "--profile", str(path)]
+    argv += ["--policy.model_path", str(assets["sft"]), "--task.train_path", str(assets["train"])]
+    argv += ["--task.test_path", str(assets["test"])]
     assert main([*argv, "--devices", "8", "--num_nodes", "2", "--speedup", "{rollout: 2.0}"]) == 0
     out = capsys.readouterr().out
     assert "plans for 2 node(s) x 8 device(s)" in out and " 1. " in out and " 5. " in out
@@ -203,5 +205,5 @@ def test_rlinf_plan_ranks_a_cluster_from_a_saved_profile(tmp_path, capsys):
     assert int(next(ln for ln in out.splitlines() if ln.startswith("micro_batch_size: ")).split()[-1]) > 0
 
     (tmp_path / "broken.json").write_text("{")
-    assert main([*argv[:3], "--profile", str(tmp_path / "broken.json")]) == 2
+    assert main([*argv[:3], "--profile", str(tmp_path / "broken.json"), *argv[5:]]) == 2
     assert "broken.json: not a readable profile" in capsys.readouterr().err

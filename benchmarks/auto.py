@@ -33,12 +33,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from children import recipe_assets, run_child
+
 WARMUP = 5
 PROFILING_ITERATIONS = 2
 COLLOCATED = "rlinf_lightning.strategies.CollocatedStrategy"
@@ -76,19 +75,6 @@ PLANS = {
         "auto": ("auto", "processes", 2, None),
     },
 }  # fmt: skip
-
-
-def prepare(work: Path) -> dict[str, str]:
-    """The math recipe's warm-started model and data (reused from `rlinf sft` when present)."""
-    from rlinf_lightning.assets import build_warm_started, is_model_dir
-
-    sft, data = ROOT / "artifacts" / "tiny-qwen2-sft", ROOT / "data" / "arithmetic"
-    if is_model_dir(sft) and (data / "train.jsonl").is_file():
-        return {"model": str(sft), "train": str(data / "train.jsonl"), "test": str(data / "test.jsonl")}
-    a = build_warm_started(
-        work, n_train=20000, n_test=500, steps=300, batch_size=64, eval_size=500, num_threads=2
-    )
-    return {"model": str(a["sft"]), "train": str(a["train"]), "test": str(a["test"])}
 
 
 def run_one(spec: dict) -> dict:
@@ -146,15 +132,8 @@ def placement_of(plan) -> str:
 
 
 def child(spec: dict) -> dict:
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, cwd=ROOT,
-        env={**os.environ},
-    )  # fmt: skip
-    if out.returncode:
-        raise RuntimeError(f"{spec['workload']} {spec['name']} failed:\n{out.stderr[-4000:]}")
-    lines = out.stdout.strip().splitlines()
-    auto_lines = [ln for ln in lines if ln.startswith(("auto:", "  "))]
-    return {**json.loads(lines[-1]), "log": auto_lines}
+    lines = run_child(__file__, spec, f"{spec['workload']} {spec['name']}")
+    return {**json.loads(lines[-1]), "log": [ln for ln in lines if ln.startswith(("auto:", "  "))]}
 
 
 def _reference(plans: dict, placement: str) -> str | None:
@@ -173,7 +152,7 @@ def main() -> None:
         print(json.dumps(run_one(json.loads(args.child))))
         return
     work = Path(tempfile.mkdtemp(prefix="rlinf-auto-"))
-    assets = prepare(work)
+    assets = recipe_assets(work)
     print(f"cores: {os.cpu_count()}; 2 slots; {args.iterations} iterations per run; {args.rounds} rounds")
     result: dict = {}
     for workload in args.workloads.split(","):

@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from children import run_child
+
 HYBRID = "rlinf_lightning.strategies.HybridStrategy"
 # The VLA is sized so that its inference costs about what ManiSkill's CPU simulation and rendering
 # of the same envs do (~250 ms for 8 envs here; 5 layers of width 512, 21 M parameters), the regime
@@ -140,13 +138,7 @@ def _rollout_windows(events: list[dict], iterations: int) -> list[float]:
 
 
 def child(spec: dict) -> dict:
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, cwd=ROOT,
-        env={**os.environ},
-    )  # fmt: skip
-    if out.returncode:
-        raise RuntimeError(f"{spec['workload']} {spec['name']} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(run_child(__file__, spec, f"{spec['workload']} {spec['name']}")[-1])
 
 
 def main() -> None:

@@ -25,12 +25,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from children import recipe_assets, run_child
+
 # Offload frees a stage's tensors and re-allocates them at its next turn. glibc's default heap
 # keeps freed large blocks (its mmap threshold grows after frees), so RSS would measure heap
 # history rather than live memory; with a fixed threshold freed blocks >= 64 KiB return to the OS.
@@ -61,22 +60,6 @@ PLANS = {
         for p in HYBRID_PLACEMENTS
     },
 }
-
-
-def prepare(work: Path) -> dict[str, str]:
-    """The recipe's warm-started model and data (reused from `rlinf sft` when present)."""
-    from rlinf_lightning.assets import is_model_dir
-
-    sft = ROOT / "artifacts" / "tiny-qwen2-sft"
-    data = ROOT / "data" / "arithmetic"
-    if is_model_dir(sft) and (data / "train.jsonl").is_file():
-        return {"model": str(sft), "train": str(data / "train.jsonl"), "test": str(data / "test.jsonl")}
-    from rlinf_lightning.assets import build_warm_started
-
-    a = build_warm_started(
-        work, n_train=20000, n_test=500, steps=300, batch_size=64, eval_size=500, num_threads=2
-    )
-    return {"model": str(a["sft"]), "train": str(a["train"]), "test": str(a["test"])}
 
 
 def run_one(spec: dict) -> dict:
@@ -125,16 +108,7 @@ def run_one(spec: dict) -> dict:
 
 
 def child(spec: dict, env: dict[str, str] | None = None) -> dict:
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-    )
-    if out.returncode:
-        raise RuntimeError(f"{spec} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(run_child(__file__, spec, str(spec), env)[-1])
 
 
 def main() -> None:
@@ -148,7 +122,7 @@ def main() -> None:
         return
 
     work = Path(tempfile.mkdtemp(prefix="rlinf-bench-"))
-    assets = prepare(work)
+    assets = recipe_assets(work)
     print(
         f"cores: {os.cpu_count()}; every plan gets devices=2 (two slots);"
         f" {args.iterations} iterations x 128 samples"

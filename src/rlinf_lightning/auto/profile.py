@@ -72,8 +72,7 @@ class Profile:
         launch_s: seconds from launching the workers to their first iteration (what a change of
             placement costs: the workers are started anew).
         accelerator: what one slot was (``cpu``: a core, one torch thread; ``cuda``: a GPU).
-        points: per stage, the ``(micro_batch, seconds)`` calls behind its fit (kept, so that a
-            re-fit can replace the stale ones).
+        points: per stage, the ``(micro_batch, seconds)`` calls behind its fit.
         end_samples, sync_samples: per stage, the measured end-of-iteration and sync seconds.
     """
 
@@ -117,12 +116,8 @@ class Profile:
         for stage, d in sync.items():
             self.sync_samples.setdefault(stage, []).append(d)
 
-    def refit(self, recent: dict[str, list[tuple[int, float]]] | None = None) -> None:
-        """Fit every stage from its points. ``recent``: newer points that replace older ones at
-        the same micro-batch sizes (the workload drifted: what was measured at a size is stale)."""
-        for stage, pts in (recent or {}).items():
-            sizes = {n for n, _ in pts}
-            self.points[stage] = [p for p in self.points.get(stage, []) if p[0] not in sizes] + pts
+    def refit(self) -> None:
+        """Fit every stage from its points, end-of-iteration and sync samples."""
         for stage, pts in self.points.items():
             end = statistics.median(self.end_samples[stage]) if self.end_samples.get(stage) else 0.0
             self.stages[stage] = StageCost.fit(pts, end)

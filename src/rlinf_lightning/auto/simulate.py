@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from rlinf_lightning.auto.profile import Profile
 from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroup
 from rlinf_lightning.flow.wiring import Link, wire
+from rlinf_lightning.flow.worker import turns_of
 from rlinf_lightning.flow.workflow import SOURCE, Workflow
 
 
@@ -50,25 +51,12 @@ class _Worker:
     done: set[str] = field(default_factory=set)
 
 
-def _turns(workflow: Workflow, group: WorkerGroup) -> list[list[str]]:
-    order = [n for n in workflow.order if n in group.stages]
-    if group.schedule == "interleaved":
-        return [order]
-    turns: list[list[str]] = []
-    for n in order:
-        lp = workflow.loop_of(n)
-        if lp is not None and n == lp.body and lp.head in group.stages:
-            continue
-        turns.append([n] + ([lp.body] if lp and n == lp.head and lp.body in group.stages else []))
-    return turns
-
-
 class _Sim:
     def __init__(self, workflow: Workflow, plan: ExecutionPlan, profile: Profile, batch: int) -> None:
         self.wf, self.plan, self.profile = workflow, plan, profile
         self.links: dict[str, Link] = wire(workflow, plan)
         self.mb = plan.micro_batch_size[workflow.source_edge.channel]
-        self.workers = [_Worker(g, r, _turns(workflow, g)) for g, r in plan.workers]
+        self.workers = [_Worker(g, r, turns_of(workflow, g)) for g, r in plan.workers]
         self.by_slot = {(w.group.name, w.replica): w for w in self.workers}
         self.queues: dict[tuple[str, int | None], list[_Msg]] = {}
         self.done_at: dict[tuple[str, int], float] = {}  # (stage, replica) -> end of its iteration

@@ -51,6 +51,21 @@ class StageError(RuntimeError):
         return (StageError, (self.stage, self.worker, self.tb))
 
 
+def turns_of(workflow: Workflow, group: WorkerGroup) -> list[list[str]]:
+    """The stages a worker of ``group`` runs together: all of them (interleaved), or one at a
+    time in data order (sequential) with a loop's head and body on the group as one turn."""
+    order = [n for n in workflow.order if n in group.stages]
+    if group.schedule == "interleaved":
+        return [order]
+    turns: list[list[str]] = []
+    for n in order:
+        lp = workflow.loop_of(n)
+        if lp is not None and n == lp.body and lp.head in group.stages:
+            continue  # runs in its head's turn
+        turns.append([n] + ([lp.body] if lp and n == lp.head and lp.body in group.stages else []))
+    return turns
+
+
 @dataclass
 class _StageRun:
     """One stage's progress through the current iteration."""
@@ -105,25 +120,12 @@ class Worker:
                 for parity, ports in enumerate(self.port_sets):
                     ports[ch] = Port(link, queues, replica, local, parity)
         self.ports = self.port_sets[0]
-        self.turns = self._turns()
+        self.turns = turns_of(workflow, group)
         self.sync_meet = dict(sync_meet or {})
         self._sync_groups: dict[str, Any] = {}
         self._broadcasts: list[tuple[Port, Any]] = []  # (port, state) to broadcast after the turns
 
     # -- what runs when --------------------------------------------------------------------------
-    def _turns(self) -> list[list[str]]:
-        """Stages that run together: all of them (interleaved), or one at a time in data order
-        (sequential) with a loop's head and body on this worker as one turn."""
-        order = [n for n in self.workflow.order if n in self.stages]
-        if self.group.schedule == "interleaved":
-            return [order]
-        turns: list[list[str]] = []
-        for n in order:
-            lp = self.workflow.loop_of(n)
-            if lp is not None and n == lp.body and lp.head in self.stages:
-                continue  # runs in its head's turn
-            turns.append([n] + ([lp.body] if lp and n == lp.head and lp.body in self.stages else []))
-        return turns
 
     def _inputs(self, name: str) -> list[Port]:
         wf = self.workflow

@@ -9,7 +9,6 @@ same weights; or loaded from a directory written by :meth:`save_pretrained`.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from rlinf_lightning.policies.module import RLModule
+from rlinf_lightning.policies.module import RLModule, count_without_loading
 
 
 def _layer(n_in: int, n_out: int, gain: float) -> nn.Linear:
@@ -140,15 +139,7 @@ class MLPActorCritic(RLModule):
     def parameter_count(self) -> int | None:
         """Counted on the meta device from the sizes; a saved model's config.json is read, its
         weights are not (the generic count would load them)."""
-        if self.model_path is None or self.model is not None:
-            return super().parameter_count()
-        probe = copy.deepcopy(self)
-        try:
-            probe._load_config()
-        except (OSError, ValueError, KeyError):
-            return None
-        probe.model_path = None  # the same architecture, built instead of loaded
-        return probe.parameter_count()
+        return count_without_loading(self)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         assert self.model is not None, "configure_model() first"

@@ -81,3 +81,18 @@ class RLModule(torch.nn.Module):
         out = {name: total / calls for name, (total, calls) in self._logged.items()}
         self._logged = {}
         return out
+
+
+def count_without_loading(policy: RLModule) -> int | None:
+    """:meth:`RLModule.parameter_count` for a policy whose ``configure_model`` loads the weights
+    in ``policy.model_path``: a copy reads only the saved config (``_load_config``) and counts the
+    same architecture built on the meta device instead."""
+    if policy.model_path is None or policy.model is not None:
+        return RLModule.parameter_count(policy)
+    probe = copy.deepcopy(policy)
+    try:
+        probe._load_config()
+    except (OSError, ValueError, KeyError):
+        return None
+    probe.model_path = None  # the same architecture, built instead of loaded
+    return RLModule.parameter_count(probe)

@@ -30,7 +30,6 @@ shapes whatever its instructions.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import tempfile
@@ -42,7 +41,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 
-from rlinf_lightning.policies.module import RLModule
+from rlinf_lightning.policies.module import RLModule, count_without_loading
 
 #: Action bins per dimension; they are the top ``NUM_BINS`` ids of the vocabulary.
 NUM_BINS = 256
@@ -414,15 +413,7 @@ class TinyVLA(RLModule):
     def parameter_count(self) -> int | None:
         """Counted on the meta device from the sizes; a saved model's config.json is read, its
         weights are not (the generic count would load them)."""
-        if self.model_path is None or self.model is not None:
-            return super().parameter_count()
-        probe = copy.deepcopy(self)
-        try:
-            probe._load_config()
-        except (OSError, ValueError, KeyError):
-            return None
-        probe.model_path = None  # the same architecture, built instead of loaded
-        return probe.parameter_count()
+        return count_without_loading(self)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         assert self.model is not None, "configure_model() first"

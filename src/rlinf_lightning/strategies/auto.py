@@ -35,6 +35,7 @@ from pathlib import Path
 from rlinf_lightning.auto.profile import Profile
 from rlinf_lightning.auto.search import KINDS, Candidate, candidates, describe
 from rlinf_lightning.auto.simulate import simulate
+from rlinf_lightning.flow.memory import memory_problems
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.worker import Span
 from rlinf_lightning.flow.workflow import Workflow
@@ -116,15 +117,7 @@ class AutoStrategy(Strategy):
 
     def rank(self) -> list[Candidate]:
         assert self.profile is not None
-        fits = None
-        try:
-            from rlinf_lightning.flow.memory import memory_problems
-
-            def fits(plan: ExecutionPlan) -> bool:
-                return not memory_problems(self.workflow, plan)
-        except ImportError:
-            pass
-        return self._candidates(self.profile, fits)
+        return self._candidates(self.profile)
 
     def on_launch(self, info: RunInfo) -> None:
         self.info, self.queued = info, False
@@ -243,7 +236,12 @@ class AutoStrategy(Strategy):
         return Replan(best.plan, reason)
 
     # -- helpers -------------------------------------------------------------------------------------------
-    def _candidates(self, profile: Profile, fits=None) -> list[Candidate]:
+    def _candidates(self, profile: Profile) -> list[Candidate]:
+        """Every candidate that fits in memory, ranked under ``profile``."""
+
+        def fits(plan: ExecutionPlan) -> bool:
+            return not memory_problems(self.workflow, plan)
+
         return candidates(self.workflow, self.resources, self.batch, profile, fits, self.kinds)
 
     def _is_current(self, c: Candidate) -> bool:

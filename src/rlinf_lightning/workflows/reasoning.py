@@ -238,6 +238,9 @@ class RewardStage(Stage):
     def setup(self, ctx: StageContext) -> None:
         self.correct_fn = REWARDS.get(self.reward)
         self.format_fn = REWARDS.get(self.format_reward) if self.format_reward else None
+        for fn in (self.correct_fn, self.format_fn):
+            if hasattr(fn, "warm_up"):  # one-time set-up paid here, not in an iteration
+                fn.warm_up()
         self.stats = _Mean()
 
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:

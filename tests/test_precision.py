@@ -111,3 +111,49 @@ def test_a_bf16_rollout_shows_its_mismatch_and_tis_weights_it(assets, tmp_path):
     assert exact["actor/approx_kl"] < 1e-6
     assert bf16["actor/approx_kl"] > 100 * max(exact["actor/approx_kl"], 1e-9)
     assert 0.0 < bf16["actor/tis_weight"] <= 2.0
+
+
+def _attention_ops(policy: LMPolicy, batch, bf16: bool, grad: bool) -> set[str]:
+    """The scaled-dot-product-attention kernels one forward_logprobs ran."""
+    from torch.profiler import profile
+
+    with profile() as prof, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.set_grad_enabled(grad):
+            policy.forward_logprobs(batch, 1.0)
+    return {e.key for e in prof.key_averages() if "attention" in e.key or e.key == "aten::bmm"}
+
+
+def test_a_bf16_training_forward_on_cpu_takes_the_math_attention_kernel_with_the_same_gradient(assets):
+    """PyTorch's CPU flash-attention backward is slow in bf16; a bf16 training forward takes the
+    math kernel (matmuls) instead, and only there. The gradient is the flash kernel's, to bf16."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from rlinf_lightning.policies import lm
+
+    batch = _batch(str(assets["sft"]))
+    policy = LMPolicy(str(assets["sft"]))
+    policy.configure_model()
+    flash = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    assert flash not in _attention_ops(policy, batch, bf16=True, grad=True)
+    assert "aten::bmm" in _attention_ops(policy, batch, bf16=True, grad=True)
+    assert flash in _attention_ops(policy, batch, bf16=True, grad=False)  # rollout / inference
+    assert flash in _attention_ops(policy, batch, bf16=False, grad=True)  # float32 training
+
+    def grad(force_flash: bool) -> torch.Tensor:
+        policy.model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if force_flash:
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    original = lm.MATH_ATTENTION_MAX_BYTES
+                    lm.MATH_ATTENTION_MAX_BYTES = 0  # scores "too big": the default kernel stays
+                    try:
+                        logp = policy.forward_logprobs(batch, 1.0)
+                    finally:
+                        lm.MATH_ATTENTION_MAX_BYTES = original
+            else:
+                logp = policy.forward_logprobs(batch, 1.0)
+        (logp * batch["response_mask"]).sum().backward()
+        return torch.cat([p.grad.float().reshape(-1) for p in policy.model.parameters()])
+
+    math, flash_grad = grad(False), grad(True)
+    assert torch.nn.functional.cosine_similarity(math, flash_grad, dim=0) > 0.999

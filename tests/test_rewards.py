@@ -123,11 +123,12 @@ def test_math_verify_with_one_sympy_namespace_scores_as_plain_math_verify_and_fa
 
     from sympy.parsing import sympy_parser
 
-    from rlinf_lightning.rewards import REWARDS, _share_sympy_namespace
+    from rlinf_lightning.judge import share_sympy_namespace
+    from rlinf_lightning.rewards import REWARDS
 
     fn = REWARDS.get("math_verify")
     assert [fn(c, a) for c, a in SCORED] == _plain_math_verify(SCORED)
-    _share_sympy_namespace()
+    share_sympy_namespace()
     shared = sympy_parser.parse_expr
     numbers = [str(n) for n in range(200)]
 

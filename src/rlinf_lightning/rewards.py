@@ -14,129 +14,55 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Callable
-from functools import cache, lru_cache
 from typing import Any
 
+from rlinf_lightning import judge
+from rlinf_lightning.judge import MATH_VERIFY_TIMEOUT_S
 from rlinf_lightning.registry import Registry
 
 RewardFn = Callable[[str, str], float]
 REWARDS: Registry[RewardFn] = Registry("reward")
 
 
-#: whole seconds (SIGALRM) math-verify may spend on one completion before it scores 0.0
-MATH_VERIFY_TIMEOUT_S = 5
-
-
-@lru_cache(maxsize=65536)
-def _parse_gold(answer: str, timeout: int):
-    from math_verify import parse
-
-    return parse(answer, parsing_timeout=timeout)
-
-
-@cache
-def _share_sympy_namespace() -> None:
-    """Give sympy's parser, in this process, its namespace built once.
-
-    ``parse_expr`` without a ``global_dict`` builds one per call by running ``exec("from sympy
-    import *")``, and math-verify reaches it for every number it reads (``Number("12")`` goes
-    through ``sympify``): that import was 80% of math-verify's time per completion here (profiled:
-    0.49 of 0.61 s over 1257 numbers). The namespace is the same every time, so ``parse_expr``
-    (sympy's, which ``sympify`` imports at each call, and math-verify's own reference) becomes a
-    wrapper that passes a copy of one built here (a copy, because ``eval`` may add to it). Every
-    result is the same; only the rebuilding is gone."""
-    import builtins
-    import types
-
-    from math_verify import parser
-    from sympy import Max, Min
-    from sympy.parsing import sympy_parser
-
-    original, standard = sympy_parser.parse_expr, sympy_parser.standard_transformations
-    namespace: dict[str, Any] = {}
-    exec("from sympy import *", namespace)  # what parse_expr itself runs, once
-    namespace.update({k: v for k, v in vars(builtins).items() if isinstance(v, types.BuiltinFunctionType)})
-    namespace.update(max=Max, min=Min)
-
-    def parse_expr(s, local_dict=None, transformations=standard, global_dict=None, evaluate=True):
-        global_dict = dict(namespace) if global_dict is None else global_dict
-        return original(s, local_dict, transformations, global_dict, evaluate)
-
-    parse_expr.__doc__, parse_expr.__wrapped__ = original.__doc__, original  # type: ignore[attr-defined]
-    sympy_parser.parse_expr = parser.parse_expr = parse_expr
-
-
-#: what sympy sets up lazily the first time math-verify meets each kind of expression (a power
-#: took 240 ms, a product 19 ms): judged once where a judge starts, not inside a training step
-_WARM_UP = (("3^1", "39"), ("3*2", "6"), ("1/2", "0.5"), ("\\frac{1}{2}", "0.5"), ("x+1", "2"), ("12", "12"))
-
-
-def _judge(completion: str, answer: str, timeout_s: int) -> float:
-    """math-verify in the calling (main) thread, under its own SIGALRM timeouts."""
-    from math_verify import parse, verify
-
-    _share_sympy_namespace()
-    gold = _parse_gold(answer, timeout_s)
-    pred = parse(completion, parsing_timeout=timeout_s)
-    if not pred or not gold:
-        return 0.0
-    return 1.0 if verify(gold, pred, timeout_seconds=timeout_s) else 0.0
-
-
-def _judge_loop(conn, parent_pid: int) -> None:
-    """The judge process: for each ``(pairs, timeout_s)`` request, judges the ``(completion,
-    answer)`` pairs in its main thread and sends each score as soon as it has it."""
-    from rlinf_lightning.flow.lifetime import exit_with_parent
-
-    exit_with_parent(parent_pid)
-    _warm_up()  # before "ready", so start-up is not charged to a call
-    conn.send("ready")
-    while True:
-        try:
-            pairs, timeout_s = conn.recv()
-        except EOFError:
-            return
-        for completion, answer in pairs:
-            conn.send(_judge(completion, answer, timeout_s))
-
-
 class _JudgeProcess:
     """math-verify's timeouts use SIGALRM, which only works in a process's main thread, and one
     pathological completion (``9^{9^{9^{9}}}``) keeps sympy busy for minutes. Off the main thread
-    (the ``inprocess`` launcher's workers are threads), calls go to a child process that runs them
-    in its main thread, a micro-batch per request; if a completion is not judged within twice the
-    timeout the process is killed, the completion scores 0.0, and the rest go to a new process.
-    Starting one takes about 2 s (a spawned interpreter imports this package), so they are kept
-    (:class:`_JudgePool`)."""
+    (the ``inprocess`` launcher's workers are threads), calls go to a child process
+    (:mod:`rlinf_lightning.judge`, run by path) that runs them in its main thread, a micro-batch per
+    request; if a completion is not judged within twice the timeout the process is killed, the
+    completion scores 0.0, and the rest go to a new process. Starting one takes about half a second
+    (math-verify's import and warm-up), so they are kept (:class:`_JudgePool`)."""
 
     def __init__(self) -> None:
         self.proc: Any = None
         self.conn: Any = None
 
     def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_judge_loop, args=(child, os.getpid()), daemon=True, name="rlinf-judge"
+        self.conn, child = multiprocessing.Pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, judge.__file__, str(os.getpid()), str(child.fileno())],
+            pass_fds=(child.fileno(),),
+            stdin=subprocess.DEVNULL,
         )
-        self.proc.start()
         child.close()
         try:
             ready = self.conn.poll(120) and self.conn.recv() == "ready"
         except EOFError:
             ready = False
         if not ready:
-            code = self.proc.exitcode
+            code = self.proc.poll()
             self.close()
             raise RuntimeError(f"the math-verify judge process did not start (exit code {code})")
 
     def __call__(self, pairs: list[tuple[str, str]], timeout_s: int) -> list[float]:
         scores: list[float] = []
         while len(scores) < len(pairs):
-            if self.proc is None or not self.proc.is_alive():
+            if self.proc is None or self.proc.poll() is not None:
                 self._start()
             rest = pairs[len(scores) :]
             self.conn.send((rest, timeout_s))
@@ -156,7 +82,7 @@ class _JudgeProcess:
     def close(self) -> None:
         if self.proc is not None:
             self.proc.kill()
-            self.proc.join(5)
+            self.proc.wait(5)
             self.conn.close()
         self.proc = self.conn = None
 
@@ -172,27 +98,21 @@ class _JudgePool:
 
     def __call__(self, pairs: list[tuple[str, str]], timeout_s: int) -> list[float]:
         with self._lock:
-            judge = self._free.pop() if self._free else _JudgeProcess()
+            process = self._free.pop() if self._free else _JudgeProcess()
         try:
-            return judge(pairs, timeout_s)
+            return process(pairs, timeout_s)
         finally:
             with self._lock:
-                self._free.append(judge)
+                self._free.append(process)
 
     def close(self) -> None:
         with self._lock:
             judges, self._free = self._free, []
-        for judge in judges:
-            judge.close()
+        for process in judges:
+            process.close()
 
 
 _judges = _JudgePool()
-
-
-def _warm_up() -> None:
-    """Judge :data:`_WARM_UP` in this (main) thread, so that sympy's lazy set-up is paid now."""
-    for completion, answer in _WARM_UP:
-        _judge(completion, answer, MATH_VERIFY_TIMEOUT_S)
 
 
 def close_judges() -> None:
@@ -213,7 +133,7 @@ def _math_verify_batch(
 ) -> list[float]:
     pairs = list(zip(completions, answers))
     if threading.current_thread() is threading.main_thread():
-        return [_judge(c, a, timeout_s) for c, a in pairs]
+        return [judge.judge(c, a, timeout_s) for c, a in pairs]
     return _judges(pairs, timeout_s)
 
 
@@ -221,7 +141,7 @@ def _warm_up_here() -> None:
     """Pay math-verify's one-time set-up now when calls will judge in this (main) thread; off it
     they go to judge processes, which warm up when they start."""
     if threading.current_thread() is threading.main_thread():
-        _warm_up()
+        judge.warm_up()
 
 
 math_verify_reward.batch = _math_verify_batch  # type: ignore[attr-defined]

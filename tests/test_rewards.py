@@ -145,3 +145,21 @@ def test_math_verify_with_one_sympy_namespace_scores_as_plain_math_verify_and_fa
     finally:
         sympy_parser.parse_expr = shared
     assert slow > 2 * fast, (slow, fast)
+
+
+def test_a_judge_process_runs_by_path_without_importing_torch():
+    """The judge process (math-verify off a main thread) is judge.py run by path: it loads
+    math-verify, never this package and the torch it imports, which is what makes it quick to start."""
+    import psutil
+
+    from rlinf_lightning.rewards import _JudgeProcess
+
+    judge = _JudgeProcess()
+    try:
+        assert judge([("\\boxed{7}", "7"), ("8", "9")], 5) == [1.0, 0.0]
+        libraries = {m.path for m in psutil.Process(judge.proc.pid).memory_maps()}
+        assert not any("libtorch" in path for path in libraries), sorted(libraries)
+        assert judge.proc.args[1].endswith("rlinf_lightning/judge.py")
+    finally:
+        judge.close()
+    assert judge.proc is None

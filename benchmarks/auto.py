@@ -36,7 +36,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from children import recipe_assets, run_child
+from children import parse_args, recipe_assets, run_child
 
 WARMUP = 5
 PROFILING_ITERATIONS = 2
@@ -146,10 +146,8 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workloads", default="math,embodied")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        print(json.dumps(run_one(json.loads(args.child))))
+    args = parse_args(ap, run_one)
+    if args is None:
         return
     work = Path(tempfile.mkdtemp(prefix="rlinf-auto-"))
     assets = recipe_assets(work)

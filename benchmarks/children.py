@@ -3,10 +3,12 @@ a fresh child process (same start-up for every candidate) that prints its result
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,3 +39,14 @@ def run_child(script: str, spec: dict, label: str, env: dict[str, str] | None = 
     if out.returncode:
         raise RuntimeError(f"{label} failed:\n{out.stderr[-4000:]}")
     return out.stdout.strip().splitlines()
+
+
+def parse_args(ap: argparse.ArgumentParser, run_one: Callable[[dict], dict]) -> argparse.Namespace | None:
+    """The benchmark's arguments, or ``None`` when this process is a child (``--child <spec>``, as
+    :func:`run_child` starts it): then ``run_one(spec)`` has run and its result is printed as JSON."""
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(run_one(json.loads(args.child))))
+        return None
+    return args

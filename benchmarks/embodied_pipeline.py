@@ -33,7 +33,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from children import run_child
+from children import parse_args, run_child
 
 HYBRID = "rlinf_lightning.strategies.HybridStrategy"
 # The VLA is sized so that its inference costs about what ManiSkill's CPU simulation and rendering
@@ -146,10 +146,8 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workloads", default="vla,mlp")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        print(json.dumps(run_one(json.loads(args.child))))
+    args = parse_args(ap, run_one)
+    if args is None:
         return
     work = Path(tempfile.mkdtemp(prefix="rlinf-pipeline-"))
     result: dict = {}

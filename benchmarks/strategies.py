@@ -30,7 +30,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from children import recipe_assets, run_child
+from children import parse_args, recipe_assets, run_child
 
 # Offload frees a stage's tensors and re-allocates them at its next turn. glibc's default heap
 # keeps freed large blocks (its mmap threshold grows after frees), so RSS would measure heap
@@ -117,10 +117,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iterations", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--child", type=str, default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        print(json.dumps(run_one(json.loads(args.child))))
+    args = parse_args(ap, run_one)
+    if args is None:
         return
 
     work = Path(tempfile.mkdtemp(prefix="rlinf-bench-"))

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from children import parse_args, run_child
 
 from rlinf_lightning.workflows.reasoning import ActorStage
 
@@ -141,10 +139,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--model", choices=sorted(MODELS), default="14m")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        print(json.dumps(run_one(json.loads(args.child))))
+    args = parse_args(ap, run_one)
+    if args is None:
         return
     from rlinf_lightning.assets import TinyModelConfig, build_tiny_qwen2
 
@@ -157,15 +153,7 @@ def main() -> None:
         res = {}
         for name in CANDIDATES if allocator == "as-shipped" else ("single", "ddp", "fsdp"):
             spec = {"engine": name, "model": str(model), "steps": args.steps, "batch": args.batch}
-            out = subprocess.run(
-                [sys.executable, __file__, "--child", json.dumps(spec)],
-                capture_output=True,
-                text=True,
-                env={**os.environ, **env},
-            )
-            if out.returncode:
-                raise RuntimeError(out.stderr[-3000:])
-            res[name] = r = json.loads(out.stdout.strip().splitlines()[-1])
+            res[name] = r = json.loads(run_child(__file__, spec, f"{allocator} {name}", env)[-1])
             rss = [f"{p:.0f} (+{m:.0f} for the model)" for p, m in r["peak_rss_mb"]]
             state = [round(x, 1) for x in r["state_mb"]]
             print(

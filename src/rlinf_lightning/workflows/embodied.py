@@ -35,6 +35,13 @@ from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.policies.module import RLModule
 from rlinf_lightning.workflows.training import TrainStage, policy_dtype
 
+#: training resets draw their seeds below this and evaluation episodes from it up (episode ``k``
+#: resets with ``EVAL_SEED + k``), so no evaluation episode replays a training episode; both stay
+#: below 2**32, which simulators that seed numpy's ``RandomState`` require
+EVAL_SEED = 2**31
+#: episodic (GRPO) training resets of iteration ``i`` use seeds ``seed + i * EPISODE_SEED_STRIDE + group``
+EPISODE_SEED_STRIDE = 1_000_003
+
 
 @dataclass
 class _Shard:
@@ -126,10 +133,11 @@ class EnvStage(Stage):
         return self._answer(self.shards[int(batch["shard"][0])], batch)
 
     def _seeds(self, first_env: int, n: int) -> list[int]:
+        """Reset seeds of envs ``first_env .. first_env + n``: their group's, below ``EVAL_SEED``."""
         groups = [(first_env + i) // self.group_size for i in range(n)]
-        if self.episodic:  # new episodes (and new group seeds) every iteration
-            return [self.seed + 1_000_003 * self.iteration + g for g in groups]
-        return [self.seed + g for g in groups]
+        # GRPO: new episodes, and new group seeds, every iteration
+        base = self.seed + (EPISODE_SEED_STRIDE * self.iteration if self.episodic else 0)
+        return [(base + g) % EVAL_SEED for g in groups]
 
     def _start(self, shard: int, first_env: int, n: int) -> TensorDict:
         s = self.shards.get(shard)
@@ -222,7 +230,7 @@ class EnvStage(Stage):
             s.env.close()
 
 
-class PolicyStage(Stage):
+class EnvRolloutStage(Stage):
     """Answers the env: actions, their log-probs and values; the values of ended episodes' last
     observations. Takes new weights from the actor once per iteration; evaluates (role ``evaluate``).
     """
@@ -299,7 +307,7 @@ class PolicyStage(Stage):
         }
 
 
-class AdvantageStage(Stage):
+class GAEStage(Stage):
     """GAE over each shard's trajectory; emits its steps as samples (with a global sample id)."""
 
     name = "advantage"
@@ -501,13 +509,13 @@ def embodied_workflow(
     from rlinf_lightning.flow.workflow import Workflow
 
     ppo = hasattr(algorithm, "gae_lambda")
-    advantage = AdvantageStage(algorithm) if ppo else EpisodeAdvantageStage(algorithm)
+    advantage = GAEStage(algorithm) if ppo else EpisodeAdvantageStage(algorithm)
     loss = PPOLoss(algorithm) if ppo else EpisodeGRPOLoss(algorithm)
     actor = PPOActorStage(policy, algorithm, loss, train, num_envs * steps, seed)
     return (
         Workflow("embodied")
         .chain(EnvStage(env, env_kwargs, steps, chunk, seed, group_size, episodic=not ppo), advantage, actor)
-        .add(PolicyStage(policy, seed, chunk))
+        .add(EnvRolloutStage(policy, seed, chunk))
         .loop("env", "rollout", turns=steps + 1)
         .sync("actor", "rollout", "weights")
         .role("train", "actor")

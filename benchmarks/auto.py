@@ -195,9 +195,9 @@ def steady_s(run: dict) -> float:
     return statistics.median(run["times"][WARMUP:])
 
 
-def spread(values: list[float]) -> tuple[float, list[float]]:
+def spread(values: list[float], digits: int = 3) -> tuple[float, list[float]]:
     """(median, [min, max]), rounded."""
-    return round(statistics.median(values), 3), [round(min(values), 3), round(max(values), 3)]
+    return round(statistics.median(values), digits), [round(min(values), digits), round(max(values), digits)]
 
 
 def verdict(values: list[float], worst, bar: float) -> str:
@@ -268,12 +268,12 @@ def summarise(plans: dict, runs: dict[str, list[dict]], iterations: int) -> dict
         if p["errors"][n]:
             predicted = [v for v in preds if not isinstance(v, str)]
             out["predictions"][n] = {
-                "predicted_s": spread(predicted)[0], "measured_s": spread(measured)[0],
+                "predicted_s": spread(predicted, 4)[0], "measured_s": spread(measured, 4)[0],
                 "error": spread(p["errors"][n])[0], "error_spread": spread(p["errors"][n])[1],
                 "profiled": n == PROFILED,
             }  # fmt: skip
         else:
-            out["predictions"][n] = {"measured_s": spread(measured)[0], "not_predicted": preds[0]}
+            out["predictions"][n] = {"measured_s": spread(measured, 4)[0], "not_predicted": preds[0]}
     out["bars"] = {key: verdict(p["figures"][key], worst, bar) for key, (worst, bar) in BARS.items()}
     return out
 

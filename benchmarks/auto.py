@@ -1,6 +1,7 @@
-"""The auto strategy against every fixed plan, on a math and an embodied workload, in one run.
+"""The auto strategy against every fixed plan, on a math and an embodied workload, in one run:
+its whole fit, and its simulator scored on plans it did not run.
 
-    python benchmarks/auto.py [--iterations 30] [--rounds 2] [--workloads math,embodied]
+    python benchmarks/auto.py [--iterations 30] [--rounds 5] [--workloads math,embodied]
 
 Workloads (2 slots; on CPU a slot is a core, one torch thread per slot unless said otherwise):
 
@@ -11,20 +12,44 @@ Workloads (2 slots; on CPU a slot is a core, one torch thread per slot unless sa
   plans: one worker (in-process, 1 and 2 threads), collocated with 2 replicas, and env | policy
   pipelined with 1 and 2 shards per slot (``micro_batches`` 2 and 4).
 
-Every candidate is a fresh process running ``--iterations`` iterations; rounds alternate the
-candidates and the median round counts. Throughput is samples (env steps) per second over the
-iterations after the first five, for every candidate alike; ``auto`` runs with the processes
-launcher and measures its own first two iterations.
+Every candidate is a fresh process running ``--iterations`` iterations. A round runs auto first,
+then every fixed plan; rounds repeat that order, so machine noise hits every candidate in every
+round. Each figure is computed per round (auto against the fixed plans of its round) and reported
+as the median over rounds with its spread (``*_spread``: [min, max] over rounds).
 
-- ``auto_over_best_fixed``: auto's throughput over the best fixed plan's, per workload;
-- ``prediction_error``: |measured - predicted| / measured of the plan auto ran, median over its
-  iterations after the switch (the largest over workloads is reported at top level);
-- ``profiling_fraction``: what profiling cost auto: its profiling iterations' seconds minus the
-  same iterations' seconds under the fixed plan with the placement auto chose, plus the time to
-  start new workers if it changed placement, over the whole auto run's iteration seconds.
-  ``profiling_iterations_share`` is the cruder share of the profiling iterations in the run.
+- ``samples_per_s``: samples (env steps) per second over the iterations after the first five
+  (``WARMUP``), for every candidate alike; ``wall_s``: the whole ``trainer.fit`` from launching
+  the workers to the end (for auto: profiling, search, worker restarts included), with the start
+  and end evaluations every candidate runs; ``outside_iterations_s``: the part of it outside the
+  iterations (launching workers, evaluations, and for auto its search and restarts).
+- ``auto_over_best_fixed``: auto's samples/s over the fixed plan with the best median samples/s
+  (steady state only).
+- ``auto_wall_over_best_fixed``: the wall time of the fixed plan with the best median wall time
+  over auto's (a speed ratio: 0.9 means auto's whole fit took 1/0.9 as long).
+- ``prediction_error_unprofiled``: auto's simulator out of sample. From the profile auto saved in
+  its run (``profile.json``, written after its two profiling iterations), before any fixed plan
+  of the round runs, each fixed plan is built as its own run would build it (same strategy,
+  resources, batch shape) and simulated; error = |measured - predicted| / measured, measured being
+  the plan's median seconds per iteration after the warm-up. The figure is the median over the
+  fixed plans; ``predictions`` gives each plan's. A plan the simulator does not model (a worker
+  spanning both slots, with two threads: the profile measured one-thread slots) is listed there
+  with the reason and left out of the median. One fixed plan, ``collocated``, has the placement
+  and granularity auto profiled in (``profiled: true``): its run is separate, but the simulator was
+  calibrated on that plan's second iteration in auto's run.
+- ``prediction_error_in_sample``: auto's own ``auto/predicted_s`` against its measured iterations
+  after profiling, median: in sample (the overhead is calibrated on, and re-tuning re-fits from,
+  the very iterations it is scored on); a check of the re-tuning loop, not of the simulator.
+- ``profiling_fraction``: what auto cost once, over its wall time: its wall time minus that of the
+  fixed plan with the placement auto ran (``auto_reference_plan``), less the steady-state
+  difference (iterations after the warm-up x the difference of their median seconds). It counts
+  everything auto does once: the profiling iterations, the search and simulations, a restart of
+  the workers and the warm-up after it. Reported raw: negative when the noise between two runs
+  exceeds the cost. ``profiling_iterations_share`` is the cruder share of the profiling iterations
+  and restarts in auto's iteration seconds.
+- ``bars``: per figure with a bar (``BARS``), ``met`` (every round meets it), ``missed`` (no
+  round does) or ``straddles`` (the spread crosses the bar: the median alone says which side).
 
-The last line is one JSON object.
+The last line is one JSON object; its top level holds each figure's worst workload.
 """
 
 from __future__ import annotations
@@ -40,17 +65,19 @@ from children import parse_args, recipe_assets, run_child
 
 WARMUP = 5
 PROFILING_ITERATIONS = 2
+BARS = {"prediction_error_unprofiled": (max, 0.20), "auto_wall_over_best_fixed": (min, 0.90)}
 COLLOCATED = "rlinf_lightning.strategies.CollocatedStrategy"
 HYBRID = "rlinf_lightning.strategies.HybridStrategy"
 ONE_WORKER = {"class_path": COLLOCATED, "init_args": {"replicas": 1}}
 ENV_SPLIT = "env: 0, rollout,advantage,actor: 1"
+AUTO = ("auto", "processes", 2, None)
 
 
 def _hybrid(placement: str, micro_batches: int = 4) -> dict:
     return {"class_path": HYBRID, "init_args": {"placement": placement, "micro_batches": micro_batches}}
 
 
-# name -> (strategy, launcher, devices, the placement auto's search calls it by)
+# fixed plans: name -> (strategy, launcher, devices, the placement auto's search calls it by)
 PLANS = {
     "math": {
         "collocated_1worker": (ONE_WORKER, "inprocess", 2, None),
@@ -64,7 +91,6 @@ PLANS = {
             _hybrid("rollout,reward,advantage: 0, inference,actor: 1"), "processes", 2,
             "rollout,reward,advantage: 0, inference,actor: 1",
         ),
-        "auto": ("auto", "processes", 2, None),
     },
     "embodied": {
         "collocated_1worker[t1]": (ONE_WORKER, "inprocess", 1, None),
@@ -72,17 +98,57 @@ PLANS = {
         "collocated": ("collocated", "processes", 2, "collocated"),
         "pipelined[2]": (_hybrid(ENV_SPLIT, 2), "processes", 2, ENV_SPLIT),
         "pipelined[4]": (_hybrid(ENV_SPLIT, 4), "processes", 2, ENV_SPLIT),
-        "auto": ("auto", "processes", 2, None),
     },
 }  # fmt: skip
+PROFILED = "collocated"  # the fixed plan with auto's profiling placement and granularity
 
 
-def run_one(spec: dict) -> dict:
-    """Child process: one fit; per-iteration seconds, and auto's predictions."""
-    from rlinf_lightning import Callback, LMPolicy, RLTrainer, SamplingParams
+def _build(spec: dict):
+    """The trainer, policy and task of one candidate, and its samples per iteration."""
+    from rlinf_lightning import LMPolicy, RLTrainer, SamplingParams
     from rlinf_lightning.algorithms import PPO
     from rlinf_lightning.policies import MLPActorCritic
     from rlinf_lightning.tasks import EmbodiedTask, MathTask
+
+    common = dict(
+        strategy=spec["strategy"], launcher=spec["launcher"], devices=spec["devices"],
+        max_iterations=spec["iterations"], default_root_dir=spec["run_dir"], logger=False,
+        enable_progress_bar=False, callbacks=spec.get("callbacks", []), seed=0, timeout_s=600,
+        precision="32-true",
+    )  # fmt: skip
+    if spec["workload"] == "math":
+        task = MathTask(
+            spec["train"], spec["test"], eval_size=8, group_size=8, rollout_batch_size=128,
+            sampling=SamplingParams(temperature=1.0, max_new_tokens=6),
+        )  # fmt: skip
+        return RLTrainer(**common), LMPolicy(spec["model"], lr=1e-4), task, 128
+    trainer = RLTrainer(**common, algorithm=PPO(update_epochs=1, num_minibatches=1), num_threads=1)
+    task = EmbodiedTask(env="FetchReachDense-v4", num_envs=16, steps=32, chunk=1, eval_episodes=1)
+    return trainer, MLPActorCritic(), task, 16 * 32
+
+
+def predict(profile_path: Path, fixed: dict[str, dict]) -> dict[str, float | str]:
+    """Each fixed plan's seconds per iteration, simulated from a saved profile on the plan its
+    own run would build (nothing is launched), or why it is not predicted."""
+    from rlinf_lightning.strategies.auto.profile import Profile
+    from rlinf_lightning.strategies.auto.simulate import simulate
+
+    profile, out = Profile.load(profile_path), {}
+    for name, spec in fixed.items():
+        trainer, policy, task, _ = _build(spec)
+        workflow, plan = trainer.build_plan(policy, task)
+        batch = task.batch_shape(trainer.run_spec).rollout_batch_size
+        try:
+            out[name] = simulate(workflow, plan, profile, batch)
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def run_one(spec: dict) -> dict:
+    """Child process: one fit; per-iteration seconds, its wall time, and for auto its in-run
+    predictions and (``spec["predict"]``) the fixed plans' predictions from its profile."""
+    from rlinf_lightning import Callback
 
     class Clock(Callback):
         def __init__(self) -> None:
@@ -92,34 +158,22 @@ def run_one(spec: dict) -> dict:
             self.rows.append({k: v for k, v in metrics.items() if k.startswith(("auto/", "time/iteration"))})
 
     clock = Clock()
-    common = dict(
-        strategy=spec["strategy"], launcher=spec["launcher"], devices=spec["devices"],
-        max_iterations=spec["iterations"], default_root_dir=spec["run_dir"], logger=False,
-        enable_progress_bar=False, callbacks=[clock], seed=0, timeout_s=600, precision="32-true",
-    )  # fmt: skip
-    if spec["workload"] == "math":
-        trainer = RLTrainer(**common)
-        policy = LMPolicy(spec["model"], lr=1e-4)
-        task = MathTask(
-            spec["train"], spec["test"], eval_size=8, group_size=8, rollout_batch_size=128,
-            sampling=SamplingParams(temperature=1.0, max_new_tokens=6),
-        )  # fmt: skip
-        samples = 128
-    else:
-        trainer = RLTrainer(**common, algorithm=PPO(update_epochs=1, num_minibatches=1), num_threads=1)
-        policy = MLPActorCritic()
-        task = EmbodiedTask(env="FetchReachDense-v4", num_envs=16, steps=32, chunk=1, eval_episodes=1)
-        samples = 16 * 32
-    trainer.fit(policy, task)
+    trainer, policy, task, samples = _build({**spec, "callbacks": [clock]})
+    summary = trainer.fit(policy, task)
     times = [r["time/iteration"] for r in clock.rows]
-    return {
+    out = {
         "samples_per_s": samples * len(times[WARMUP:]) / sum(times[WARMUP:]),
         "times": times,
+        "wall_s": summary["wall_s"],
+        "iterations_s": summary["train_wall_s"],
         "predicted": [r.get("auto/predicted_s") for r in clock.rows],
-        "replan_s": trainer.replan_s,
+        "replan_s": summary["replan_s"],
         "plan": trainer.plan.describe(),
         "placement": placement_of(trainer.plan),
     }
+    if spec.get("predict"):
+        out["fixed_predicted_s"] = predict(Path(spec["run_dir"]) / "profile.json", spec["predict"])
+    return out
 
 
 def placement_of(plan) -> str:
@@ -136,61 +190,149 @@ def child(spec: dict) -> dict:
     return {**json.loads(lines[-1]), "log": [ln for ln in lines if ln.startswith(("auto:", "  "))]}
 
 
-def _reference(plans: dict, placement: str) -> str | None:
-    """The fixed plan with the placement auto ran."""
-    return next((name for name, p in plans.items() if p[3] == placement and name != "auto"), None)
+def steady_s(run: dict) -> float:
+    """Median seconds per iteration after the warm-up."""
+    return statistics.median(run["times"][WARMUP:])
+
+
+def spread(values: list[float], digits: int = 3) -> tuple[float, list[float]]:
+    """(median, [min, max]), rounded."""
+    return round(statistics.median(values), digits), [round(min(values), digits), round(max(values), digits)]
+
+
+def verdict(values: list[float], worst, bar: float) -> str:
+    """``met`` / ``missed`` in every round, or ``straddles``; ``worst`` is ``max`` for an upper
+    bar, ``min`` for a lower one."""
+    ok = [(v <= bar) if worst is max else (v >= bar) for v in values]
+    return "met" if all(ok) else "missed" if not any(ok) else "straddles"
+
+
+def per_round(plans: dict, runs: dict[str, list[dict]], iterations: int) -> dict:
+    """Every figure of one workload, per round, and the plans they compare against."""
+    fixed = [n for n in plans if n != "auto"]
+    rate = {n: statistics.median(x["samples_per_s"] for x in runs[n]) for n in runs}
+    wall = {n: statistics.median(x["wall_s"] for x in runs[n]) for n in runs}
+    outside = {n: statistics.median(x["wall_s"] - x["iterations_s"] for x in runs[n]) for n in runs}
+    best, best_wall = max(fixed, key=rate.get), min(fixed, key=wall.get)
+    figures: dict[str, list[float]] = {}
+    errors: dict[str, list[float]] = {n: [] for n in fixed}
+    predictions: dict[str, list] = {n: [] for n in fixed}
+    refs = []
+    for r, auto in enumerate(runs["auto"]):
+        row = {
+            "auto_over_best_fixed": auto["samples_per_s"] / runs[best][r]["samples_per_s"],
+            "auto_wall_over_best_fixed": runs[best_wall][r]["wall_s"] / auto["wall_s"],
+        }
+        for n, p in auto["fixed_predicted_s"].items():
+            predictions[n].append(p)
+            if not isinstance(p, str):
+                errors[n].append(abs(steady_s(runs[n][r]) - p) / steady_s(runs[n][r]))
+        row["prediction_error_unprofiled"] = statistics.median(e[r] for e in errors.values() if e)
+        after = [(t, p) for t, p in zip(auto["times"], auto["predicted"]) if p is not None]
+        row["prediction_error_in_sample"] = statistics.median(abs(t - p) / t for t, p in after)
+        ref = next((n for n in fixed if plans[n][3] == auto["placement"]), None)
+        refs.append(ref)
+        if ref is not None:
+            steady_gap = (iterations - WARMUP) * (steady_s(auto) - steady_s(runs[ref][r]))
+            once = auto["wall_s"] - runs[ref][r]["wall_s"] - steady_gap
+            row["profiling_fraction"] = once / auto["wall_s"]
+        k = PROFILING_ITERATIONS
+        row["profiling_iterations_share"] = (sum(auto["times"][:k]) + auto["replan_s"]) / (
+            sum(auto["times"]) + auto["replan_s"]
+        )
+        for key, v in row.items():
+            figures.setdefault(key, []).append(v)
+    return {
+        "rate": rate, "wall": wall, "outside": outside, "best": best, "best_wall": best_wall,
+        "figures": figures, "errors": errors, "predictions": predictions, "refs": refs,
+    }  # fmt: skip
+
+
+def summarise(plans: dict, runs: dict[str, list[dict]], iterations: int) -> dict:
+    """One workload's JSON: medians over rounds with their spread, per-plan predictions, bars."""
+    p = per_round(plans, runs, iterations)
+    out: dict = {
+        "samples_per_s": {n: round(v, 1) for n, v in p["rate"].items()},
+        "wall_s": {n: round(v, 2) for n, v in p["wall"].items()},
+        "outside_iterations_s": {n: round(v, 2) for n, v in p["outside"].items()},
+        "best_fixed": p["best"],
+        "best_fixed_wall": p["best_wall"],
+        "auto_plans": [x["placement"] for x in runs["auto"]],
+        "auto_reference_plans": p["refs"],
+    }
+    for key, values in p["figures"].items():
+        out[key], out[f"{key}_spread"] = spread(values)
+    out["predictions"] = {}
+    for n, preds in p["predictions"].items():
+        measured = [steady_s(x) for x in runs[n]]
+        if p["errors"][n]:
+            predicted = [v for v in preds if not isinstance(v, str)]
+            out["predictions"][n] = {
+                "predicted_s": spread(predicted, 4)[0], "measured_s": spread(measured, 4)[0],
+                "error": spread(p["errors"][n])[0], "error_spread": spread(p["errors"][n])[1],
+                "profiled": n == PROFILED,
+            }  # fmt: skip
+        else:
+            out["predictions"][n] = {"measured_s": spread(measured, 4)[0], "not_predicted": preds[0]}
+    out["bars"] = {key: verdict(p["figures"][key], worst, bar) for key, (worst, bar) in BARS.items()}
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iterations", type=int, default=30)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--workloads", default="math,embodied")
     args = parse_args(ap, run_one)
     if args is None:
         return
+    if args.iterations <= WARMUP + PROFILING_ITERATIONS:
+        raise SystemExit(f"--iterations must be > {WARMUP + PROFILING_ITERATIONS}, got {args.iterations}")
     work = Path(tempfile.mkdtemp(prefix="rlinf-auto-"))
     assets = recipe_assets(work)
     print(f"cores: {os.cpu_count()}; 2 slots; {args.iterations} iterations per run; {args.rounds} rounds")
     result: dict = {}
     for workload in args.workloads.split(","):
-        plans = PLANS[workload]
+        plans = {"auto": AUTO, **PLANS[workload]}
         runs: dict[str, list[dict]] = {n: [] for n in plans}
         for r in range(args.rounds):
-            for name, (strategy, launcher, devices, _) in plans.items():
-                spec = {"workload": workload, "name": name, "strategy": strategy, "launcher": launcher,
-                        "devices": devices, "iterations": args.iterations, **assets,
-                        "run_dir": str(work / f"{workload}-{name}-{r}")}  # fmt: skip
+            specs = {
+                name: {"workload": workload, "name": name, "strategy": strategy, "launcher": launcher,
+                       "devices": devices, "iterations": args.iterations, **assets,
+                       "run_dir": str(work / f"{workload}-{name}-{r}")}
+                for name, (strategy, launcher, devices, _) in plans.items()
+            }  # fmt: skip
+            specs["auto"]["predict"] = {n: s for n, s in specs.items() if n != "auto"}
+            for name, spec in specs.items():  # auto first: it predicts the others before they run
                 res = child(spec)
                 runs[name].append(res)
                 if r == 0 and name == "auto":
                     print("\n".join(res["log"]))
-                print(f"round {r}: {workload} {name:<42} {res['samples_per_s']:8.1f} samples/s", flush=True)
-        rate = {k: statistics.median(x["samples_per_s"] for x in v) for k, v in runs.items()}
-        fixed = {k: v for k, v in rate.items() if k != "auto"}
-        best = max(fixed, key=fixed.get)
-        auto = sorted(runs["auto"], key=lambda x: x["samples_per_s"])[len(runs["auto"]) // 2]  # median run
-        after = [(t, p) for t, p in zip(auto["times"], auto["predicted"]) if p is not None]
-        errors = [abs(t - p) / t for t, p in after]
-        ref = _reference(plans, auto["placement"])
-        k = PROFILING_ITERATIONS
-        ref_times = [statistics.median(x["times"][i] for x in runs[ref]) for i in range(k)] if ref else None
-        total = sum(auto["times"]) + auto["replan_s"]
-        excess = sum(auto["times"][:k]) - (sum(ref_times) if ref_times else 0.0) + auto["replan_s"]
-        result[workload] = {
-            **{k_: round(v, 1) for k_, v in rate.items()},
-            "best_fixed": best,
-            "auto_over_best_fixed": round(rate["auto"] / rate[best], 3),
-            "auto_plan": auto["placement"],
-            "auto_reference_plan": ref,
-            "prediction_error": round(statistics.median(errors), 3),
-            "profiling_fraction": round(max(0.0, excess) / total, 3),
-            "profiling_iterations_share": round((sum(auto["times"][:k]) + auto["replan_s"]) / total, 3),
-        }
+                print(
+                    f"round {r}: {workload} {name:<42} {res['samples_per_s']:8.1f} samples/s"
+                    f" {res['wall_s']:7.2f} s wall",
+                    flush=True,
+                )
+        result[workload] = summarise(plans, runs, args.iterations)
+        for n, v in result[workload]["predictions"].items():
+            what = (
+                f"not predicted: {v['not_predicted']}"
+                if "not_predicted" in v
+                else f"predicted {v['predicted_s']:.4f} s, error {v['error']:.3f}"
+            )
+            print(f"{workload} {n:<42} measured {v['measured_s']:.4f} s per iteration; {what}")
     per = list(result.values())
-    result["auto_over_best_fixed"] = min(v["auto_over_best_fixed"] for v in per)
-    result["prediction_error"] = max(v["prediction_error"] for v in per)
-    result["profiling_fraction"] = max(v["profiling_fraction"] for v in per)
+    for key, worst in (
+        ("auto_over_best_fixed", min),
+        ("auto_wall_over_best_fixed", min),
+        ("prediction_error_unprofiled", max),
+        ("profiling_fraction", max),
+    ):
+        values = [v[key] for v in per if key in v]
+        if values:
+            result[key] = worst(values)
+    order = ("met", "straddles", "missed")
+    result["bars"] = {k: max((v["bars"][k] for v in per), key=order.index) for k in BARS}
     print(json.dumps(result))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import pytest
@@ -108,7 +109,7 @@ class _Policy:
     pass
 
 
-def _fit(tmp_path, strategy, iterations: int, change_at: int = 10_000) -> tuple[RLTrainer, Recorder]:
+def _trainer(tmp_path, strategy, iterations: int) -> tuple[RLTrainer, Recorder]:
     rec = Recorder()
     trainer = RLTrainer(
         strategy=strategy,
@@ -121,6 +122,11 @@ def _fit(tmp_path, strategy, iterations: int, change_at: int = 10_000) -> tuple[
         callbacks=[rec],
         timeout_s=60,
     )
+    return trainer, rec
+
+
+def _fit(tmp_path, strategy, iterations: int, change_at: int = 10_000) -> tuple[RLTrainer, Recorder]:
+    trainer, rec = _trainer(tmp_path, strategy, iterations)
     trainer.fit(_Policy(), SleepTask(change_at))
     return trainer, rec
 
@@ -151,6 +157,13 @@ def test_simulated_pipeline_matches_the_hand_computed_schedule():
     assert simulate(wf, plan, p, BATCH) == pytest.approx(half * (0.009 + 0.004) + 0.002 + 0.002)
 
 
+def test_simulator_refuses_a_replica_spanning_several_slots():
+    wf = SleepTask().build_workflow(None, None)
+    plan = STRATEGIES.get("collocated")(replicas=1).plan(wf, Resources(2), BatchShape(BATCH, UNIT))
+    with pytest.raises(ValueError, match=r"group\(s\) \['all'\] have replicas spanning several slots"):
+        simulate(wf, plan, Profile("sleepers"), BATCH)
+
+
 def test_profile_round_trips_through_json(tmp_path):
     p = Profile("w", stages={"a": StageCost(0.1, 0.2, 0.3, [8])}, sync_s={"a": 0.01}, launch_s=2.0)
     p.points = {"a": [(8, 1.7)]}
@@ -167,6 +180,18 @@ def test_auto_profiles_predicts_within_15_percent_and_reports_it(tmp_path):
     assert [r["iteration"] for r in tuned] == list(range(3, 9))
     errors = [abs(r["auto/measured_s"] - r["auto/predicted_s"]) / r["auto/measured_s"] for r in tuned]
     assert sorted(errors)[len(errors) // 2] < 0.15, errors
+
+
+def test_a_plan_auto_never_ran_is_predicted_from_its_profile(tmp_path):
+    """Out of sample: auto profiles collocated; from the profile it saved, before it runs, the
+    disaggregated plan (gen | learn pipelined on their own slots) is predicted within 25%."""
+    _fit(tmp_path / "auto", "auto", iterations=2)
+    profile = Profile.load(tmp_path / "auto" / "profile.json")
+    trainer, rec = _trainer(tmp_path / "fixed", "disaggregated", iterations=6)
+    predicted = simulate(*trainer.build_plan(_Policy(), SleepTask()), profile, BATCH)
+    trainer.fit(_Policy(), SleepTask())
+    measured = statistics.median(r["time/iteration"] for r in rec.rows[2:])
+    assert abs(measured - predicted) / measured < 0.25, (measured, predicted)
 
 
 def test_retuning_switches_granularity_within_three_iterations_of_a_cost_change(tmp_path):

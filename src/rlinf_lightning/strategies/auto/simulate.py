@@ -15,6 +15,11 @@ wiring (``flow.wiring.wire``) and each call's cost from the :class:`~.profile.Pr
   (plus a message when it crosses workers); a worker's iteration ends after it applied its syncs.
 
 The iteration time is the last worker's end plus ``profile.overhead_s``.
+
+Not modelled: a replica spanning several slots (on CPU, a worker with several torch threads).
+The profile measures one slot per replica, and how a stage speeds up over more slots (threads'
+share of its work, their contention) is not something one slot shows, so such a plan is refused
+rather than predicted with one slot's costs. Auto's own candidates never span slots.
 """
 
 from __future__ import annotations
@@ -53,6 +58,11 @@ class _Worker:
 
 class _Sim:
     def __init__(self, workflow: Workflow, plan: ExecutionPlan, profile: Profile, batch: int) -> None:
+        if wide := [g.name for g in plan.groups if g.slots_per_replica > 1]:
+            raise ValueError(
+                f"cannot simulate plan {plan.strategy!r}: group(s) {wide} have replicas spanning "
+                "several slots, and the profile measured one slot per replica"
+            )
         self.wf, self.plan, self.profile = workflow, plan, profile
         self.links: dict[str, Link] = wire(workflow, plan)
         self.mb = plan.micro_batch_size[workflow.source_edge.channel]
@@ -236,5 +246,6 @@ class _Sim:
 
 
 def simulate(workflow: Workflow, plan: ExecutionPlan, profile: Profile, batch: int) -> float:
-    """Predicted seconds of one iteration of ``batch`` samples under ``plan``."""
+    """Predicted seconds of one iteration of ``batch`` samples under ``plan`` (``ValueError`` for
+    a plan the simulator does not model: see the module docstring)."""
     return _Sim(workflow, plan, profile, batch).run()

@@ -34,8 +34,8 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     """A tiny Qwen2 (random weights: nothing here trains it) and small arithmetic splits, in the
     layout ``cli_fit_args`` takes (``sft`` is the model directory)."""
     root = tmp_path_factory.mktemp("memory")
-    train, test = make_arithmetic_splits(root / "data", n_train=64, n_test=16)
-    return {"sft": build_tiny_qwen2(root / "tiny-qwen2"), "train": train, "test": test}
+    data = make_arithmetic_splits(root / "data", n_train=64, n_test=16)
+    return {"sft": build_tiny_qwen2(root / "tiny-qwen2"), "train": data["train"], "test": data["test"]}
 
 
 def test_parameter_count_from_config_equals_the_real_models(tiny, tmp_path):

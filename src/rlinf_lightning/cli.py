@@ -33,40 +33,41 @@ def prepare(
     max_value: int = 49,
     ops: str = "+",
     seed: int = 0,
+    n_validation: int = 250,
 ) -> None:
-    """Build the tiny model (if absent) and write arithmetic train/test JSONL (if absent).
+    """Build the tiny model (if absent) and write the arithmetic splits (unless ``data_dir`` holds
+    them with these settings; data split by an older rule is rewritten).
 
     Args:
         model_dir: where the tiny Qwen2 and its character tokenizer are saved.
-        data_dir: where ``train.jsonl`` and ``test.jsonl`` are written.
+        data_dir: where ``train.jsonl``, ``validation.jsonl``, ``test.jsonl`` and ``split.json``
+            (how they were split) are written.
         n_train: training problems.
-        n_test: held-out problems (never in the training split).
+        n_test: held-out test problems; none shares its operands (in any order) with a training one.
         operands: numbers per problem (difficulty).
         max_value: largest operand (difficulty).
         ops: operators drawn from, e.g. ``+`` or ``+-*``.
         seed: generator seed.
+        n_validation: held-out problems for choices made while training (settings, checkpoints),
+            apart from test; none shares its operands with a training or test one.
     """
+    settings = {k: v for k, v in locals().items() if k not in ("model_dir", "data_dir")}
     from rlinf_lightning.assets import build_tiny_qwen2, is_model_dir
-    from rlinf_lightning.tasks.data import make_arithmetic_splits
+    from rlinf_lightning.tasks.data import arithmetic_splits_on_disk, make_arithmetic_splits
 
+    if arithmetic_splits_on_disk(data_dir, **settings):
+        print(f"prepare: data exists in {data_dir}")
+    else:
+        make_arithmetic_splits(data_dir, **settings)
+        print(
+            f"prepare: wrote {n_train} train / {n_validation} validation / {n_test} test problems to "
+            f"{data_dir} (held-out operands never in train: {data_dir}/split.json)"
+        )
     if is_model_dir(model_dir):
         print(f"prepare: model exists at {model_dir}")
     else:
         build_tiny_qwen2(model_dir)
         print(f"prepare: built tiny Qwen2 at {model_dir}")
-    if (Path(data_dir) / "train.jsonl").is_file() and (Path(data_dir) / "test.jsonl").is_file():
-        print(f"prepare: data exists in {data_dir}")
-    else:
-        make_arithmetic_splits(
-            data_dir,
-            n_train=n_train,
-            n_test=n_test,
-            operands=operands,
-            max_value=max_value,
-            ops=ops,
-            seed=seed,
-        )
-        print(f"prepare: wrote {n_train} train / {n_test} test problems to {data_dir}")
 
 
 def _fit_parser() -> ArgumentParser:
@@ -299,7 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = cfg[cmd]
     sub.pop("config", None)
     if cmd == "prepare":
-        prepare(**sub.as_dict())
+        try:
+            prepare(**sub.as_dict())
+        except InputError as exc:
+            print(f"rlinf prepare: {exc}", file=sys.stderr)
+            return 2
         return 0
     if cmd == "sft":
         from rlinf_lightning.sft import run_sft

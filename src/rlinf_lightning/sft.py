@@ -7,6 +7,7 @@ checkpoint and is cached: a second call with the same settings returns at once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
@@ -53,6 +54,11 @@ def run_sft(
     from rlinf_lightning.engines.rollout import HFRolloutEngine
     from rlinf_lightning.evaluation import greedy_accuracy
 
+    train = load_problems(train_path)
+    # the cache holds for the same problems, not only the same path: `rlinf prepare` rewrites data
+    # split by an older rule in place
+    pairs = json.dumps([[p.prompt, p.answer] for p in train]).encode()
+    settings["train_sha1"] = hashlib.sha1(pairs).hexdigest()
     out = Path(output_dir)
     meta = out / "sft_settings.json"
     if not force and is_model_dir(out) and meta.is_file():
@@ -74,7 +80,6 @@ def run_sft(
     model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    train = load_problems(train_path)
     test = load_problems(test_path)[:eval_size]
     t0 = time.perf_counter()
     for step in range(1, steps + 1):

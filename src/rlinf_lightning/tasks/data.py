@@ -12,13 +12,18 @@ str}``; the loader accepts, record by record:
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import random
+import re
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from rlinf_lightning.errors import DataError
+from rlinf_lightning.errors import DataError, InputError
 
 
 @dataclass(frozen=True)
@@ -171,17 +176,26 @@ def generate_arithmetic(
     n: int, *, operands: int = 2, max_value: int = 49, ops: str = "+", seed: int = 0
 ) -> list[Problem]:
     """``n`` problems like ``What is 12+7?=`` -> ``19``. Difficulty knobs: operand count and size."""
+    return list(itertools.islice(_arithmetic_draws(operands, max_value, ops, seed), n))
+
+
+def _arithmetic_draws(operands: int, max_value: int, ops: str, seed: int) -> Iterator[Problem]:
     if operands < 2:
         raise ValueError("operands must be >= 2")
     rng = random.Random(seed)
-    out = []
-    for _ in range(n):
+    while True:
         nums = [rng.randint(0, max_value) for _ in range(operands)]
         expr = str(nums[0])
         for x in nums[1:]:
             expr += rng.choice(ops) + str(x)
-        out.append(Problem(f"What is {expr}?=", str(eval(expr))))  # expr is digits and + - * only
-    return out
+        yield Problem(f"What is {expr}?=", str(eval(expr)))  # expr is digits and + - * only
+
+
+def operand_multiset(prompt: str) -> tuple[int, ...]:
+    """The operands of a generated problem, sorted: ``What is 12+7?=`` and ``What is 7+12?=`` (and
+    ``7*12``) share ``(7, 12)``. The unit the splits hold out: a model that saw ``7+12`` has seen the
+    answer to ``12+7``, so a held-out problem must not share its operands with a training one."""
+    return tuple(sorted(int(x) for x in re.findall(r"\d+", prompt)))
 
 
 def write_jsonl(problems: list[Problem], path: str | Path) -> Path:
@@ -195,28 +209,79 @@ def write_jsonl(problems: list[Problem], path: str | Path) -> Path:
     return path
 
 
+SPLIT_RULE = (
+    "each operand multiset (a problem's operands, sorted: 12+7 and 7+12 are one) belongs to one "
+    "split: the first n_test distinct multisets drawn are the test problems, the next n_validation "
+    "the validation problems (one problem each), and train draws only from the multisets neither holds"
+)
+
+
 def make_arithmetic_splits(
     out_dir: str | Path,
     *,
     n_train: int = 20000,
+    n_validation: int = 250,
     n_test: int = 500,
     operands: int = 2,
     max_value: int = 49,
     ops: str = "+",
     seed: int = 0,
-) -> tuple[Path, Path]:
-    """Write ``train.jsonl`` and ``test.jsonl``; test prompts never appear in train."""
-    problems = generate_arithmetic(
-        (n_train + n_test) * 3, operands=operands, max_value=max_value, ops=ops, seed=seed
-    )
-    seen: set[str] = set()
-    test: list[Problem] = []
-    for p in problems:
-        if len(test) == n_test:
-            break
-        if p.prompt not in seen:
-            seen.add(p.prompt)
-            test.append(p)
-    train = [p for p in problems if p.prompt not in seen][:n_train]
+) -> dict[str, Path]:
+    """Write ``train.jsonl``, ``validation.jsonl``, ``test.jsonl`` and ``split.json`` (how they were
+    made) to ``out_dir``; returns their paths under the keys ``train``, ``validation``, ``test``,
+    ``split``.
+
+    Held-out problems share no operand multiset with train (:data:`SPLIT_RULE`), so held-out accuracy
+    measures addition the model was not shown, not recall of a swapped twin. Validation is for
+    choices made while training (settings, checkpoints); test stays untouched until the end.
+    """
+    settings = {k: v for k, v in locals().items() if k != "out_dir"}
+    possible = math.comb(max_value + operands, operands)  # multisets of `operands` values in 0..max_value
+    if n_test + n_validation >= possible:
+        raise InputError(
+            f"n_test + n_validation = {n_test + n_validation} held-out operand multisets leave none of "
+            f"the {possible} possible ({operands} operands up to {max_value}) for train; lower them or "
+            "raise max_value"
+        )
+    want = {"test": n_test, "validation": n_validation, "train": n_train}  # filled in this order
+    splits: dict[str, list[Problem]] = {name: [] for name in want}
+    home: dict[tuple[int, ...], str] = {}
+    draws = _arithmetic_draws(operands, max_value, ops, seed)
+    while any(len(splits[name]) < n for name, n in want.items()):
+        p = next(draws)
+        key = operand_multiset(p.prompt)
+        if key not in home:  # a new multiset: the first held-out split still open, else train
+            open_ = [name for name in ("test", "validation") if len(splits[name]) < want[name]]
+            home[key] = open_[0] if open_ else "train"
+            splits[home[key]].append(p)
+        elif home[key] == "train":  # a held-out split keeps one problem per multiset
+            splits["train"].append(p)
     out_dir = Path(out_dir)
-    return write_jsonl(train, out_dir / "train.jsonl"), write_jsonl(test, out_dir / "test.jsonl")
+    paths = {name: write_jsonl(probs, out_dir / f"{name}.jsonl") for name, probs in splits.items()}
+    record = {
+        "method": "operand multisets held out",
+        "rule": SPLIT_RULE,
+        "settings": settings,
+        "counts": {name: len(probs) for name, probs in splits.items()},
+        "operand_multisets": {
+            "possible": possible,
+            **{name: len({operand_multiset(p.prompt) for p in probs}) for name, probs in splits.items()},
+        },
+        "distinct_train_prompts": len({p.prompt for p in splits["train"]}),
+    }
+    split = out_dir / "split.json"
+    split.write_text(json.dumps(record, indent=1) + "\n")
+    return {**paths, "split": split}
+
+
+def arithmetic_splits_on_disk(out_dir: str | Path, **settings: Any) -> dict[str, Path] | None:
+    """The paths :func:`make_arithmetic_splits` wrote to ``out_dir`` with these keyword arguments
+    and the current :data:`SPLIT_RULE`, or ``None``: files missing, other settings, or data split by
+    an older rule (no ``split.json``: test problems whose swapped twins are in train)."""
+    out_dir = Path(out_dir)
+    paths = {name: out_dir / f"{name}.jsonl" for name in ("train", "validation", "test")}
+    paths["split"] = out_dir / "split.json"
+    if not all(path.is_file() for path in paths.values()):
+        return None
+    record = json.loads(paths["split"].read_text())
+    return paths if record.get("rule") == SPLIT_RULE and record.get("settings") == settings else None

@@ -27,13 +27,17 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.engines.rollout import row_seed
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.envs import EnvBatch, make_env
 from rlinf_lightning.flow.memory import weights_part
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.policies.module import RLModule
+from rlinf_lightning.seeds import SEED_STRIDE, row_seed
 from rlinf_lightning.workflows.training import TrainStage, policy_dtype
+
+# Evaluation's cap on an episode when the env declares no time limit: a policy that never ends an
+# episode costs bounded time instead of hanging the run.
+EVAL_MAX_STEPS = 10_000
 
 
 @dataclass
@@ -128,7 +132,7 @@ class EnvStage(Stage):
     def _seeds(self, first_env: int, n: int) -> list[int]:
         groups = [(first_env + i) // self.group_size for i in range(n)]
         if self.episodic:  # new episodes (and new group seeds) every iteration
-            return [self.seed + 1_000_003 * self.iteration + g for g in groups]
+            return [self.seed + SEED_STRIDE * self.iteration + g for g in groups]
         return [self.seed + g for g in groups]
 
     def _start(self, shard: int, first_env: int, n: int) -> TensorDict:
@@ -277,7 +281,7 @@ class PolicyStage(Stage):
             obs = batch.reset(seed)
             returns, success = torch.zeros(episodes), torch.full((episodes,), float("nan"))
             done = torch.zeros(episodes, dtype=torch.bool)
-            limit = batch.max_episode_steps or 10_000
+            limit = batch.max_episode_steps or EVAL_MAX_STEPS
             for _ in range(0, limit, self.chunk):
                 action = self.net.act(obs.to(self.device), deterministic=True)["action"].cpu()
                 for a in action.reshape(episodes, self.chunk, *batch.action_shape).unbind(1):  # open-loop

@@ -9,6 +9,7 @@ worker is told to give up (``_abort``).
 
 from __future__ import annotations
 
+import logging
 import signal
 from abc import ABC, abstractmethod
 from collections import deque
@@ -21,6 +22,8 @@ from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.wiring import Port, wire
 from rlinf_lightning.flow.worker import Span, StageError
 from rlinf_lightning.flow.workflow import Workflow
+
+log = logging.getLogger(__name__)
 
 ABORT_GRACE_S = 5.0  # after a failure, how long the other workers get to come back before the run ends
 # Setup loads models and meets the other replicas: it gets at least this long, even when
@@ -131,6 +134,11 @@ class Runtime(ABC):
         except BaseException:
             self.shutdown()
             raise
+        for name, info in self.info.items():  # where each worker landed: placement questions start here
+            log.debug(
+                "worker %s: pid %s, device %s, %s torch thread(s), cores %s",
+                name, info["pid"], info["device"], info["torch_threads"], info["cores"],
+            )  # fmt: skip
 
     def start_iteration(self, iteration: int, batches: list[TensorDict]) -> None:
         """Queue iteration ``iteration`` with its input ``batches`` and return at once.

@@ -98,12 +98,12 @@ def run_one(spec: dict) -> dict:
         enable_progress_bar=False, callbacks=[clock], seed=0, timeout_s=600, precision="32-true",
     )  # fmt: skip
     if spec["workload"] == "math":
-        trainer = RLTrainer(
-            **common, group_size=8, rollout_batch_size=128,
+        trainer = RLTrainer(**common)
+        policy = LMPolicy(spec["model"], lr=1e-4)
+        task = MathTask(
+            spec["train"], spec["test"], eval_size=8, group_size=8, rollout_batch_size=128,
             sampling=SamplingParams(temperature=1.0, max_new_tokens=6),
         )  # fmt: skip
-        policy = LMPolicy(spec["model"], lr=1e-4)
-        task = MathTask(spec["train"], spec["test"], eval_size=8)
         samples = 128
     else:
         trainer = RLTrainer(**common, algorithm=PPO(update_epochs=1, num_minibatches=1), num_threads=1)

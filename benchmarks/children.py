@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def recipe_assets(work: Path) -> dict[str, str]:
     """The math recipe's warm-started model and data (reused from `rlinf sft` when present)."""
-    from rlinf_lightning.assets import build_warm_started, is_model_dir
+    from rlinf_lightning.assets import is_model_dir
+    from rlinf_lightning.testing import build_warm_started
 
     sft, data = ROOT / "artifacts" / "tiny-qwen2-sft", ROOT / "data" / "arithmetic"
     if is_model_dir(sft) and (data / "train.jsonl").is_file():

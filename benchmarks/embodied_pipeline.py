@@ -78,8 +78,8 @@ def run_one(spec: dict) -> dict:
 
     from rlinf_lightning import Callback, RLTrainer
     from rlinf_lightning.algorithms import PPO
+    from rlinf_lightning.registry import instantiate
     from rlinf_lightning.tasks import EmbodiedTask
-    from rlinf_lightning.trainer import instantiate
 
     class Clock(Callback):
         def __init__(self) -> None:

@@ -84,9 +84,6 @@ def run_one(spec: dict) -> dict:
         launcher=spec["launcher"],
         devices=spec.get("devices", 2),
         max_iterations=spec["iterations"],
-        group_size=8,
-        rollout_batch_size=spec.get("batch", 128),
-        sampling=SamplingParams(temperature=1.0, max_new_tokens=6),
         default_root_dir=spec["run_dir"],
         logger=False,
         enable_progress_bar=False,
@@ -95,14 +92,19 @@ def run_one(spec: dict) -> dict:
         timeout_s=300,
         precision=spec.get("precision", "auto"),
     )
-    t0 = time.perf_counter()
-    trainer.fit(
-        LMPolicy(spec["model"], lr=1e-4),
-        MathTask(spec["train"], spec["test"], eval_size=spec.get("eval_size", 8)),
+    task = MathTask(
+        spec["train"],
+        spec["test"],
+        eval_size=spec.get("eval_size", 8),
+        group_size=8,
+        rollout_batch_size=spec.get("batch", 128),
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=6),
     )
+    t0 = time.perf_counter()
+    trainer.fit(LMPolicy(spec["model"], lr=1e-4), task)
     warm = clock.times[spec.get("warmup", 5) :]
     return {
-        "samples_per_s": len(warm) * trainer.rollout_batch_size / sum(warm),
+        "samples_per_s": len(warm) * task.rollout_batch_size / sum(warm),
         "wall_s": time.perf_counter() - t0,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "plan": trainer.plan.describe(),

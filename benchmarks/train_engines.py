@@ -101,10 +101,10 @@ def _max_rss_mb() -> float:
 def run_one(spec: dict) -> dict:
     from rlinf_lightning.algorithms import GRPO
     from rlinf_lightning.engines.train import TrainSpec
-    from rlinf_lightning.flow import Workflow
+    from rlinf_lightning.flow import BatchShape, Workflow
     from rlinf_lightning.launchers import LAUNCHERS
     from rlinf_lightning.policies import LMPolicy
-    from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
+    from rlinf_lightning.strategies import STRATEGIES, Resources
 
     name = spec["engine"].split("-")[0]
     replicas = 1 if name == "single" else 2

@@ -133,15 +133,9 @@ def run_ours(
             metrics.append(dict(m))
 
     trainer = RLTrainer(
-        rollout=rollout,
-        rollout_dtype=rollout_dtype,
         precision=precision,
         devices=devices,
-        train_max_tokens_per_micro_batch=max_tokens,
         max_iterations=steps,
-        group_size=8,
-        rollout_batch_size=8 * batch_prompts,
-        sampling=SamplingParams(temperature=1.0, max_new_tokens=new_tokens),
         default_root_dir=str(out),
         logger=False,
         enable_progress_bar=False,
@@ -149,7 +143,18 @@ def run_ours(
         ckpt_every=0,
     )
     t0 = time.perf_counter()
-    summary = trainer.fit(LMPolicy(model, lr=lr), MathTask(str(train), str(test), eval_size=1))
+    task = MathTask(
+        str(train),
+        str(test),
+        eval_size=1,
+        group_size=8,
+        rollout_batch_size=8 * batch_prompts,
+        rollout=rollout,
+        rollout_dtype=rollout_dtype,
+        train_max_tokens_per_micro_batch=max_tokens,
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=new_tokens),
+    )
+    summary = trainer.fit(LMPolicy(model, lr=lr), task)
     wall = time.perf_counter() - t0
     per_step = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else wall
     steady = metrics[1:] or metrics

@@ -15,18 +15,22 @@ if __name__ == "__main__":
     trainer = RLTrainer(
         algorithm=GRPO(clip_eps=0.2, kl_coef=0.0),
         strategy="collocated",
-        rollout="hf",
         max_iterations=800,
-        group_size=8,
-        rollout_batch_size=128,
-        train_micro_batch_size=64,
-        sampling=SamplingParams(temperature=1.0, max_new_tokens=6),
         eval_every=100,
         ckpt_every=200,
         default_root_dir="runs/example_math_grpo",
         num_threads=2,
     )
     policy = LMPolicy("artifacts/tiny-qwen2-sft", lr=1e-4)
-    task = MathTask("data/arithmetic/train.jsonl", "data/arithmetic/test.jsonl", reward="math_verify")
+    task = MathTask(
+        "data/arithmetic/train.jsonl",
+        "data/arithmetic/test.jsonl",
+        reward="math_verify",
+        group_size=8,
+        rollout_batch_size=128,
+        rollout="hf",
+        train_micro_batch_size=64,
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=6),
+    )
     summary = trainer.fit(policy, task)
     print(f"gain: {summary['eval_accuracy_after'] - summary['eval_accuracy_before']:+.3f}")

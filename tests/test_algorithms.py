@@ -155,3 +155,37 @@ def test_truncated_importance_sampling_weights_tokens_by_the_capped_mismatch():
     assert weight.max() == 2.0 and weight.min() < 1.0  # capped above, and below 1 where pi_rollout > pi
     same = GRPO(tis_cap=2.0).loss(logp, logp.detach(), adv, mask)[0]
     assert torch.allclose(same, GRPO().loss(logp, logp.detach(), adv, mask)[0])
+
+
+def test_an_estimator_and_a_loss_registered_by_name_are_what_grpo_computes():
+    from rlinf_lightning.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+
+    def leave_one_out(rewards, group_ids, config):
+        _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+        sums = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, rewards)
+        n = counts[inverse].to(rewards.dtype)
+        return rewards - (sums[inverse] - rewards) / (n - 1)
+
+    def plain_pg(logprobs, old_logprobs, advantages, mask, config):
+        return -advantages * logprobs, {"plain": torch.tensor(1.0)}
+
+    ADVANTAGE_ESTIMATORS.register("test_rloo", leave_one_out)
+    POLICY_LOSSES.register("test_plain_pg", plain_pg)
+    alg = GRPO(advantage_estimator="test_rloo", policy_loss="test_plain_pg")
+    adv = alg.compute_advantages(torch.tensor([1.0, 0.0, 0.0, 2.0]), torch.tensor([7, 7, 7, 9]))
+    # group 7: 1 - 0, 0 - 0.5, 0 - 0.5 (by hand); group 9 has one sample and no baseline: 2 - 0/0
+    assert adv[:3].tolist() == [1.0, -0.5, -0.5]
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss_sum, count, metrics = alg.loss(logp, logp.detach(), torch.tensor([2.0]), torch.ones(1, 2))
+    assert loss_sum.item() == pytest.approx(6.0) and count.item() == 2 and "plain" in metrics
+    assert "clip_frac" not in metrics  # the registered loss ran, not ppo_clip
+
+
+def test_out_of_range_or_unknown_algorithm_options_are_refused_before_anything_loads():
+    from rlinf_lightning import RLTrainer
+    from rlinf_lightning.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        RLTrainer(algorithm=GRPO(tis_cap=-1.0, advantage_estimator="nope")).validate()
+    assert set(info.value.keys) == {"trainer.algorithm.tis_cap", "trainer.algorithm.advantage_estimator"}
+    assert "unknown advantage estimator 'nope'" in str(info.value)

@@ -9,11 +9,12 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning import Callback, RLTrainer
-from rlinf_lightning.auto.profile import Profile, StageCost
-from rlinf_lightning.auto.simulate import simulate
+from rlinf_lightning.flow import BatchShape
 from rlinf_lightning.flow.stage import Stage
 from rlinf_lightning.flow.workflow import Workflow
-from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
+from rlinf_lightning.strategies import STRATEGIES, Resources
+from rlinf_lightning.strategies.auto.profile import Profile, StageCost
+from rlinf_lightning.strategies.auto.simulate import simulate
 from rlinf_lightning.tasks.base import Task
 
 BATCH, UNIT = 64, 4
@@ -71,10 +72,10 @@ class SleepTask(Task):
     def __init__(self, change_at: int = 10_000) -> None:
         self.change_at = change_at
 
-    def batch_shape(self, trainer) -> BatchShape:
-        return BatchShape(BATCH, UNIT, trainer.micro_batch_size)
+    def batch_shape(self, run) -> BatchShape:
+        return BatchShape(BATCH, UNIT, run.micro_batch_size)
 
-    def build_workflow(self, policy, trainer) -> Workflow:
+    def build_workflow(self, policy, run) -> Workflow:
         return (
             Workflow("sleepers")
             .chain(
@@ -85,7 +86,7 @@ class SleepTask(Task):
             .role("train", "learn")
         )
 
-    def inputs(self, iteration, micro_batch_size, trainer):
+    def inputs(self, iteration, micro_batch_size, run):
         return [
             TensorDict({"x": torch.zeros(micro_batch_size)}, [micro_batch_size])
             for _ in range(BATCH // micro_batch_size)

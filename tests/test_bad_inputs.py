@@ -88,11 +88,11 @@ def _truncate(path: Path) -> None:
 CASES: list[tuple[str, object, str]] = [
     # -- config keys, types, registry names
     ("unknown key", ["--trainer.max_iteration=3"], "--trainer.max_iterations"),
-    ("wrong type", ["--trainer.group_size=four"], "trainer.group_size"),
+    ("wrong type", ["--task.group_size=four"], "task.group_size"),
     ("unknown strategy", ["--trainer.strategy=colocated"], "Did you mean 'collocated'"),
     ("unknown launcher", ["--trainer.launcher=threads"], "trainer.launcher"),
     ("unknown logger", ["--trainer.logger=mlflow"], "trainer.logger: unknown logger 'mlflow'"),
-    ("unknown rollout engine", ["--trainer.rollout=sglang"], "trainer.rollout"),
+    ("unknown rollout engine", ["--task.rollout=sglang"], "task.rollout"),
     ("unknown algorithm", ["--trainer.algorithm=grpoo"], "trainer.algorithm"),
     ("unknown reward", ["--task.reward=exact"], "task.reward"),
     ("unknown policy class", ["--policy.class_path=rlinf_lightning.policies.NoSuch"], "NoSuch"),
@@ -100,22 +100,39 @@ CASES: list[tuple[str, object, str]] = [
     ("unknown accelerator", ["--trainer.accelerator=tpu"], "trainer.accelerator"),
     (
         "micro-batches by samples and by tokens",
-        ["--trainer.train_max_tokens_per_micro_batch=512"],
-        "trainer.train_max_tokens_per_micro_batch: set either this",
+        ["--task.train_max_tokens_per_micro_batch=512"],
+        "task.train_max_tokens_per_micro_batch: set either this",
     ),
-    ("unknown rollout dtype", ["--trainer.rollout_dtype=bf16"], "trainer.rollout_dtype"),
+    ("unknown rollout dtype", ["--task.rollout_dtype=bf16"], "task.rollout_dtype"),
+    (
+        "unknown rollout engine option",
+        ["--task.rollout_engine_options={gpu_memory_utilization: 0.5}"],
+        "task.rollout_engine_options.gpu_memory_utilization: not an option of rollout engine 'hf'",
+    ),
+    ("a key that moved", ["--trainer.group_size=4"], "--trainer.group_size is now --task.group_size"),
+    ("a key renamed", ["--trainer.train_strategy=ddp"], "is now --trainer.train_engine"),
+    (
+        "out-of-range algorithm option",
+        ["--trainer.algorithm={class_path: rlinf_lightning.algorithms.GRPO, init_args: {tis_cap: -1}}"],
+        "trainer.algorithm.tis_cap: must be > 0",
+    ),
     ("unknown precision", ["--trainer.precision=16-mixed"], "trainer.precision: must be one of auto"),
     # -- out-of-range and inconsistent sizes
-    ("group size < 2", ["--trainer.group_size=1"], "trainer.group_size"),
-    ("batch not divisible", ["--trainer.rollout_batch_size=100"], "use a multiple such as 96"),
+    ("group size < 2", ["--task.group_size=1"], "task.group_size"),
+    ("batch not divisible", ["--task.rollout_batch_size=100"], "use a multiple such as 96"),
     ("micro-batch inconsistent", ["--trainer.micro_batch_size=6"], "trainer.micro_batch_size"),
     ("negative iterations", ["--trainer.max_iterations=-1"], "trainer.max_iterations"),
     ("zero devices", ["--trainer.devices=0"], "trainer.devices"),
-    ("greedy RL sampling", ["--trainer.sampling.temperature=0"], "trainer.sampling.temperature"),
-    ("top_p out of range", ["--trainer.sampling.top_p=1.5"], "trainer.sampling.top_p"),
+    ("greedy RL sampling", ["--task.sampling.temperature=0"], "task.sampling.temperature"),
+    (
+        "token budget below one sample",
+        ["--task.train_micro_batch_size=null", "--task.train_max_tokens_per_micro_batch=3"],
+        "task.train_max_tokens_per_micro_batch: 3 tokens is less than one sample",
+    ),
+    ("top_p out of range", ["--task.sampling.top_p=1.5"], "task.sampling.top_p"),
     (
         "mmap threshold over glibc's cap",
-        ["--trainer.train_strategy=fsdp", "--trainer.train_engine_options={malloc_mmap_threshold_mb: 64}"],
+        ["--trainer.train_engine=fsdp", "--trainer.train_engine_options={malloc_mmap_threshold_mb: 64}"],
         "malloc_mmap_threshold_mb must be in (0, 32]",
     ),
     # -- plans that do not fit the devices
@@ -134,10 +151,10 @@ CASES: list[tuple[str, object, str]] = [
         ],
         "slot 2 does not exist",
     ),
-    ("one rank, two replicas", ["--trainer.devices=2", "--trainer.train_strategy=single"], "train_strategy"),
+    ("one rank, two replicas", ["--trainer.devices=2", "--trainer.train_engine=single"], "train_engine"),
     (
         "fsdp over threads",
-        ["--trainer.devices=2", "--trainer.train_strategy=fsdp", "--trainer.launcher=inprocess"],
+        ["--trainer.devices=2", "--trainer.train_engine=fsdp", "--trainer.launcher=inprocess"],
         "trainer.launcher",
     ),
     ("nodes on a one-machine launcher", ["--trainer.num_nodes=2"], "use trainer.launcher=ray"),
@@ -245,6 +262,11 @@ class _Payload:
 EMBODIED = [
     ("unknown env", "--task.init_args.env=FetchReech-v4", "task.env"),
     ("no envs", "--task.init_args.num_envs=0", "task.num_envs"),
+    (
+        "unknown env keyword",
+        "--task.init_args.env_kwargs={reward_typ: sparse}",
+        "task.env_kwargs: FetchReachDense-v4",
+    ),
     ("policy without a checkpoint", "--policy.init_args.model_path=/nonexistent", "policy.model_path"),
 ]
 

@@ -127,9 +127,9 @@ def test_gsm8k_parquet_with_a_chat_model_runs_the_chat_recipe(chat_model, tmp_pa
         f"--config={ROOT / 'configs' / 'math_grpo_qwen2.5_instruct.yaml'}",
         f"--policy.model_path={chat_model}",
         f"--task.train_path={split / 'train-*.parquet'}", f"--task.test_path={split / 'test-*.parquet'}",
-        "--trainer.rollout=hf", "--trainer.accelerator=cpu", "--trainer.max_iterations=2",
-        "--trainer.group_size=4", "--trainer.rollout_batch_size=16", "--trainer.train_micro_batch_size=8",
-        "--trainer.sampling.max_new_tokens=8", "--trainer.eval_every=0", "--trainer.ckpt_every=0",
+        "--task.rollout=hf", "--trainer.accelerator=cpu", "--trainer.max_iterations=2",
+        "--task.group_size=4", "--task.rollout_batch_size=16", "--task.train_micro_batch_size=8",
+        "--task.sampling.max_new_tokens=8", "--trainer.eval_every=0", "--trainer.ckpt_every=0",
         "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={run}", "--trainer.timeout_s=120",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)

@@ -24,12 +24,12 @@ def _fit(tmp_path: Path, assets: dict, *overrides: str) -> subprocess.CompletedP
 def test_a_bad_config_exits_2_with_one_message_from_the_console_script(tmp_path, assets):
     """Through a real subprocess (tests/test_bad_inputs.py covers the cases in-process)."""
     t0 = time.perf_counter()
-    res = _fit(tmp_path, assets, "--trainer.rollout_batch_size=100")
+    res = _fit(tmp_path, assets, "--task.rollout_batch_size=100")
     assert time.perf_counter() - t0 < 10
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
         "rlinf fit: invalid configuration:",
-        "  trainer.rollout_batch_size: 100 is not divisible by trainer.group_size=8; use a multiple such "
+        "  task.rollout_batch_size: 100 is not divisible by task.group_size=8; use a multiple such "
         "as 96",
     ]
     assert not (tmp_path / "run").exists()
@@ -42,7 +42,8 @@ def test_good_config_prints_itself(tmp_path, assets):
 
 
 def test_validate_collects_every_problem(assets):
-    trainer = RLTrainer(group_size=3, rollout_batch_size=16, devices=0)
+    trainer = RLTrainer(devices=0)
+    task = MathTask(str(assets["train"]), "missing.jsonl", group_size=3, rollout_batch_size=16)
     with pytest.raises(ConfigError) as info:
-        trainer.validate(LMPolicy(str(assets["sft"])), MathTask(str(assets["train"]), "missing.jsonl"))
-    assert set(info.value.keys) >= {"trainer.rollout_batch_size", "trainer.devices", "task.test_path"}
+        trainer.validate(LMPolicy(str(assets["sft"])), task)
+    assert set(info.value.keys) >= {"task.rollout_batch_size", "trainer.devices", "task.test_path"}

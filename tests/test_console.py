@@ -16,6 +16,7 @@ from trainer_defaults import add_broken_plugin, cli_fit_args
 
 PROGRESS = re.compile(r"^it +1/1 ", re.M)  # ProgressBar's line for the only iteration
 EVAL = re.compile(r"^eval @ it \d+: held-out ", re.M)
+INFO = ("execution plan: ", "held-out accuracy: ")  # the trainer's records: the plan, the result
 DEBUG = re.compile(r"^worker \S+: pid \d+, device cpu, ", re.M)  # launchers/base.py, after setup
 WARNING = re.compile(r"^WARNING: plugin broken failed to load \(ModuleNotFoundError: ", re.M)
 
@@ -48,13 +49,14 @@ def fits(assets, site, tmp_path_factory) -> dict[str | None, subprocess.Complete
 def test_by_default_progress_and_warnings_show_and_debug_does_not(fits):
     res = fits[None]
     assert PROGRESS.search(res.stdout) and EVAL.search(res.stdout), res.stdout
+    assert all(line in res.stdout for line in INFO), res.stdout
     assert WARNING.search(res.stderr), res.stderr
     assert not DEBUG.search(res.stdout + res.stderr), res.stdout
 
 
-def test_quiet_drops_the_progress_line_and_keeps_warnings(fits):
+def test_quiet_drops_info_and_the_progress_line_and_keeps_warnings(fits):
     res = fits["--quiet"]
-    assert not PROGRESS.search(res.stdout) and not EVAL.search(res.stdout), res.stdout
+    assert res.stdout == "", res.stdout  # no progress line, no plan, no result
     assert WARNING.search(res.stderr), res.stderr
 
 
@@ -64,7 +66,7 @@ def test_verbose_shows_debug_messages(fits):
     assert PROGRESS.search(res.stdout) and WARNING.search(res.stderr)
 
 
-def test_quiet_drops_info_messages(assets, site, tmp_path):
+def test_quiet_drops_the_info_messages_of_prepare(assets, site, tmp_path):
     prepare = [sys.executable, "-m", "rlinf_lightning.cli", "prepare", f"--model_dir={assets['sft']}"]
     prepare += [f"--data_dir={assets['train'].parent}"]
     res = _rlinf(prepare, None, site)

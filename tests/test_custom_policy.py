@@ -26,7 +26,7 @@ def _fit(assets, run: Path, *extra: str) -> subprocess.CompletedProcess:
         "    warmup_iterations: 4\n"
     )
     args = cli_fit_args(
-        assets, run, f"--config={config}", "--trainer.rollout_batch_size=16", "--trainer.group_size=4",
+        assets, run, f"--config={config}", "--task.rollout_batch_size=16", "--task.group_size=4",
         "--task.eval_size=8", "--trainer.ckpt_every=1", *extra,
     )  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), os.environ.get("PYTHONPATH", "")])}

@@ -3,16 +3,18 @@
 The reference page is generated at build time by ``docs/hooks/config_reference.py`` (a MkDocs
 hook). Here the accepted keys are derived from the parsers a second way, by parsing: a namespace
 of defaults with each built-in policy / task class selected (jsonargparse fills its ``init_args``)
-and ``trainer.sampling`` set (so its dataclass fields appear), flattened to dotted keys. The
+and ``task.sampling`` set (so its dataclass fields appear), flattened to dotted keys. The
 strategy, launcher, algorithm and train-engine classes are typed ``Any`` in ``RLTrainer``, so their
 keys come from their constructors' signatures.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -47,7 +49,7 @@ def fit_expected(fit) -> dict[str, set[str]]:
     from rlinf_lightning.policies.module import RLModule
     from rlinf_lightning.tasks.base import Task
 
-    defaults = fit.parse_args(["--trainer.sampling.top_k=-1"], _skip_validation=True)
+    defaults = fit.parse_args([], _skip_validation=True)
     expected = {
         "fit": {k for k in defaults.keys() if k.split(".")[0] not in ("policy", "task")},
         "policy": {"policy.class_path"},
@@ -55,7 +57,14 @@ def fit_expected(fit) -> dict[str, set[str]]:
     }
     for kind, base in (("policy", RLModule), ("task", Task)):
         for cls in ref.shipped_subclasses(base):
-            ns = fit.parse_args([f"--{kind}.class_path={ref.public_path(cls)}"], _skip_validation=True)
+            # a dataclass-typed argument (MathTask.sampling) set to its defaults shows its fields
+            dataclass_args = [
+                f"--{kind}.init_args.{name}={{}}"
+                for name, hint in typing.get_type_hints(cls.__init__).items()
+                if any(dataclasses.is_dataclass(t) for t in (hint, *typing.get_args(hint)))
+            ]
+            argv = [f"--{kind}.class_path={ref.public_path(cls)}", *dataclass_args]
+            ns = fit.parse_args(argv, _skip_validation=True)
             expected[ref.section_id(kind, cls)] = _flat(ns, kind) - {f"{kind}.class_path"}
     return expected
 
@@ -102,7 +111,9 @@ def test_every_key_is_in_the_reference(markdown):
         "rlinf": set(build_parser().get_defaults().keys()) - {"command"},
     }
     assert all(expected.values())
-    assert "trainer.sampling.temperature" in expected["fit"] and "policy-lmpolicy" in expected
+    assert (
+        "task.init_args.sampling.temperature" in expected["task-mathtask"] and "policy-lmpolicy" in expected
+    )
     assert ref.missing_keys(markdown, expected) == {}
 
 

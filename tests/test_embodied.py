@@ -41,7 +41,7 @@ def test_the_rollouts_log_probs_equal_the_actors_recomputed_ones(tmp_path):
 
 def test_the_rollout_values_final_observations_only_where_an_episode_was_truncated():
     from rlinf_lightning.flow.stage import StageContext
-    from rlinf_lightning.workflows.embodied import PolicyStage
+    from rlinf_lightning.workflows.embodied import EnvRolloutStage
 
     env = make_env(ENV, 4)
     obs = env.reset(seed=0)
@@ -49,7 +49,7 @@ def test_the_rollout_values_final_observations_only_where_an_episode_was_truncat
     policy = MLPActorCritic(hidden_sizes=(32, 32))
     policy.configure_spaces(obs, env.action_shape)
     env.close()
-    stage = PolicyStage(policy)
+    stage = EnvRolloutStage(policy)
     stage.setup(StageContext("cpu", 0, 1, 1, [0]))
     bootstrap = torch.tensor([False, True, False, True])
     batch = TensorDict(
@@ -63,9 +63,21 @@ def test_the_rollout_values_final_observations_only_where_an_episode_was_truncat
     assert out["final_value"][~bootstrap].eq(0).all() and expected[~bootstrap].ne(0).all()
 
 
-def _fit(root, strategy, launcher, devices=2, iterations=1):
+COMPARED = ("actor/loss", "actor/grad_norm", "env/env_steps_total")  # every iteration reports these
+
+
+def _fit(root, strategy, launcher, devices=2, iterations=3, grpo=False):
+    """``iterations`` iterations queued as configs run them (no checkpoint or evaluation between);
+    returns the trainer, the summary, each iteration's metrics and the final weights. PPO: a 4-step
+    time limit, so every iteration truncates episodes and GAE bootstraps from final values, and
+    episodes run on across iterations (the env state is carried). GRPO over episodes: groups of 4
+    envs sharing reset seeds, new episodes every iteration."""
+    from rlinf_lightning.algorithms import GRPO
+    from trainer_defaults import MetricsRecorder
+
+    steps = MetricsRecorder()
     trainer = RLTrainer(
-        algorithm=PPO(update_epochs=2, num_minibatches=4),
+        algorithm=GRPO() if grpo else PPO(update_epochs=2, num_minibatches=4),
         strategy=strategy,
         launcher=launcher,
         precision="32-true",  # plans compute the same update exactly; bf16 only to its rounding
@@ -75,13 +87,37 @@ def _fit(root, strategy, launcher, devices=2, iterations=1):
         default_root_dir=str(root),
         logger=False,
         enable_progress_bar=False,
+        callbacks=[steps],
         timeout_s=120,
     )
-    # a 4-step time limit: every iteration truncates episodes, so GAE bootstraps from final values
-    task = EmbodiedTask(ENV, env_kwargs={"max_episode_steps": 4}, num_envs=8, steps=10, eval_episodes=2)
-    summary = trainer.fit(MLPActorCritic(hidden_sizes=(32, 32)), task)
+    if grpo:
+        task = EmbodiedTask(ENV, num_envs=8, steps=12, group_size=4, eval_episodes=2)
+        policy = MLPActorCritic(hidden_sizes=(32, 32), init_log_std=-0.5, lr=1e-2)
+    else:
+        task = EmbodiedTask(ENV, env_kwargs={"max_episode_steps": 4}, num_envs=8, steps=10, eval_episodes=2)
+        policy = MLPActorCritic(hidden_sizes=(32, 32))
+    summary = trainer.fit(policy, task)
     last = (root / "checkpoints" / "last").read_text()
-    return trainer, summary, load_file(str(root / "checkpoints" / last / "model.safetensors"))
+    return trainer, summary, steps.metrics, load_file(str(root / "checkpoints" / last / "model.safetensors"))
+
+
+def _assert_same_run(name, launcher, metrics, weights, ref_metrics, ref_weights):
+    assert len(metrics) == len(ref_metrics) == 3 and weights.keys() == ref_weights.keys()
+    for it, (m, r) in enumerate(zip(metrics, ref_metrics, strict=True)):
+        # and what only some iterations report: the returns of the episodes that ended in them
+        for key in (*COMPARED, *(k for k in ("env/return", "advantage/groups_with_signal") if k in r)):
+            assert m[key] == pytest.approx(r[key], abs=1e-4), (name, launcher, it, key)
+    diff = max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights)
+    assert diff <= 1e-4, (name, launcher, diff)
+
+
+def _initial_weights(**policy_kw):
+    env = make_env(ENV, 1)
+    initial = MLPActorCritic(hidden_sizes=(32, 32), **policy_kw)
+    initial.configure_spaces(env.reset(seed=0), env.action_shape)
+    initial.configure_model()
+    env.close()
+    return initial.model.state_dict()
 
 
 PLANS = {
@@ -94,28 +130,25 @@ PLANS = {
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    _, summary, weights = _fit(tmp_path_factory.mktemp("ref"), PLANS["collocated_1worker"], "inprocess")
-    env = make_env(ENV, 1)
-    initial = MLPActorCritic(hidden_sizes=(32, 32))
-    initial.configure_spaces(env.reset(seed=0), env.action_shape)
-    initial.configure_model()
-    env.close()
-    moved = max(float((weights[k] - v).abs().max()) for k, v in initial.model.state_dict().items())
-    assert moved > 1e-3  # eight Adam steps moved the weights well past the tolerance below
-    return weights
+    _, _, metrics, weights = _fit(tmp_path_factory.mktemp("ref"), PLANS["collocated_1worker"], "inprocess")
+    moved = max(float((weights[k] - v).abs().max()) for k, v in _initial_weights().items())
+    assert moved > 1e-3  # 24 Adam steps moved the weights well past the tolerance below
+    assert len({round(m["env/return"], 6) for m in metrics}) == 3  # episodes end in every iteration
+    return metrics, weights
 
 
 @pytest.mark.parametrize("launcher", ["inprocess", "processes", "ray"])
-def test_an_iteration_is_the_same_update_under_every_plan(tmp_path, reference, launcher):
+def test_three_iterations_are_the_same_updates_under_every_plan(tmp_path, reference, launcher):
+    """PPO, three queued iterations: loss, grad norm and episode returns per iteration and the
+    final weights equal the one-worker plan's under every plan (the weights synced to the rollout
+    and the envs carried from one iteration to the next included)."""
     for name, strategy in PLANS.items():
-        trainer, _, weights = _fit(tmp_path / name, strategy, launcher)
-        assert weights.keys() == reference.keys()
-        diff = max(float((weights[k] - reference[k]).abs().max()) for k in weights)
-        assert diff <= 1e-4, (name, launcher, diff)
+        _, _, metrics, weights = _fit(tmp_path / name, strategy, launcher)
+        _assert_same_run(name, launcher, metrics, weights, *reference)
 
 
 def test_an_embodied_fit_logs_success_and_writes_the_summary(tmp_path):
-    trainer, summary, _ = _fit(tmp_path, "collocated", "inprocess", devices=1, iterations=2)
+    trainer, summary, _, _ = _fit(tmp_path, "collocated", "inprocess", devices=1, iterations=2)
     assert {"success_before", "success_after", "eval_success_before", "eval_episodes"} <= set(summary)
     assert trainer.plan.groups[0].stages == ["env", "rollout", "advantage", "actor"]
 
@@ -163,29 +196,30 @@ def test_grpo_groups_share_reset_seeds_and_score_whole_episodes():
     assert stage.end_iteration() == {"groups_with_signal": 0.5}
 
 
-def test_grpo_over_episodes_is_the_same_update_under_every_plan(tmp_path):
-    from rlinf_lightning.algorithms import GRPO
+@pytest.fixture(scope="module")
+def grpo_reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo_ref")
+    _, _, metrics, weights = _fit(root, PLANS["collocated_1worker"], "inprocess", grpo=True)
+    moved = max(float((weights[k] - v).abs().max()) for k, v in _initial_weights(init_log_std=-0.5).items())
+    assert moved > 1e-3 and any(abs(m["actor/loss"]) > 0 for m in metrics)  # it learned
+    return metrics, weights
 
-    def fit(name, strategy):
-        trainer = RLTrainer(
-            algorithm=GRPO(), strategy=strategy, precision="32-true", devices=2, num_threads=1,
-            max_iterations=1, default_root_dir=str(tmp_path / name), logger=False,
-            enable_progress_bar=False, timeout_s=120,
-        )  # fmt: skip
-        task = EmbodiedTask(ENV, num_envs=8, steps=12, group_size=4, eval_episodes=2)
-        trainer.fit(MLPActorCritic(hidden_sizes=(32, 32), init_log_std=-0.5, lr=1e-2), task)
-        last = (tmp_path / name / "checkpoints" / "last").read_text()
-        return load_file(str(tmp_path / name / "checkpoints" / last / "model.safetensors"))
 
-    ref = fit("one", CollocatedStrategy(replicas=1))
-    env = make_env(ENV, 1)
-    initial = MLPActorCritic(hidden_sizes=(32, 32), init_log_std=-0.5)
-    initial.configure_spaces(env.reset(seed=0), env.action_shape)
-    initial.configure_model()
-    env.close()
-    assert (
-        max(float((ref[k] - v).abs().max()) for k, v in initial.model.state_dict().items()) > 1e-3
-    )  # it learned
-    for name, strategy in [("two", "collocated"), ("dis", "disaggregated")]:
-        weights = fit(name, strategy)
-        assert max(float((weights[k] - ref[k]).abs().max()) for k in ref) <= 1e-4, name
+@pytest.mark.parametrize("launcher", ["inprocess", "processes", "ray"])
+def test_grpo_over_episodes_is_the_same_update_under_every_plan(tmp_path, grpo_reference, launcher):
+    """GRPO over episodes, three queued iterations: the same per-iteration metrics and final
+    weights under every plan (hybrid included) and launcher."""
+    for name, strategy in PLANS.items():
+        _, _, metrics, weights = _fit(tmp_path / name, strategy, launcher, grpo=True)
+        _assert_same_run(name, launcher, metrics, weights, *grpo_reference)
+
+
+def test_training_reset_seeds_never_reach_the_evaluation_episodes_seeds():
+    from rlinf_lightning.workflows.embodied import EVAL_SEED, EnvStage
+
+    for episodic, group_size in ((False, 1), (True, 4)):
+        env = EnvStage(ENV, None, steps=3, group_size=group_size, episodic=episodic, seed=7)
+        for iteration in (1, 2, 3, 10**4, 10**7):  # long runs too: seeds wrap below EVAL_SEED
+            env.iteration = iteration
+            assert all(0 <= s < EVAL_SEED for s in env._seeds(0, 64)), (episodic, iteration)
+    assert EVAL_SEED + 10**6 < 2**32  # evaluation seeds too fit simulators seeding numpy's RandomState

@@ -12,11 +12,11 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.flow import Stage, Workflow
+from rlinf_lightning.flow import BatchShape, Stage, Workflow
 from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.launchers import LAUNCHERS, WorkerDied
 from rlinf_lightning.launchers.base import ABORT_GRACE_S
-from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
+from rlinf_lightning.strategies import STRATEGIES, Resources
 from trainer_defaults import cli_fit_args, logged_metrics
 
 LAUNCHER_NAMES = ["inprocess", "processes", "ray"]
@@ -123,8 +123,8 @@ def _training_fit(assets, tmp_path, *overrides: str):
             assets,
             tmp_path,
             "--trainer.max_iterations=100000",
-            "--trainer.rollout_batch_size=16",
-            "--trainer.group_size=4",
+            "--task.rollout_batch_size=16",
+            "--task.group_size=4",
             "--trainer.devices=2",
             "--trainer.strategy=disaggregated",
             "--trainer.launcher=processes",
@@ -166,7 +166,7 @@ def test_killing_rlinf_fit_ends_its_workers_and_train_ranks(assets, tmp_path):
     import psutil
 
     fit, spawned = _training_fit(
-        assets, tmp_path, "--trainer.strategy=collocated", "--trainer.train_strategy=ddp"
+        assets, tmp_path, "--trainer.strategy=collocated", "--trainer.train_engine=ddp"
     )
     fit.kill()
     fit.wait()
@@ -196,9 +196,9 @@ FAULT_FIT = (
     "--trainer.max_iterations=4",
     "--trainer.ckpt_every=2",
     "--trainer.eval_every=0",
-    "--trainer.rollout_batch_size=16",
-    "--trainer.group_size=4",
-    "--trainer.train_micro_batch_size=8",
+    "--task.rollout_batch_size=16",
+    "--task.group_size=4",
+    "--task.train_micro_batch_size=8",
     "--task.eval_size=8",
     "--trainer.enable_progress_bar=false",
 )

@@ -11,13 +11,12 @@ from safetensors.torch import load_file
 
 from rlinf_lightning import Callback, LMPolicy, RLTrainer
 from rlinf_lightning.errors import CheckpointError
-from rlinf_lightning.tasks.math import MathTask
-from trainer_defaults import cli_fit_args, logged_metrics, tiny_trainer_kwargs
+from trainer_defaults import cli_fit_args, logged_metrics, tiny_task, tiny_trainer_kwargs
 
 
-def _fit(assets, tmp_path, ckpt_path=None, **over):
+def _fit(assets, tmp_path, ckpt_path=None, task=None, **over):
     trainer = RLTrainer(**tiny_trainer_kwargs(tmp_path, **over))
-    task = MathTask(str(assets["train"]), str(assets["test"]), eval_size=16)
+    task = task or tiny_task(assets, eval_size=16)
     return trainer, trainer.fit(LMPolicy(str(assets["sft"]), lr=1e-4), task, ckpt_path=ckpt_path)
 
 
@@ -73,7 +72,7 @@ def test_fit_writes_summary_checkpoint_and_calls_callbacks(assets, tmp_path):
     m = {k: float(v) for k, v in rows[3].items() if k != "step"}
     assert m["reward/reward_max"] <= 1.0 and m["actor/lr"] == 1e-4
     # tokens: every sample's prompt and response, counted over micro-batches (and replicas)
-    samples = 16  # tiny_trainer_kwargs' rollout_batch_size
+    samples = 16  # tiny_task's rollout_batch_size
     per_sample = m["rollout/prompt_length"] + m["rollout/response_length"]
     assert m["rollout/tokens_total"] == pytest.approx(samples * per_sample)
     assert m["perf/tokens_per_s"] == pytest.approx(m["rollout/tokens_total"] / m["time/iteration"], rel=1e-3)
@@ -129,8 +128,8 @@ def test_cli_fit_with_dotted_overrides(assets, tmp_path):
             assets,
             tmp_path,
             "--trainer.max_iterations=2",
-            "--trainer.rollout_batch_size=16",
-            "--trainer.group_size=4",
+            "--task.rollout_batch_size=16",
+            "--task.group_size=4",
             "--trainer.eval_every=1",
             "--task.eval_size=8",
         ),
@@ -149,13 +148,11 @@ def test_grpo_raises_mean_reward_on_the_tiny_task(tmp_path):
     1e-3) on 20 000 problems, then GRPO at the recipe's settings (lr 1e-4, groups of 8) for 100
     iterations of 64 samples. The mean training reward of the last 20 iterations beats the first
     20's by a clear margin (measured on this machine: +0.06 to +0.12 over seeds 0-3)."""
-    from rlinf_lightning.assets import build_warm_started
+    from rlinf_lightning.testing import build_warm_started
 
     assets = build_warm_started(tmp_path / "assets", n_train=20000, steps=300, batch_size=64, lr=1e-3)
-    _fit(
-        assets, tmp_path, max_iterations=100, group_size=8, rollout_batch_size=64, train_micro_batch_size=64,
-        logger=True,
-    )  # fmt: skip
+    task = tiny_task(assets, group_size=8, rollout_batch_size=64, train_micro_batch_size=64, eval_size=16)
+    _fit(assets, tmp_path, max_iterations=100, logger=True, task=task)
     rows = sorted(logged_metrics(tmp_path / "run").items())
     rewards = [float(row["reward/reward"]) for _, row in rows if row.get("reward/reward")]
     assert len(rewards) == 100

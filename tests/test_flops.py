@@ -8,7 +8,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from rlinf_lightning.assets import TinyModelConfig, build_tiny_qwen2
-from rlinf_lightning.engines.flops import causal_lm_train_flops, peak_matmul_flops
+from rlinf_lightning.engines.flops import peak_matmul_flops
+from rlinf_lightning.policies.lm import causal_lm_train_flops
 
 
 @pytest.mark.parametrize("seq", [16, 128])

@@ -7,14 +7,14 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.flow import Stage, Workflow
+from rlinf_lightning.flow import BatchShape, Stage, Workflow
 from rlinf_lightning.flow.channel import Channel, ChannelTimeout
 from rlinf_lightning.flow.placement import parse_placement
 from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroup
 from rlinf_lightning.flow.wiring import wire
 from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.launchers import LAUNCHERS
-from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
+from rlinf_lightning.strategies import STRATEGIES, Resources
 
 
 class AddOne(Stage):

@@ -19,11 +19,11 @@ from rlinf_lightning.algorithms import GRPO
 from rlinf_lightning.assets import build_tiny_qwen2
 from rlinf_lightning.cli import main
 from rlinf_lightning.engines.train import TrainSpec
-from rlinf_lightning.flow import MemoryPart, Stage, StageContext, Workflow
+from rlinf_lightning.flow import BatchShape, MemoryPart, Stage, StageContext, Workflow
 from rlinf_lightning.flow.memory import GIB, host_memory, memory_problems, worker_memory
 from rlinf_lightning.policies import LMPolicy
 from rlinf_lightning.policies.model_dir import config_shapes
-from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
+from rlinf_lightning.strategies import STRATEGIES, Resources
 from rlinf_lightning.tasks.data import make_arithmetic_splits
 from rlinf_lightning.workflows.reasoning import ActorStage
 from trainer_defaults import cli_fit_args

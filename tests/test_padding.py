@@ -72,14 +72,13 @@ def test_trimmed_and_token_budget_micro_batches_give_the_padded_update(
 
 def test_a_fit_with_a_token_budget_equals_one_by_samples(assets, tmp_path):
     from rlinf_lightning import RLTrainer
-    from rlinf_lightning.tasks import MathTask
-    from trainer_defaults import MetricsRecorder, tiny_trainer_kwargs
+    from trainer_defaults import MetricsRecorder, tiny_task, tiny_trainer_kwargs
 
     def fit(name, **over):
-        kw = tiny_trainer_kwargs(tmp_path / name, max_iterations=2, precision="32-true", **over)
+        kw = tiny_trainer_kwargs(tmp_path / name, max_iterations=2, precision="32-true")
         steps = MetricsRecorder()
         trainer = RLTrainer(**{**kw, "callbacks": [steps]})
-        task = MathTask(str(assets["train"]), str(assets["test"]), eval_size=4, format_reward="number_format")
+        task = tiny_task(assets, eval_size=4, format_reward="number_format", **over)
         trainer.fit(LMPolicy(str(assets["sft"]), lr=1e-3), task)
         return steps.metrics
 

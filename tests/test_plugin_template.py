@@ -48,8 +48,8 @@ def test_rlinf_plugins_lists_the_template_with_its_version_and_the_broken_one_wi
 
 def test_a_math_fit_uses_the_plugin_reward_and_strategy_by_name(site, assets, tmp_path):
     args = cli_fit_args(
-        assets, tmp_path, "--trainer.max_iterations=2", "--trainer.rollout_batch_size=16",
-        "--trainer.group_size=4", "--task.eval_size=8", "--task.reward=concise_math",
+        assets, tmp_path, "--trainer.max_iterations=2", "--task.rollout_batch_size=16",
+        "--task.group_size=4", "--task.eval_size=8", "--task.reward=concise_math",
         "--trainer.strategy=single_worker", "--trainer.devices=2",
     )  # fmt: skip
     res = _run(site, *args)

@@ -96,13 +96,12 @@ def test_a_bf16_rollout_shows_its_mismatch_and_tis_weights_it(assets, tmp_path):
     """The rollout/actor log-prob mismatch is measured (actor/approx_kl): none with a float32 rollout
     and a float32 actor, some with a bf16 rollout, which GRPO(tis_cap) then weights."""
     from rlinf_lightning import RLTrainer
-    from rlinf_lightning.tasks import MathTask
-    from trainer_defaults import MetricsRecorder, tiny_trainer_kwargs
+    from trainer_defaults import MetricsRecorder, tiny_task, tiny_trainer_kwargs
 
-    def fit(name, **over):
+    def fit(name, rollout_dtype=None, **over):
         steps = MetricsRecorder()
         kw = tiny_trainer_kwargs(tmp_path / name, max_iterations=1, precision="32-true", callbacks=[steps])
-        task = MathTask(str(assets["train"]), str(assets["test"]), eval_size=2)
+        task = tiny_task(assets, eval_size=2, rollout_dtype=rollout_dtype)
         RLTrainer(**{**kw, **over}).fit(LMPolicy(str(assets["sft"]), lr=1e-4), task)
         return steps.metrics[-1]
 

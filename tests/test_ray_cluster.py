@@ -11,8 +11,7 @@ import pytest
 
 from rlinf_lightning import LMPolicy, RLTrainer
 from rlinf_lightning.launchers import LAUNCHERS
-from rlinf_lightning.tasks.math import MathTask
-from trainer_defaults import tiny_trainer_kwargs
+from trainer_defaults import tiny_task, tiny_trainer_kwargs
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +41,9 @@ def test_a_disaggregated_plan_spans_two_nodes(assets, tmp_path, two_nodes):
             max_iterations=2,
         )
     )  # fmt: skip
-    task = MathTask(str(assets["train"]), str(assets["test"]), eval_size=8)
+    task = tiny_task(assets, eval_size=8)
     policy = LMPolicy(str(assets["sft"]), lr=1e-3)
-    workflow, plan = trainer._build_plan(policy, task)
+    workflow, plan = trainer.build_plan(policy, task)
     assert [(g.name, g.slots, plan.node_of(g.slots[0])) for g in plan.groups] == [
         ("gen", [0], 0),
         ("train", [1], 1),
@@ -56,7 +55,7 @@ def test_a_disaggregated_plan_spans_two_nodes(assets, tmp_path, two_nodes):
         driver_node = ray.get_runtime_context().get_node_id()
         nodes = {w: ray.get(a.node_id.remote()) for w, a in runtime.actors.items()}
         metrics = runtime.run_iteration(
-            1, task.inputs(1, plan.micro_batch_size["__input__->rollout"], trainer)
+            1, task.inputs(1, plan.micro_batch_size["__input__->rollout"], trainer.run_spec)
         )
     finally:
         runtime.shutdown()
@@ -76,12 +75,13 @@ def test_a_data_parallel_group_trains_across_two_nodes(assets, tmp_path, two_nod
             tmp_path, devices=1, num_nodes=2, num_threads=1, strategy="collocated", launcher="ray"
         )
     )
-    task = MathTask(str(assets["train"]), str(assets["test"]), eval_size=8)
-    workflow, plan = trainer._build_plan(LMPolicy(str(assets["sft"]), lr=1e-3), task)
+    task = tiny_task(assets, eval_size=8)
+    workflow, plan = trainer.build_plan(LMPolicy(str(assets["sft"]), lr=1e-3), task)
     runtime = LAUNCHERS.get("ray")().launch(workflow, plan, timeout_s=120)
     try:
         nodes = {w: ray.get(a.node_id.remote()) for w, a in runtime.actors.items()}
-        runtime.run_iteration(1, task.inputs(1, plan.micro_batch_size["__input__->rollout"], trainer))
+        inputs = task.inputs(1, plan.micro_batch_size["__input__->rollout"], trainer.run_spec)
+        runtime.run_iteration(1, inputs)
         ranks = runtime.call("actor", "engine_info", replicas="all")
     finally:
         runtime.shutdown()

@@ -11,8 +11,7 @@ import psutil
 import pytest
 
 from rlinf_lightning import Callback, LMPolicy, RLTrainer
-from rlinf_lightning.tasks.math import MathTask
-from trainer_defaults import tiny_trainer_kwargs
+from trainer_defaults import tiny_task, tiny_trainer_kwargs
 
 ITERATIONS, EVERY, WARMUP = 2000, 50, 500
 
@@ -43,7 +42,7 @@ def test_no_process_grows_over_2000_iterations(assets, tmp_path):
     )  # fmt: skip
     trainer.fit(
         LMPolicy(str(assets["sft"]), lr=1e-5),
-        MathTask(str(assets["train"]), str(assets["test"]), eval_size=8),
+        tiny_task(assets, eval_size=8),
     )
     after = {it: s for it, s in sampler.samples.items() if it >= WARMUP}
     base, last = after[WARMUP], after[ITERATIONS]

@@ -9,10 +9,10 @@ from tensordict import TensorDict
 from rlinf_lightning.algorithms import GRPO
 from rlinf_lightning.engines import HFRolloutEngine, SamplingParams
 from rlinf_lightning.engines.train import TrainSpec
-from rlinf_lightning.flow import StageError, Workflow
+from rlinf_lightning.flow import BatchShape, StageError, Workflow
 from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.policies import LMPolicy
-from rlinf_lightning.strategies import STRATEGIES, BatchShape, Resources
+from rlinf_lightning.strategies import STRATEGIES, Resources
 from rlinf_lightning.workflows.reasoning import ActorStage, pack_samples
 
 
@@ -148,15 +148,14 @@ def test_fit_with_fsdp_checkpoints_shards_and_resumes_on_another_replica_count(a
     from safetensors.torch import load_file
 
     from rlinf_lightning import RLTrainer
-    from rlinf_lightning.tasks.math import MathTask
-    from trainer_defaults import tiny_trainer_kwargs
+    from trainer_defaults import tiny_task, tiny_trainer_kwargs
 
     def fit(root, iterations, devices, ckpt_path=None):
         kw = tiny_trainer_kwargs(
-            root, max_iterations=iterations, train_strategy="fsdp", devices=devices, num_threads=1,
+            root, max_iterations=iterations, train_engine="fsdp", devices=devices, num_threads=1,
             launcher="processes" if devices > 1 else "inprocess",
         )  # fmt: skip
-        task = MathTask(str(assets["train"]), str(assets["test"]), eval_size=8)
+        task = tiny_task(assets, eval_size=8)
         return RLTrainer(**kw).fit(LMPolicy(str(assets["sft"]), lr=1e-3), task, ckpt_path=ckpt_path)
 
     full = fit(tmp_path / "full", 2, devices=2)
@@ -164,7 +163,7 @@ def test_fit_with_fsdp_checkpoints_shards_and_resumes_on_another_replica_count(a
     first = tmp_path / "split" / "run" / "checkpoints" / "iter-000001"
     assert (first / "sharded" / ".metadata").is_file() and not (first / "optimizer.pt").exists()
     resumed = fit(tmp_path / "split", 2, devices=1, ckpt_path="last")  # two replicas -> one
-    assert full["train_strategy"] == "fsdp" and resumed["resumed_from_iteration"] == 1
+    assert full["train_engine"] == "fsdp" and resumed["resumed_from_iteration"] == 1
     a = load_file(str(tmp_path / "full" / "run" / "checkpoints" / "iter-000002" / "model.safetensors"))
     b = load_file(str(tmp_path / "split" / "run" / "checkpoints" / "iter-000002" / "model.safetensors"))
     assert _maxdiff(a, b) <= 1e-5

@@ -19,12 +19,17 @@ class MetricsRecorder(Callback):
         self.metrics.append({k: metrics[k] for k in self.keys} if self.keys else dict(metrics))
 
 
+def tiny_task(assets: dict, **over):
+    """A MathTask on the test assets with small batches: 4 prompts x 4 samples per iteration."""
+    from rlinf_lightning.tasks import MathTask
+
+    kw = dict(group_size=4, rollout_batch_size=16, train_micro_batch_size=8, eval_size=8)
+    return MathTask(str(assets["train"]), str(assets["test"]), **{**kw, **over})
+
+
 def tiny_trainer_kwargs(tmp_path: Path, **over) -> dict:
     kw = dict(
         max_iterations=3,
-        group_size=4,
-        rollout_batch_size=16,
-        train_micro_batch_size=8,
         default_root_dir=str(tmp_path / "run"),
         enable_progress_bar=False,
         logger=False,

@@ -3,10 +3,10 @@
 MkDocs hook (``hooks:`` in ``mkdocs.yml``): :func:`on_files` adds ``reference/configuration.md``
 to the build from :func:`render_reference`, so the page is never a stale committed copy. It walks
 ``rlinf_lightning.cli.build_parser()`` (jsonargparse): every ``rlinf fit`` key of ``trainer``
-(dataclass values such as ``trainer.sampling`` expanded field by field), every built-in
+(dataclass values such as ``task.sampling`` expanded field by field), every built-in
 ``RLModule`` / ``Task`` class (the core package's and those of installed plugins) with its
 ``init_args``, the classes registered under ``trainer.strategy`` / ``launcher`` / ``algorithm`` /
-``train_strategy`` with theirs, the registries' names, and the ``rlinf sft`` and ``rlinf prepare``
+``train_engine`` with theirs, the registries' names, and the ``rlinf sft`` and ``rlinf prepare``
 keys. Types and defaults come from the signatures, descriptions from the docstrings (what
 ``--help`` prints). ``tests/test_docs.py`` checks that every key the parsers accept is on the page.
 """
@@ -204,12 +204,13 @@ def component_classes() -> list[tuple[str, str, Any]]:
         ("strategy", "trainer.strategy.init_args", STRATEGIES),
         ("launcher", "trainer.launcher.init_args", LAUNCHERS),
         ("algorithm", "trainer.algorithm.init_args", ALGORITHMS),
-        ("train_strategy", "trainer.train_engine_options", TRAIN_ENGINES),
+        ("train_engine", "trainer.train_engine_options", TRAIN_ENGINES),
     ]
 
 
 def build_sections(parser: Any = None) -> list[Section]:
     """The page's sections, from ``parser`` (default: ``rlinf_lightning.cli.build_parser()``)."""
+    from rlinf_lightning.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
     from rlinf_lightning.cli import build_parser, subcommand_parser
     from rlinf_lightning.engines import ROLLOUT_ENGINES
     from rlinf_lightning.envs import ENVS
@@ -258,7 +259,7 @@ def build_sections(parser: Any = None) -> list[Section]:
             3,
             "`trainer.strategy`, `trainer.launcher` and `trainer.algorithm` take a registered name or a "
             "`{class_path, init_args}` value; `trainer.train_engine_options` are the keyword arguments of "
-            "the train engine that `trainer.train_strategy` names. Registered entries (built in, or added "
+            "the train engine that `trainer.train_engine` names. Registered entries (built in, or added "
             "by an installed plugin) and the arguments of those that take any:",
         )
     )
@@ -278,14 +279,21 @@ def build_sections(parser: Any = None) -> list[Section]:
                 )
             )
     for kind, key, registry in (
-        ("rollout", "trainer.rollout", ROLLOUT_ENGINES),
+        ("rollout", "task.init_args.rollout", ROLLOUT_ENGINES),
+        ("advantage estimator", "trainer.algorithm.init_args.advantage_estimator", ADVANTAGE_ESTIMATORS),
+        ("policy loss", "trainer.algorithm.init_args.policy_loss", POLICY_LOSSES),
         ("reward", "task.init_args.reward", REWARDS),
         ("env", "task.init_args.env", ENVS),
         ("logger", "trainer.logger", LOGGERS),
     ):
         extra = "\n\nAny gymnasium id works too (built in)." if kind == "env" else ""
         out.append(
-            Section(f"registry-{kind}", f"`{kind}` names (`{key}`)", 4, _registry_table(registry) + extra)
+            Section(
+                f"registry-{kind.replace(' ', '-')}",
+                f"`{kind}` names (`{key}`)",
+                4,
+                _registry_table(registry) + extra,
+            )
         )
     out.append(
         Section(
@@ -335,8 +343,8 @@ def render(sections: list[Section]) -> str:
         "",
         "Generated from the code (`rlinf_lightning.cli.build_parser()`) each time this site is built: "
         "every key, its type, its default and its description (the docstrings, as `--help` prints "
-        "them). A dotted key is YAML nesting in a `--config` file, or a flag: `trainer.sampling.top_p` "
-        "is `--trainer.sampling.top_p=0.9`. `rlinf fit --print_config` prints a resolved config.",
+        "them). A dotted key is YAML nesting in a `--config` file, or a flag: `task.sampling.top_p` "
+        "is `--task.sampling.top_p=0.9`. `rlinf fit --print_config` prints a resolved config.",
         "",
     ]
     for s in sections:

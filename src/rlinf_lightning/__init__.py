@@ -2,7 +2,8 @@
 
 import rlinf_lightning as rl
 trainer = rl.RLTrainer(algorithm="grpo", strategy="collocated", max_iterations=100)
-trainer.fit(rl.LMPolicy("artifacts/tiny-qwen2-sft"), rl.tasks.MathTask("train.jsonl", "test.jsonl"))
+task = rl.tasks.MathTask("train.jsonl", "test.jsonl", group_size=8, rollout="hf")
+trainer.fit(rl.LMPolicy("artifacts/tiny-qwen2-sft"), task)
 """
 
 import logging
@@ -15,11 +16,16 @@ from rlinf_lightning.callbacks import Callback, ProgressBar
 from rlinf_lightning.engines.rollout import SamplingParams
 from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.policies import LMPolicy, RLModule
+from rlinf_lightning.tasks import RunSpec
 from rlinf_lightning.trainer import RLTrainer
 
 __version__ = "0.1.0"
 
-if not logging.getLogger().handlers:  # the application configured no logging: show ours at INFO
+# As Lightning does: the library's own INFO messages (the plan, the held-out result) are shown, on
+# our handlers unless the application configured logging itself (the ``rlinf`` CLI re-installs
+# them at the level of --quiet / --verbose); see ``console``.
+logging.getLogger(__name__).setLevel(logging.INFO)
+if not logging.getLogger().handlers:
     console.install()
 
 __all__ = [
@@ -29,6 +35,7 @@ __all__ = [
     "ProgressBar",
     "RLModule",
     "RLTrainer",
+    "RunSpec",
     "SamplingParams",
     "algorithms",
     "callbacks",

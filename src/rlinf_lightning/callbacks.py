@@ -14,9 +14,11 @@ log = logging.getLogger(__name__)
 
 
 class Callback:
-    """Override any hook. ``metrics`` are flat ``{"stage/name": value}`` dicts as logged."""
+    """Override any hook. ``metrics`` are flat ``{"stage/name": value}`` dicts as logged. During a
+    fit, ``trainer.policy`` and ``trainer.task`` are what is being fit."""
 
-    def on_fit_start(self, trainer: RLTrainer, policy: Any) -> None: ...
+    def on_fit_start(self, trainer: RLTrainer, policy: Any) -> None:
+        """The workers run (and a resumed run's state is loaded); the first evaluation follows."""
 
     def on_iteration_start(self, trainer: RLTrainer, iteration: int) -> None:
         """Called in order before ``on_iteration_end`` of the same iteration. The workers may
@@ -24,26 +26,21 @@ class Callback:
         (unless evaluation or a checkpoint comes between), so the workers go straight on and the
         driver logs meanwhile."""
 
-    def on_iteration_end(self, trainer: RLTrainer, iteration: int, metrics: dict[str, float]) -> None: ...
+    def on_iteration_end(self, trainer: RLTrainer, iteration: int, metrics: dict[str, float]) -> None:
+        """Iteration ``iteration`` ended; ``metrics`` are what the loggers received for it."""
 
-    def on_evaluation_end(self, trainer: RLTrainer, iteration: int, accuracy: float) -> None:
-        """``accuracy``: the task's headline evaluation metric (``Task.eval_metric``)."""
+    def on_evaluation_end(self, trainer: RLTrainer, iteration: int, metrics: dict[str, float]) -> None:
+        """A held-out evaluation after ``iteration`` iterations (0: before training) returned
+        ``metrics`` (the task's ``evaluate``); the headline is ``metrics[trainer.task.eval_metric]``."""
 
-    def on_save_checkpoint(self, trainer: RLTrainer, path: str) -> None: ...
+    def on_save_checkpoint(self, trainer: RLTrainer, path: str) -> None:
+        """A checkpoint was written (atomically) to ``path``."""
 
-    def on_fit_end(self, trainer: RLTrainer, summary: dict[str, Any]) -> None: ...
+    def on_fit_end(self, trainer: RLTrainer, summary: dict[str, Any]) -> None:
+        """The fit finished; ``summary`` is what ``summary.json`` holds."""
 
-    def on_exception(self, trainer: RLTrainer, exception: BaseException) -> None: ...
-
-
-# What the progress line shows, when the workflow reports it (math: reward and accuracy; embodied:
-# episode return and success rate of the episodes that ended in the iteration).
-HEADLINE = {
-    "reward/reward": "reward",
-    "reward/accuracy": "acc",
-    "env/return": "return",
-    "env/success": "success",
-}
+    def on_exception(self, trainer: RLTrainer, exception: BaseException) -> None:
+        """The fit is failing with ``exception`` (the workers are shut down after this hook)."""
 
 
 def _clock(seconds: float) -> str:
@@ -81,8 +78,9 @@ class ProgressBar(Callback):
             for k, v in metrics.items()
             if k.startswith("time/") and k != "time/iteration"
         )
+        headline = getattr(trainer.task, "headline", {})  # the task says what matters on the line
         head = "".join(
-            f"  {name} [green]{metrics[k]:.3f}[/green]" for k, name in HEADLINE.items() if k in metrics
+            f"  {name} [green]{metrics[k]:.3f}[/green]" for k, name in headline.items() if k in metrics
         )
         if not hasattr(self, "first"):  # iterations timed from the first one this fit ran (resume)
             self.first, self.t_first = iteration, time.perf_counter() - metrics.get("time/iteration", 0.0)
@@ -93,8 +91,8 @@ class ProgressBar(Callback):
             f"  | {stage_s} | {metrics.get('perf/samples_per_s', 0):.0f} samples/s | ETA {_clock(eta)}"
         )
 
-    def on_evaluation_end(self, trainer, iteration, accuracy) -> None:
+    def on_evaluation_end(self, trainer, iteration, metrics) -> None:
         if not log.isEnabledFor(logging.INFO):
             return
-        metric = getattr(trainer, "eval_metric", "accuracy")
-        self.console.print(f"[cyan]eval @ it {iteration}: held-out {metric} {accuracy:.3f}[/cyan]")
+        head = trainer.task.eval_metric
+        self.console.print(f"[cyan]eval @ it {iteration}: held-out {head} {metrics[head]:.3f}[/cyan]")

@@ -10,7 +10,9 @@
 
 Every constructor argument of ``RLTrainer`` is a config key under ``trainer.``; ``policy`` and
 ``task`` take a ``class_path`` (any ``RLModule`` / ``Task``; default ``LMPolicy`` / ``MathTask``) and
-its constructor's arguments. Unknown keys and wrong types are rejected by name.
+its constructor's arguments. Unknown keys and wrong types are rejected by name; a key that moved
+(:data:`MOVED_KEYS`, e.g. ``trainer.group_size`` -> ``task.group_size``) is refused naming its new
+place.
 
 What a command produces (the plugin listing, the ranked plans, ``--print_config``) is printed to
 stdout; what happens along the way is logged and shown by ``console.install`` at the level of
@@ -114,9 +116,9 @@ def _plan_parser() -> ArgumentParser:
 
 def rank_plans(init, profile: str, devices: int | None, num_nodes: int | None, speedup, top: int) -> int:
     """``rlinf plan``: simulate every candidate on the stated cluster from a saved profile."""
-    from rlinf_lightning.auto.profile import Profile
-    from rlinf_lightning.auto.search import candidates, describe, placement_syntax
     from rlinf_lightning.strategies import Resources
+    from rlinf_lightning.strategies.auto.profile import Profile
+    from rlinf_lightning.strategies.auto.search import candidates, describe, placement_syntax
 
     trainer, policy, task = init.trainer, init.policy, init.task
     try:
@@ -124,7 +126,8 @@ def rank_plans(init, profile: str, devices: int | None, num_nodes: int | None, s
     except ValueError as exc:
         print(f"rlinf plan: --profile {exc}", file=sys.stderr)
         return 2
-    workflow = task.build_workflow(policy, trainer)
+    run = trainer.run_spec
+    workflow = task.build_workflow(policy, run)
     if prof.workflow != workflow.name:
         print(
             f"rlinf plan: --profile {profile} measured workflow {prof.workflow!r}; this config's is "
@@ -134,7 +137,7 @@ def rank_plans(init, profile: str, devices: int | None, num_nodes: int | None, s
         return 2
     accelerator = trainer.accelerator if trainer.accelerator != "auto" else prof.accelerator
     res = Resources(devices or trainer.devices, num_nodes or trainer.num_nodes, accelerator, 1)
-    ranked = candidates(workflow, res, task.batch_shape(trainer), prof)
+    ranked = candidates(workflow, res, task.batch_shape(run), prof)
     print(f"plans for {res.num_nodes} node(s) x {res.devices} device(s), by predicted seconds per iteration:")
     for i, c in enumerate(ranked[:top], 1):
         print(f"  {i}. {c.predicted_s:8.3f} s  {describe(c)}")
@@ -175,7 +178,7 @@ def build_parser() -> ArgumentParser:
 
 
 def list_plugins() -> None:
-    from rlinf_lightning.algorithms import ALGORITHMS
+    from rlinf_lightning.algorithms import ADVANTAGE_ESTIMATORS, ALGORITHMS, POLICY_LOSSES
     from rlinf_lightning.engines import ROLLOUT_ENGINES, TRAIN_ENGINES
     from rlinf_lightning.envs import ENVS
     from rlinf_lightning.launchers import LAUNCHERS
@@ -188,7 +191,8 @@ def list_plugins() -> None:
     print("installed plugins:", ", ".join(f"{n} ({d} {v})" for n, d, v in plugins) or "none")
     for name, err in plugin_errors().items():
         print(f"  plugin {name} failed to load: {err}")
-    for reg in (STRATEGIES, LAUNCHERS, ROLLOUT_ENGINES, TRAIN_ENGINES, ALGORITHMS, REWARDS, ENVS, LOGGERS):
+    registries = (STRATEGIES, LAUNCHERS, ROLLOUT_ENGINES, TRAIN_ENGINES, ALGORITHMS, ADVANTAGE_ESTIMATORS)
+    for reg in (*registries, POLICY_LOSSES, REWARDS, ENVS, LOGGERS):
         print(f"{reg.kind}:")
         for name, origin, desc in reg.describe():
             print(f"  {name:<20} {origin:<22} {desc}")
@@ -214,6 +218,19 @@ def _config_file_problem(argv: list[str]) -> str | None:
             what = getattr(exc, "problem", None) or str(exc)
             return f"--config {path}{where}: invalid YAML ({what})"
     return None
+
+
+def _key_path(message: str) -> str:
+    """One line for jsonargparse's nested message about a subclass key (``Parser key "task":
+    Problem with given class_path ...: Parser key "group_size": Expected ...``): the dotted key and
+    the innermost problem, ``task.group_size: Expected ...``."""
+    import re
+
+    keys = re.findall(r'Parser key "([^"]+)"', message)
+    if len(keys) < 2:
+        return message
+    problem = message.rsplit(f'Parser key "{keys[-1]}":', 1)[1].strip()
+    return f"{'.'.join(keys)}: {' '.join(problem.split())}"
 
 
 def _with_suggestion(message: str, parser: ArgumentParser) -> str:
@@ -243,16 +260,54 @@ def _all_parsers(parser: ArgumentParser) -> list[ArgumentParser]:
     return [parser, *subs]
 
 
+#: keys that moved (old -> new): the old one is refused with one line naming the new one
+MOVED_KEYS = {
+    "trainer.train_strategy": "trainer.train_engine",
+    **{
+        f"trainer.{k}": f"task.{k}"
+        for k in (
+            "group_size",
+            "rollout_batch_size",
+            "rollout",
+            "rollout_dtype",
+            "sampling",
+            "train_micro_batch_size",
+            "train_max_tokens_per_micro_batch",
+        )
+    },
+}
+
+
+def _moved_key_problem(argv: list[str]) -> str | None:
+    """The first moved key (:data:`MOVED_KEYS`) set in a ``--config`` file or on the command line."""
+    import yaml
+
+    paths = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    paths += [b for a, b in zip(argv, argv[1:]) if a == "--config"]
+    for path in paths:
+        config = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        for section, keys in config.items() if isinstance(config, dict) else ():
+            for key in keys if isinstance(keys, dict) else ():
+                if (new := MOVED_KEYS.get(f"{section}.{key}")) is not None:
+                    return f"--config {path}: {section}.{key} is now {new}; move it there"
+    for arg in argv:
+        old = arg.removeprefix("--").split("=", 1)[0]
+        for moved, new in MOVED_KEYS.items():
+            if old == moved or old.startswith(moved + "."):
+                return f"--{old} is now --{new}{old.removeprefix(moved)}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if problem := _config_file_problem(argv):
+    if problem := _config_file_problem(argv) or _moved_key_problem(argv):
         print(f"rlinf: {problem}", file=sys.stderr)
         return 2
     parser = build_parser()
     try:
         cfg = parser.parse_args(argv)
     except ArgumentError as exc:  # one message, not the whole usage text
-        print(f"rlinf: {_with_suggestion(str(exc), parser)}", file=sys.stderr)
+        print(f"rlinf: {_with_suggestion(_key_path(str(exc)), parser)}", file=sys.stderr)
         return 2
     if cfg.quiet and cfg.verbose:
         print("rlinf: --quiet and --verbose contradict each other; give one", file=sys.stderr)

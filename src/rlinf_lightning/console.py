@@ -9,10 +9,10 @@ elsewhere (a pipe, a file, CI) each record is one plain line, so output can be g
 wraps.
 
 Who calls it: ``rlinf`` with the level of ``--quiet`` (WARNING) or ``--verbose`` (DEBUG), INFO
-otherwise; and ``import rlinf_lightning`` at INFO when the application has configured no logging
-(the root logger has no handler), as Lightning does, so a script's ``RLTrainer.fit`` shows its plan
-and results. An application that configures ``logging`` before the import keeps full control: the
-package then adds no handler and its records propagate to the application's.
+otherwise; and ``import rlinf_lightning``, which sets the package logger to INFO as Lightning does
+and installs the handlers when the application has configured no logging (the root logger has no
+handler), so a script's ``RLTrainer.fit`` shows its plan and results. An application that
+configures ``logging`` before the import gets no handler from us: the records propagate to its own.
 
 The per-iteration progress line is not a record but a console product of
 :class:`~rlinf_lightning.callbacks.ProgressBar`; it shows when the package logger is enabled for

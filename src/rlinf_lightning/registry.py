@@ -10,6 +10,7 @@ that is called once, with no arguments, and registers whatever it brings.
 from __future__ import annotations
 
 import difflib
+import importlib
 import logging
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
@@ -72,10 +73,20 @@ class Registry(Generic[T]):
         return [(n, self._origins[n], self._descriptions[n]) for n in self]
 
     def resolve(self, spec: str | Any, *args: Any, **kwargs: Any) -> Any:
-        """Instantiate a registered factory by name, or return an already-built object unchanged."""
+        """Instantiate a registered factory by name, build a ``{class_path, init_args}`` dict, or
+        return an already-built object unchanged."""
         if isinstance(spec, str):
             return self.get(spec)(*args, **kwargs)
-        return spec
+        return instantiate(spec)
+
+
+def instantiate(spec: Any) -> Any:
+    """Build ``{class_path, init_args}`` dicts (jsonargparse style); return other objects unchanged."""
+    if isinstance(spec, dict) and "class_path" in spec:
+        module, _, name = spec["class_path"].rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        return cls(**spec.get("init_args", {}))
+    return spec
 
 
 def load_plugins() -> None:

@@ -1,17 +1,16 @@
-"""How every random stream of a run derives from ``trainer.seed``.
+"""How sampling's random streams derive from ``trainer.seed``.
 
 Each stream is a pure function of the seed and of *what* is drawn (a prompt group, a sample, an
-epoch, an iteration), never of how the work was split, so every execution plan draws the same
-numbers. The strides are primes larger than any count they are added to, so two different inputs
-never give the same seed (no two groups share a stream, no two iterations replay an episode).
+iteration), never of how the work was split, so every execution plan draws the same numbers. The
+strides are primes larger than any count they are added to, so two different inputs never give the
+same seed. (The other fixed seeds live with their one user: ``tasks.math.EPOCH_SEED_STRIDE`` for
+the data order, ``workflows.embodied.EVAL_SEED`` for evaluation episodes.)
 """
 
 from __future__ import annotations
 
 SEED_STRIDE = 1_000_003  # > prompt groups (or env groups) per iteration: seed*stride + group is unique
 SAMPLE_STRIDE = 1_000_033  # > samples per group: (seed*stride + group)*stride + sample is unique
-EPOCH_STRIDE = 7919  # > epochs of a run: the data order of (seed, epoch) is seed*stride + epoch
-EVAL_SEED = 10**6  # first evaluation episode's seed: far above training groups' seed + group
 _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads consecutive integers over 64 bits
 
 

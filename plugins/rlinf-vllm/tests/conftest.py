@@ -14,7 +14,7 @@ torch.set_num_threads(2)
 
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> dict[str, Path]:
-    from rlinf_lightning.assets import build_warm_started
+    from rlinf_lightning.testing import build_warm_started
 
     return build_warm_started(tmp_path_factory.mktemp("vllm-assets"))
 

@@ -1,8 +1,22 @@
-"""Advantage estimators as pure functions of tensors."""
+"""Advantage estimators as pure functions of tensors.
+
+:data:`ADVANTAGE_ESTIMATORS` holds the outcome-level estimators of the reasoning flow by name (an
+algorithm's ``advantage_estimator`` option picks one; plugins register more): each is a function
+``(rewards [B], group_ids [B], config) -> advantages [B]``, ``config`` being the algorithm object
+whose options it reads (e.g. ``scale_std``).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
+
+from rlinf_lightning.registry import Registry
+
+AdvantageEstimator = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 
 
 def group_normalized_advantages(
@@ -27,6 +41,12 @@ def group_normalized_advantages(
     std = (sq / (counts - 1)).sqrt()
     adv = centred / (std[inverse] + eps) if scale_std else centred
     return adv.to(rewards.dtype)
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, config: Any) -> torch.Tensor:
+    """GRPO's group-normalised advantages (centred; divided by the group std if ``config.scale_std``)."""
+    return group_normalized_advantages(rewards, group_ids, scale_std=getattr(config, "scale_std", True))
 
 
 def gae(

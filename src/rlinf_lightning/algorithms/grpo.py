@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rlinf_lightning.algorithms.advantages import group_normalized_advantages
-from rlinf_lightning.algorithms.losses import LossAgg, aggregate, kl_k3, masked_mean, ppo_clip_per_token
+from rlinf_lightning.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from rlinf_lightning.algorithms.losses import POLICY_LOSSES, LossAgg, aggregate, kl_k3, masked_mean
 
 
 @dataclass
@@ -27,6 +27,10 @@ class GRPO:
             behaviour policy as the actor computes it), and each token's loss is weighted by
             ``min(pi_actor / pi_rollout, tis_cap)``. ``None``: the ratio against the rollout's
             log-probs, no weight.
+        advantage_estimator: the ``ADVANTAGE_ESTIMATORS`` entry turning a group's rewards into
+            advantages (``grpo``; plugins add more).
+        policy_loss: the ``POLICY_LOSSES`` entry giving the per-token policy-gradient term
+            (``ppo_clip``; plugins add more).
     """
 
     clip_eps: float = 0.2
@@ -35,13 +39,29 @@ class GRPO:
     scale_std: bool = True
     loss_agg: LossAgg = "token-mean"
     tis_cap: float | None = None
+    advantage_estimator: str = "grpo"
+    policy_loss: str = "ppo_clip"
 
     @property
     def needs_reference(self) -> bool:
         return self.kl_coef > 0
 
+    def problems(self) -> list[tuple[str, str]]:
+        """``(option, problem)`` pairs for options out of range or names not registered."""
+        p = [
+            (key, f"must be >= 0, got {getattr(self, key)}")
+            for key in ("clip_eps", "clip_eps_high", "kl_coef")
+            if getattr(self, key) is not None and getattr(self, key) < 0
+        ]
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            p.append(("tis_cap", f"must be > 0 or null (no correction), got {self.tis_cap}"))
+        for key, registry in (("advantage_estimator", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES)):
+            if getattr(self, key) not in registry:
+                p.append((key, registry.unknown_message(getattr(self, key))))
+        return p
+
     def compute_advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        return group_normalized_advantages(rewards, group_ids, scale_std=self.scale_std)
+        return ADVANTAGE_ESTIMATORS.get(self.advantage_estimator)(rewards, group_ids, self)
 
     def loss(
         self,
@@ -52,10 +72,9 @@ class GRPO:
         ref_logprobs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """``(loss_sum, count, metrics)`` for one micro-batch; tensors are ``[B, T]``, advantages ``[B]``."""
-        hi = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
         behaviour = old_logprobs if self.tis_cap is None else logprobs.detach()
-        pg, clipped = ppo_clip_per_token(
-            logprobs, behaviour, advantages.unsqueeze(-1), clip_low=self.clip_eps, clip_high=hi
+        pg, loss_metrics = POLICY_LOSSES.get(self.policy_loss)(
+            logprobs, behaviour, advantages.unsqueeze(-1), mask, self
         )
         tis = {}
         if self.tis_cap is not None:
@@ -64,7 +83,7 @@ class GRPO:
             tis = {"tis_weight": masked_mean(weight, mask)}
         per_token = pg
         metrics = {
-            "clip_frac": masked_mean(clipped, mask).detach(),
+            **loss_metrics,
             # KL(rollout policy || actor), k3 estimator on the rollout's samples. The actor steps once
             # per iteration, after the rollout sampled with its weights, so this is the mismatch of the
             # rollout engine's numerics (dtype, kernels) with the actor's

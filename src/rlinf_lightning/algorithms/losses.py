@@ -5,15 +5,26 @@ over all micro-batches of a global batch and divides the accumulated gradient by
 once before the optimizer step, so the update is the same whatever the micro-batch size (up to
 float summation order). That is what lets a pipelined plan compute the same update as a
 collocated one.
+
+:data:`POLICY_LOSSES` holds the per-token policy-gradient terms of the reasoning flow by name (an
+algorithm's ``policy_loss`` option picks one; plugins register more): each is a function
+``(logprobs, old_logprobs, advantages, mask, config) -> (per_token_loss, metrics)`` over ``[B, T]``
+tensors (advantages ``[B, 1]``), ``config`` being the algorithm object whose options it reads. The
+algorithm adds its KL term and aggregates (``aggregate``).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 
+from rlinf_lightning.registry import Registry
+
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
 def ppo_clip_per_token(
@@ -42,6 +53,23 @@ def ppo_clip_per_token(
         was_clipped = was_clipped | (negative & (capped < loss))
         loss = torch.where(negative, capped, loss)
     return loss, was_clipped.to(logprobs.dtype)
+
+
+@POLICY_LOSSES.register("ppo_clip")
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped surrogate with ``config.clip_eps`` below 1 and ``config.clip_eps_high`` (or
+    ``clip_eps``) above; reports the clipped fraction of the unmasked tokens."""
+    hi = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
+    pg, clipped = ppo_clip_per_token(
+        logprobs, old_logprobs, advantages, clip_low=config.clip_eps, clip_high=hi
+    )
+    return pg, {"clip_frac": masked_mean(clipped, mask).detach()}
 
 
 def clipped_value_loss(

@@ -116,8 +116,8 @@ class FSDPTrainEngine(DDPTrainEngine):
         if replicas > 1 and not own_process:
             return (
                 "trainer.launcher",
-                f"train_strategy 'fsdp' over {replicas} replicas needs one process per replica: "
-                "use launcher 'processes' or 'ray' (or train_strategy 'ddp')",
+                f"train_engine 'fsdp' over {replicas} replicas needs one process per replica: "
+                "use launcher 'processes' or 'ray' (or train_engine 'ddp')",
             )
         return None
 

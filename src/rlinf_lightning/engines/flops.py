@@ -5,6 +5,7 @@ than read from a datasheet, so the figure is honest on any CPU or GPU.
 Model FLOPs count useful work only (PaLM's definition, appendix B): ``6 N`` per trained token for
 the matmul parameters ``N`` (forward 2N, backward 4N) plus causal attention, ``6 L d`` per token
 per earlier token. Padding, recomputation and optimizer work are not counted, so they lower MFU.
+A policy counts its own (``RLModule.train_flops``; ``policies.lm.causal_lm_train_flops``).
 """
 
 from __future__ import annotations
@@ -32,17 +33,3 @@ def peak_matmul_flops(device: str, dtype: torch.dtype, threads: int) -> float:
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t)
     return 2.0 * n**3 / best
-
-
-def causal_lm_train_flops(model: torch.nn.Module, attention_mask: torch.Tensor) -> float:
-    """Model FLOPs of one forward and backward of a decoder-only LM over the real (unpadded) tokens
-    of ``attention_mask`` ``[B, T]``."""
-    config = model.config
-    params = sum(p.numel() for p in model.parameters())
-    embedding = model.get_input_embeddings().weight.numel()
-    tied = getattr(config, "tie_word_embeddings", False)
-    matmul_params = params if tied else params - embedding  # a tied embedding is the output matmul
-    lengths = attention_mask.sum(-1).double()
-    tokens = float(lengths.sum())
-    attention = 6.0 * config.num_hidden_layers * config.hidden_size * float((lengths**2).sum())
-    return 6.0 * matmul_params * tokens + attention

@@ -17,8 +17,6 @@ from functools import cache
 import torch
 
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true")
-#: parameter dtypes a policy (``LMPolicy.dtype``) or rollout engine (``trainer.rollout_dtype``) takes
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @cache

@@ -11,9 +11,11 @@ same samples.
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,7 +31,7 @@ class SamplingParams:
     Args:
         temperature: logits are divided by it before sampling (and the sampled tokens' log-probs
             are taken under that distribution); ``0`` is greedy (evaluation only: RL sampling
-            needs ``trainer.sampling.temperature > 0``).
+            needs ``task.sampling.temperature > 0``).
         top_p: nucleus sampling: sample from the smallest set of tokens whose probability reaches it
             (``1.0``: all tokens).
         top_k: sample from the ``top_k`` most likely tokens (``-1``: no limit).
@@ -89,6 +91,21 @@ class RolloutEngine(ABC):
 
 
 ROLLOUT_ENGINES: Registry[type[RolloutEngine]] = Registry("rollout engine")
+
+
+def engine_option_problems(name: str, options: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(option, problem)`` for each of ``options`` that the rollout engine registered as ``name``
+    does not take as a keyword (its options are its constructor's keyword-only arguments besides
+    ``device`` and ``dtype``), found before any engine is built."""
+    params = inspect.signature(ROLLOUT_ENGINES.get(name)).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return []
+    taken = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n not in ("device", "dtype")]
+    return [
+        (key, f"not an option of rollout engine {name!r}; it takes: {', '.join(taken) or 'none'}")
+        for key in options
+        if key not in taken
+    ]
 
 
 def top_k_top_p_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

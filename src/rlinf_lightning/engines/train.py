@@ -29,10 +29,10 @@ LossFn = Callable[[RLModule, TensorDict], tuple]
 
 @dataclass(frozen=True)
 class TrainSpec:
-    """How a learning stage trains: the trainer's ``train_strategy`` (an engine name),
+    """How a learning stage trains: the trainer's ``train_engine`` (an engine name),
     ``train_engine_options`` and ``precision`` (see ``engines.precision``)."""
 
-    strategy: str = "auto"
+    engine: str = "auto"
     options: dict[str, Any] = field(default_factory=dict)
     precision: str = "32-true"
 
@@ -77,7 +77,7 @@ class TrainEngine:
         raise NotImplementedError
 
 
-TRAIN_ENGINES: Registry[type[TrainEngine]] = Registry("train strategy")
+TRAIN_ENGINES: Registry[type[TrainEngine]] = Registry("train engine")
 
 
 def split_optimizers(configured: Any) -> tuple[torch.optim.Optimizer, Any]:
@@ -122,7 +122,7 @@ class SingleTrainEngine(TrainEngine):
     def check(self, replicas: int, own_process: bool) -> tuple[str, str] | None:
         if replicas > 1:
             return (
-                "trainer.train_strategy",
+                "trainer.train_engine",
                 f"'single' trains one replica, but the plan runs the actor on {replicas} replicas; "
                 "use 'ddp', 'fsdp' or 'auto'",
             )

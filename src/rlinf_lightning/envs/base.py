@@ -17,7 +17,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -80,13 +79,3 @@ class EnvBatch(ABC):
 
 EnvFactory = Callable[..., EnvBatch]
 ENVS: Registry[EnvFactory] = Registry("env")
-
-
-def make_env(name: str, num_envs: int, **kwargs: Any) -> EnvBatch:
-    """The registered env ``name`` (a factory called with ``num_envs`` and ``kwargs``), or else
-    the gymnasium id ``name`` as a synchronous vector env."""
-    if name in ENVS:
-        return ENVS.get(name)(num_envs=num_envs, **kwargs)
-    from rlinf_lightning.envs.gym import GymEnvBatch
-
-    return GymEnvBatch(name, num_envs, **kwargs)

@@ -17,7 +17,9 @@ from tensordict import TensorDict
 from rlinf_lightning.envs.base import EnvBatch, Step
 
 
-def _ensure_registered(env_id: str) -> None:
+def ensure_registered(env_id: str) -> None:
+    """Register gymnasium-robotics' envs if ``env_id`` needs them; ``KeyError`` (with the nearest
+    id) if gymnasium still does not know it."""
     import gymnasium as gym
 
     if env_id in gym.registry:
@@ -54,7 +56,7 @@ class GymEnvBatch(EnvBatch):
     def __init__(self, env_id: str, num_envs: int, **kwargs: Any) -> None:
         import gymnasium as gym
 
-        _ensure_registered(env_id)
+        ensure_registered(env_id)
         self.env = gym.make_vec(
             env_id,
             num_envs=num_envs,

@@ -1,5 +1,6 @@
 """The macro flow (stages, channels, workflow) and its micro execution (plan, wiring, worker)."""
 
+from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.channel import Channel, ChannelAborted, ChannelTimeout, EndOfIteration, Message
 from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroup
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
@@ -7,6 +8,7 @@ from rlinf_lightning.flow.worker import Span, StageError, Worker
 from rlinf_lightning.flow.workflow import Workflow
 
 __all__ = [
+    "BatchShape",
     "Channel",
     "ChannelAborted",
     "ChannelTimeout",

@@ -108,6 +108,12 @@ def worker_memory(workflow: Workflow, plan: ExecutionPlan) -> list[WorkerMemory]
     return out
 
 
+def unestimated_stages(workflow: Workflow, plan: ExecutionPlan) -> list[str]:
+    """The stages whose memory is unknown before they load (``Stage.memory`` gave ``None``, e.g. a
+    policy that cannot be built on the meta device): the memory check cannot count them."""
+    return sorted({s for w in worker_memory(workflow, plan) for s in w.unknown})
+
+
 def host_memory() -> int:
     """This machine's physical memory, or its cgroup's memory limit where that is lower."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -184,7 +190,7 @@ def _fixes(workers: list[WorkerMemory], have: int, devices: str) -> str:
     key = "trainer.devices, trainer.num_nodes" if devices == "GPUs" else "trainer.num_nodes"
     fixes = [
         "a smaller model",
-        f"more {devices} ({key}) with the actor sharded (trainer.train_strategy=fsdp) or the stages "
+        f"more {devices} ({key}) with the actor sharded (trainer.train_engine=fsdp) or the stages "
         "apart (trainer.strategy=disaggregated)",
     ]
     turns = sum(max([w.stage_bytes(s) for s in w.parts] or [0]) for w in workers)

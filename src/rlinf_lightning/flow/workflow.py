@@ -15,13 +15,22 @@ A workflow also names **roles**, so that the trainer drives any workflow without
 held-out evaluation). Stages may declare the batch keys they read and write (``in_keys`` /
 ``out_keys``); :meth:`Workflow.check_keys` finds a key that nothing upstream produces.
 
->>> wf = (
-...     Workflow("math", roles={"train": "actor", "evaluate": "rollout"})
-...     .chain(RolloutStage(...), RewardStage(...), ActorStage(...))
-...     .sync("actor", "rollout", "weights")
-... )
->>> embodied = Workflow("ppo").chain(EnvStage(...), GAEStage(...), ActorStage(...))
->>> embodied.add(PolicyStage(...)).loop("env", "policy", turns=64)
+The built-in flows are ``workflows.reasoning.reasoning_workflow`` (a chain of five stages and a
+weight sync) and ``workflows.embodied.embodied_workflow`` (a loop between the env stage and the
+rollout stage). A minimal one, runnable as it stands:
+
+>>> class Double(Stage):
+...     name, in_keys, out_keys = "double", ("x",), ("y",)
+...     def process(self, batch):
+...         batch["y"] = batch["x"] * 2
+...         return batch
+>>> class Learn(Stage):
+...     name, in_keys = "learn", ("y",)
+...     def process(self, batch):
+...         return None  # a learning stage consumes its input
+>>> wf = Workflow("toy").chain(Double(), Learn()).sync("learn", "double", "weights").role("train", "learn")
+>>> wf.validate(); wf.check_keys(["x"]); wf.order
+['double', 'learn']
 """
 
 from __future__ import annotations

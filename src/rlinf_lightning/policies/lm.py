@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.policies.module import RLModule
+from rlinf_lightning.policies.module import DTYPES, RLModule
 
 if TYPE_CHECKING:
     from rlinf_lightning.policies.model_dir import CausalLMShape
@@ -134,8 +134,6 @@ class LMPolicy(RLModule):
         return sdpa_kernel(SDPBackend.MATH)
 
     def train_flops(self, batch: TensorDict) -> float:
-        from rlinf_lightning.engines.flops import causal_lm_train_flops
-
         return causal_lm_train_flops(self.model, batch["attention_mask"])
 
     def check_state_dict(self, state: dict[str, torch.Tensor]) -> str | None:
@@ -149,7 +147,6 @@ class LMPolicy(RLModule):
 
     def validate_config(self) -> list[tuple[str, str]]:
         """(key, problem) pairs found without loading anything; empty when the config is fine."""
-        from rlinf_lightning.engines.precision import DTYPES
         from rlinf_lightning.policies.model_dir import check_causal_lm_dir
 
         problems = [("model_path", msg) for msg in check_causal_lm_dir(self.model_path)]
@@ -158,3 +155,18 @@ class LMPolicy(RLModule):
         if self.dtype not in DTYPES:
             problems.append(("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}"))
         return problems
+
+
+def causal_lm_train_flops(model: torch.nn.Module, attention_mask: torch.Tensor) -> float:
+    """Model FLOPs of one forward and backward of a decoder-only LM over the real (unpadded) tokens
+    of ``attention_mask`` ``[B, T]`` (PaLM's count: ``6 N`` per token for the matmul parameters
+    ``N`` plus causal attention, ``6 L d`` per token per earlier token; see ``engines.flops``)."""
+    config = model.config
+    params = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    tied = getattr(config, "tie_word_embeddings", False)
+    matmul_params = params if tied else params - embedding  # a tied embedding is the output matmul
+    lengths = attention_mask.sum(-1).double()
+    tokens = float(lengths.sum())
+    attention = 6.0 * config.num_hidden_layers * config.hidden_size * float((lengths**2).sum())
+    return 6.0 * matmul_params * tokens + attention

@@ -8,6 +8,9 @@ from abc import abstractmethod
 import torch
 from tensordict import TensorDict
 
+#: parameter dtypes a policy (``LMPolicy.dtype``) or a rollout engine (``task.rollout_dtype``) takes
+DTYPES = ("float32", "bfloat16", "float16")
+
 
 class RLModule(torch.nn.Module):
     """A policy the trainer can roll out and train.

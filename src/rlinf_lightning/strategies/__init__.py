@@ -4,7 +4,7 @@ from functools import partial
 
 from rlinf_lightning.registry import Registry
 from rlinf_lightning.strategies.auto import AutoStrategy
-from rlinf_lightning.strategies.base import BatchShape, Replan, Resources, RunInfo, Strategy
+from rlinf_lightning.strategies.base import Replan, Resources, RunInfo, Strategy
 from rlinf_lightning.strategies.collocated import CollocatedStrategy
 from rlinf_lightning.strategies.disaggregated import DisaggregatedStrategy
 from rlinf_lightning.strategies.hybrid import HybridStrategy
@@ -23,7 +23,6 @@ STRATEGIES.register("auto", AutoStrategy)
 __all__ = [
     "STRATEGIES",
     "AutoStrategy",
-    "BatchShape",
     "CollocatedStrategy",
     "DisaggregatedStrategy",
     "HybridStrategy",

@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.plan import ExecutionPlan, Schedule, WorkerGroup
 from rlinf_lightning.flow.worker import Span
 from rlinf_lightning.flow.workflow import Workflow
@@ -33,26 +34,6 @@ class Resources:
         """Torch threads for a replica spanning ``n_slots`` slots."""
         per = self.threads_per_slot or max(1, (os.cpu_count() or 1) // min(len(self.slots), self.devices))
         return per * n_slots
-
-
-@dataclass
-class BatchShape:
-    """Samples per iteration, samples per prompt group, and the requested micro-batch (or None)."""
-
-    rollout_batch_size: int
-    group_size: int
-    micro_batch_size: int | None = None
-
-    def micro_batch_for(self, parts: int) -> int:
-        """The requested micro-batch, or the largest one of whole groups that cuts the batch into
-        at least ``parts`` equal pieces."""
-        if self.micro_batch_size:
-            return self.micro_batch_size
-        groups = self.rollout_batch_size // self.group_size
-        for per in range(max(1, groups // parts), 0, -1):
-            if groups % per == 0:
-                return per * self.group_size
-        return self.group_size
 
 
 @dataclass

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.workflow import Workflow
-from rlinf_lightning.strategies.base import BatchShape, Resources, Strategy
+from rlinf_lightning.strategies.base import Resources, Strategy
 
 
 class CollocatedStrategy(Strategy):

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.placement import parse_placement, placement_text
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.workflow import Workflow
-from rlinf_lightning.strategies.base import BatchShape, Resources, Strategy
-
-# Relative cost of the reasoning stages on the tiny math workload (from its time/<stage> metrics).
-DEFAULT_COSTS = {"rollout": 1.0, "reward": 0.15, "advantage": 0.01, "inference": 0.3, "actor": 1.0}
+from rlinf_lightning.strategies.base import Resources, Strategy
 
 
 class HybridStrategy(Strategy):
@@ -25,7 +23,8 @@ class HybridStrategy(Strategy):
     Args:
         placement: stages per slots, in RLinf's syntax (a string or a mapping).
         micro_batches: micro-batches per iteration when ``trainer.micro_batch_size`` is unset.
-        costs: relative cost per stage name, for the split without a placement (unknown: 0.1).
+        costs: relative cost per stage name, for the split without a placement (default: each
+            stage's ``cost_hint``).
         slots_per_replica: slots per replica of the group hosting a stage (tensor-parallel
             rollout engines), e.g. ``{rollout: 2}``; default 1.
     """
@@ -41,7 +40,7 @@ class HybridStrategy(Strategy):
     ) -> None:
         self.placement = placement
         self.micro_batches = micro_batches
-        self.costs = dict(costs or DEFAULT_COSTS)
+        self.costs = dict(costs or {})
         self.slots_per_replica = dict(slots_per_replica or {})
 
     def plan(self, workflow: Workflow, resources: Resources, batch: BatchShape) -> ExecutionPlan:
@@ -68,7 +67,7 @@ class HybridStrategy(Strategy):
                 f"trainer.devices >= 2 (got {len(slots)}); use strategy 'collocated' on one slot"
             )
         order = workflow.order
-        cost = [self.costs.get(s, 0.1) for s in order]
+        cost = [self.costs.get(s, workflow.stages[s].cost_hint) for s in order]
         i = min(range(1, len(cost)), key=lambda i: (max(sum(cost[:i]), sum(cost[i:])), -i))
         half = (len(slots) + 1) // 2
         return [(order[:i], slots[:half]), (order[i:], slots[half:])]

@@ -7,13 +7,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDict
 
+from rlinf_lightning.envs import ENVS, check_env
+from rlinf_lightning.errors import ConfigError
+from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.workflow import Workflow
-from rlinf_lightning.strategies.base import BatchShape
-from rlinf_lightning.tasks.base import Task
+from rlinf_lightning.tasks.base import RunSpec, Task
+from rlinf_lightning.workflows.embodied import EVAL_SEED, embodied_workflow
 
 if TYPE_CHECKING:
     from rlinf_lightning.launchers.base import Runtime
-    from rlinf_lightning.trainer import RLTrainer
 
 
 class EmbodiedTask(Task):
@@ -37,6 +39,7 @@ class EmbodiedTask(Task):
 
     input_keys = ("shard", "first_env", "envs")
     eval_metric = "success"
+    headline = {"env/return": "return", "env/success": "success"}
 
     def __init__(
         self,
@@ -61,22 +64,14 @@ class EmbodiedTask(Task):
             problems.append(
                 ("group_size", f"must be >= 2 (GRPO compares a group's episodes), got {self.group_size}")
             )
-        from rlinf_lightning.envs import ENVS
-
-        if self.env not in ENVS:
-            try:
-                from rlinf_lightning.envs.gym import _ensure_registered
-
-                _ensure_registered(self.env)
-            except (KeyError, ImportError) as exc:
-                problems.append(("env", f"{exc.args[0] if exc.args else exc}; registered: {', '.join(ENVS)}"))
+        if why := check_env(self.env):
+            problems.append(("env", f"{why}; registered: {', '.join(ENVS)}"))
         return problems
 
-    def _episodic(self, trainer: RLTrainer) -> bool:
+    @staticmethod
+    def _episodic(run: RunSpec) -> bool:
         """GRPO over episodes (an algorithm without a critic's GAE) groups envs."""
-        from rlinf_lightning.algorithms import ALGORITHMS
-
-        return not hasattr(ALGORITHMS.resolve(trainer.algorithm), "gae_lambda")
+        return not hasattr(run.algorithm, "gae_lambda")
 
     def _spaces(self, seed: int) -> tuple[TensorDict, tuple[int, ...]]:
         """One env's observation and the action shape of a policy call (``chunk`` steps), from a
@@ -91,40 +86,39 @@ class EmbodiedTask(Task):
                 probe.close()
         return self._probed
 
-    def batch_shape(self, trainer: RLTrainer) -> BatchShape:
+    def batch_shape(self, run: RunSpec) -> BatchShape:
         """A micro-batch is whole envs (for GRPO: whole groups of envs)."""
-        unit = self.steps * (self.group_size if self._episodic(trainer) else 1)
-        return BatchShape(self.num_envs * self.steps, unit, trainer.micro_batch_size)
+        unit = self.steps * (self.group_size if self._episodic(run) else 1)
+        return BatchShape(self.num_envs * self.steps, unit, run.micro_batch_size)
 
-    def build_workflow(self, policy: Any, trainer: RLTrainer) -> Workflow:
-        """The embodied workflow for ``trainer``'s algorithm (``ppo``, or ``grpo`` over episodes) and
+    def build_workflow(self, policy: Any, run: RunSpec) -> Workflow:
+        """The embodied workflow for the run's algorithm (``ppo``, or ``grpo`` over episodes) and
         train engine; a policy that sizes itself from the env (``configure_spaces``) is shown one
         env's observation and the action shape."""
-        from rlinf_lightning.algorithms import ALGORITHMS
-        from rlinf_lightning.workflows.embodied import embodied_workflow
+        if self._episodic(run) and self.num_envs % self.group_size:
+            why = f"{self.group_size} does not cut task.num_envs={self.num_envs} into whole groups"
+            raise ConfigError([("task.group_size", why)])
 
-        if self._episodic(trainer) and self.num_envs % self.group_size:
-            raise ValueError(
-                f"task.group_size={self.group_size} does not cut task.num_envs={self.num_envs} "
-                "into whole groups"
-            )
-
+        try:  # one env made here, before any worker: a bad keyword is one line, not a worker's traceback
+            spaces = self._spaces(run.seed)
+        except TypeError as exc:
+            raise ConfigError([("task.env_kwargs", f"{self.env}: {exc}")]) from exc
         if hasattr(policy, "configure_spaces"):
-            policy.configure_spaces(*self._spaces(trainer.seed))
+            policy.configure_spaces(*spaces)
         return embodied_workflow(
             policy=policy,
-            algorithm=ALGORITHMS.resolve(trainer.algorithm),
+            algorithm=run.algorithm,
             env=self.env,
             env_kwargs=self.env_kwargs,
             num_envs=self.num_envs,
             steps=self.steps,
             chunk=self.chunk,
-            group_size=self.group_size if self._episodic(trainer) else 1,
-            train=trainer.train_spec,
-            seed=trainer.seed,
+            group_size=self.group_size if self._episodic(run) else 1,
+            train=run.train,
+            seed=run.seed,
         )
 
-    def inputs(self, iteration: int, micro_batch_size: int, trainer: RLTrainer) -> list[TensorDict]:
+    def inputs(self, iteration: int, micro_batch_size: int, run: RunSpec) -> list[TensorDict]:
         """One descriptor per shard (the same shards every iteration: the env stage keeps them)."""
         per = max(1, micro_batch_size // self.steps)
         return [
@@ -147,5 +141,5 @@ class EmbodiedTask(Task):
             self.env,
             self.env_kwargs,
             self.eval_episodes,
-            10**6,
+            EVAL_SEED,
         )

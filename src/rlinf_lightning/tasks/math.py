@@ -11,15 +11,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.errors import DataError
+from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, SamplingParams, engine_option_problems
+from rlinf_lightning.errors import ConfigError, DataError
+from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.workflow import Workflow
+from rlinf_lightning.policies.module import DTYPES
 from rlinf_lightning.prompts import PromptFormat
-from rlinf_lightning.tasks.base import Task
+from rlinf_lightning.tasks.base import RunSpec, Task
 from rlinf_lightning.tasks.data import Problem, is_pattern, load_problems
 
 if TYPE_CHECKING:
     from rlinf_lightning.launchers.base import Runtime
-    from rlinf_lightning.trainer import RLTrainer
+
+#: mixed into the seed of each epoch's shuffle of the training problems (any fixed odd number)
+EPOCH_SEED_STRIDE = 7919
 
 
 class MathTask(Task):
@@ -38,10 +43,27 @@ class MathTask(Task):
         chat_template: wrap prompts in the tokenizer's chat template when it has one (chat models);
             prompts are plain text for a tokenizer without one.
         system_prompt: the chat's system message (``None``: the chat template's default).
+        group_size: completions sampled per prompt (GRPO's group; at least 2).
+        rollout_batch_size: samples per iteration (prompts x ``group_size``).
+        rollout: rollout engine name (``hf``; ``vllm`` with the plugin).
+        rollout_dtype: the rollout engine's weights and compute dtype (``float32``, ``bfloat16``,
+            ``float16``; ``None``: the policy's ``dtype``). The actor's float32 weights are cast at
+            each sync; ``actor/approx_kl`` measures the log-prob mismatch this causes, and
+            ``GRPO(tis_cap=...)`` corrects for it.
+        rollout_engine_options: keyword arguments of the rollout engine, e.g. for ``vllm``
+            ``{gpu_memory_utilization: 0.5, tensor_parallel_size: 2}``.
+        sampling: temperature, top_p, top_k and max_new_tokens for rollouts.
+        train_micro_batch_size: samples per forward/backward in the actor (gradient accumulation;
+            default: each arriving micro-batch at once).
+        train_max_tokens_per_micro_batch: instead, cut the actor's micro-batches by tokens: samples
+            sorted by length, as many per forward/backward as fit ``rows x longest row <= this``.
+            Either way each micro-batch is trimmed to its longest prompt and response, so padding
+            costs no compute.
     """
 
     input_keys = ("prompt", "answer", "group_id")
     eval_metric = "accuracy"
+    headline = {"reward/reward": "reward", "reward/accuracy": "acc"}
 
     def __init__(
         self,
@@ -54,8 +76,22 @@ class MathTask(Task):
         prompt_template: str = "{prompt}",
         chat_template: bool = True,
         system_prompt: str | None = None,
+        group_size: int = 8,
+        rollout_batch_size: int = 128,
+        rollout: str = "hf",
+        rollout_dtype: str | None = None,
+        rollout_engine_options: dict[str, Any] | None = None,
+        sampling: SamplingParams | None = None,
+        train_micro_batch_size: int | None = None,
+        train_max_tokens_per_micro_batch: int | None = None,
     ) -> None:
         self.train_path, self.test_path = str(train_path), str(test_path)
+        self.group_size, self.rollout_batch_size = group_size, rollout_batch_size
+        self.rollout, self.rollout_dtype = rollout, rollout_dtype
+        self.rollout_engine_options = dict(rollout_engine_options or {})
+        self.sampling = sampling or SamplingParams()
+        self.train_micro_batch_size = train_micro_batch_size
+        self.train_max_tokens_per_micro_batch = train_max_tokens_per_micro_batch
         self.prompt_template, self.chat_template = prompt_template, chat_template
         self.system_prompt = system_prompt
         self.reward, self.format_reward, self.format_weight = reward, format_reward, format_weight
@@ -84,7 +120,57 @@ class MathTask(Task):
                 problems.append((key, REWARDS.unknown_message(name)))
         if self.eval_size is not None and self.eval_size < 1:
             problems.append(("eval_size", f"must be >= 1 or null, got {self.eval_size}"))
+        return problems + self._batch_problems() + self._rollout_problems()
+
+    def _batch_problems(self) -> list[tuple[str, str]]:
+        problems = [
+            (key, f"must be >= 1, got {getattr(self, key)}")
+            for key in ("rollout_batch_size", "train_micro_batch_size", "train_max_tokens_per_micro_batch")
+            if getattr(self, key) is not None and getattr(self, key) < 1
+        ]
+        if self.train_micro_batch_size and self.train_max_tokens_per_micro_batch:
+            problems.append(
+                (
+                    "train_max_tokens_per_micro_batch",
+                    "set either this or task.train_micro_batch_size (samples), not both",
+                )
+            )
+        if self.group_size < 2:
+            problems.append(
+                (
+                    "group_size",
+                    f"must be >= 2 (advantages compare samples of a prompt), got {self.group_size}",
+                )
+            )
+        elif self.rollout_batch_size >= 1 and self.rollout_batch_size % self.group_size:
+            nearest = max(1, self.rollout_batch_size // self.group_size) * self.group_size
+            problems.append(
+                (
+                    "rollout_batch_size",
+                    f"{self.rollout_batch_size} is not divisible by task.group_size={self.group_size}; "
+                    f"use a multiple such as {nearest}",
+                )
+            )
         return problems
+
+    def _rollout_problems(self) -> list[tuple[str, str]]:
+        s, problems = self.sampling, []
+        if s.temperature <= 0:
+            problems.append(("sampling.temperature", f"must be > 0 for RL sampling, got {s.temperature}"))
+        if not 0 < s.top_p <= 1:
+            problems.append(("sampling.top_p", f"must be in (0, 1], got {s.top_p}"))
+        if s.max_new_tokens < 1:
+            problems.append(("sampling.max_new_tokens", f"must be >= 1, got {s.max_new_tokens}"))
+        if self.rollout_dtype is not None and self.rollout_dtype not in DTYPES:
+            problems.append(
+                ("rollout_dtype", f"must be float32, bfloat16, float16 or null, got {self.rollout_dtype!r}")
+            )
+        if self.rollout not in ROLLOUT_ENGINES:
+            return problems + [("rollout", ROLLOUT_ENGINES.unknown_message(self.rollout))]
+        return problems + [
+            (f"rollout_engine_options.{key}", why)
+            for key, why in engine_option_problems(self.rollout, self.rollout_engine_options)
+        ]
 
     @property
     def prompt_format(self) -> PromptFormat:
@@ -109,7 +195,7 @@ class MathTask(Task):
         epoch, offset = divmod(position, n)
         if (seed, epoch) not in self._orders:
             order = list(range(n))
-            random.Random(seed * 7919 + epoch).shuffle(order)
+            random.Random(seed * EPOCH_SEED_STRIDE + epoch).shuffle(order)
             self._orders = {(seed, epoch): order}  # keep only the current epoch
         return self._orders[(seed, epoch)][offset]
 
@@ -126,30 +212,48 @@ class MathTask(Task):
         )
 
     # -- Task ------------------------------------------------------------------------------------
-    def build_workflow(self, policy: Any, trainer: RLTrainer) -> Workflow:
-        """The reasoning workflow (rollout, reward, advantage, inference, actor) for ``trainer``'s
-        algorithm, engines, sampling and group size."""
-        from rlinf_lightning.algorithms import ALGORITHMS
+    def batch_shape(self, run: RunSpec) -> BatchShape:
+        """``rollout_batch_size`` samples in whole prompt groups of ``group_size``."""
+        return BatchShape(self.rollout_batch_size, self.group_size, run.micro_batch_size)
+
+    def build_workflow(self, policy: Any, run: RunSpec) -> Workflow:
+        """The reasoning workflow (rollout, reward, advantage, inference, actor) for the run's
+        algorithm and train engine and this task's rollout settings."""
         from rlinf_lightning.workflows.reasoning import reasoning_workflow
 
+        self._check_token_budget(policy)
         return reasoning_workflow(
             policy=policy,
-            algorithm=ALGORITHMS.resolve(trainer.algorithm),
-            rollout=trainer.rollout,
-            rollout_dtype=trainer.rollout_dtype,
-            train=trainer.train_spec,
-            sampling=trainer.sampling,
-            group_size=trainer.group_size,
-            train_micro_batch_size=trainer.train_micro_batch_size,
-            train_max_tokens_per_micro_batch=trainer.train_max_tokens_per_micro_batch,
+            algorithm=run.algorithm,
+            rollout=self.rollout,
+            rollout_dtype=self.rollout_dtype,
+            rollout_engine_options=self.rollout_engine_options,
+            train=run.train,
+            sampling=self.sampling,
+            group_size=self.group_size,
+            train_micro_batch_size=self.train_micro_batch_size,
+            train_max_tokens_per_micro_batch=self.train_max_tokens_per_micro_batch,
             reward=self.reward,
             format_reward=self.format_reward,
             format_weight=self.format_weight,
-            seed=trainer.seed,
+            seed=run.seed,
             prompt_format=self.prompt_format,
             max_prompt_tokens=self.longest_prompt_tokens(policy),
             eval_prompts=len(self.test),
         )
+
+    def _check_token_budget(self, policy: Any) -> None:
+        """A token budget below the longest sample (longest prompt + ``max_new_tokens``) would train
+        such samples one per forward/backward: refused, naming the smallest budget that works."""
+        budget, prompt = self.train_max_tokens_per_micro_batch, self.longest_prompt_tokens(policy)
+        if budget is None or prompt is None or budget >= prompt + self.sampling.max_new_tokens:
+            return
+        need = prompt + self.sampling.max_new_tokens
+        why = (
+            f"{budget} tokens is less than one sample ({prompt} prompt tokens + "
+            f"task.sampling.max_new_tokens={self.sampling.max_new_tokens}); use at least {need}"
+        )
+        raise ConfigError([("task.train_max_tokens_per_micro_batch", why)])
 
     def longest_prompt_tokens(self, policy: Any) -> int | None:
         """Tokens of the longest prompt the rollout sees (train and test problems, laid out by the
@@ -165,11 +269,11 @@ class MathTask(Task):
             self._prompt_tokens[key] = max((len(i) for i in ids), default=0)
         return self._prompt_tokens[key]
 
-    def inputs(self, iteration: int, micro_batch_size: int, trainer: RLTrainer) -> list[TensorDict]:
+    def inputs(self, iteration: int, micro_batch_size: int, run: RunSpec) -> list[TensorDict]:
         """``rollout_batch_size / group_size`` prompts, in micro-batches of whole prompt groups."""
-        per_iteration = trainer.rollout_batch_size // trainer.group_size
-        prompts = self.prompts((iteration - 1) * per_iteration, per_iteration, trainer.seed)
-        return list(prompts.split(max(1, micro_batch_size // trainer.group_size)))
+        per_iteration = self.rollout_batch_size // self.group_size
+        prompts = self.prompts((iteration - 1) * per_iteration, per_iteration, run.seed)
+        return list(prompts.split(max(1, micro_batch_size // self.group_size)))
 
     def evaluate(self, runtime: Runtime) -> dict[str, float]:
         """Greedy accuracy on the held-out problems, on the evaluate-role stage (the rollout)."""

@@ -35,8 +35,12 @@ from rlinf_lightning.policies.module import RLModule
 from rlinf_lightning.seeds import SEED_STRIDE, row_seed
 from rlinf_lightning.workflows.training import TrainStage, policy_dtype
 
-# Evaluation's cap on an episode when the env declares no time limit: a policy that never ends an
-# episode costs bounded time instead of hanging the run.
+#: training resets draw their seeds below this and evaluation episodes from it up (episode ``k``
+#: resets with ``EVAL_SEED + k``), so no evaluation episode replays a training episode; both stay
+#: below 2**32, which simulators that seed numpy's ``RandomState`` require
+EVAL_SEED = 2**31
+#: evaluation's cap on an episode when the env declares no time limit: a policy that never ends an
+#: episode costs bounded time instead of hanging the run
 EVAL_MAX_STEPS = 10_000
 
 
@@ -130,10 +134,11 @@ class EnvStage(Stage):
         return self._answer(self.shards[int(batch["shard"][0])], batch)
 
     def _seeds(self, first_env: int, n: int) -> list[int]:
+        """Reset seeds of envs ``first_env .. first_env + n``: their group's, below ``EVAL_SEED``."""
         groups = [(first_env + i) // self.group_size for i in range(n)]
-        if self.episodic:  # new episodes (and new group seeds) every iteration
-            return [self.seed + SEED_STRIDE * self.iteration + g for g in groups]
-        return [self.seed + g for g in groups]
+        # GRPO: new episodes, and new group seeds, every iteration (SEED_STRIDE > groups per iteration)
+        base = self.seed + (SEED_STRIDE * self.iteration if self.episodic else 0)
+        return [(base + g) % EVAL_SEED for g in groups]
 
     def _start(self, shard: int, first_env: int, n: int) -> TensorDict:
         s = self.shards.get(shard)
@@ -226,7 +231,7 @@ class EnvStage(Stage):
             s.env.close()
 
 
-class PolicyStage(Stage):
+class EnvRolloutStage(Stage):
     """Answers the env: actions, their log-probs and values; the values of ended episodes' last
     observations. Takes new weights from the actor once per iteration; evaluates (role ``evaluate``).
     """
@@ -303,7 +308,7 @@ class PolicyStage(Stage):
         }
 
 
-class AdvantageStage(Stage):
+class GAEStage(Stage):
     """GAE over each shard's trajectory; emits its steps as samples (with a global sample id)."""
 
     name = "advantage"
@@ -505,13 +510,13 @@ def embodied_workflow(
     from rlinf_lightning.flow.workflow import Workflow
 
     ppo = hasattr(algorithm, "gae_lambda")
-    advantage = AdvantageStage(algorithm) if ppo else EpisodeAdvantageStage(algorithm)
+    advantage = GAEStage(algorithm) if ppo else EpisodeAdvantageStage(algorithm)
     loss = PPOLoss(algorithm) if ppo else EpisodeGRPOLoss(algorithm)
     actor = PPOActorStage(policy, algorithm, loss, train, num_envs * steps, seed)
     return (
         Workflow("embodied")
         .chain(EnvStage(env, env_kwargs, steps, chunk, seed, group_size, episodic=not ppo), advantage, actor)
-        .add(PolicyStage(policy, seed, chunk))
+        .add(EnvRolloutStage(policy, seed, chunk))
         .loop("env", "rollout", turns=steps + 1)
         .sync("actor", "rollout", "weights")
         .role("train", "actor")

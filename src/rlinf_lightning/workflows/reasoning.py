@@ -6,7 +6,8 @@
 Each stage reads micro-batches of whole prompt groups, so every stage (the group-normalising
 advantage included) can work on a micro-batch as soon as it arrives, on whichever replica of its
 group took it. The actor trains and is checkpointed (role ``train``); the rollout evaluates (role
-``evaluate``).
+``evaluate``). Each stage's ``cost_hint`` is its share of an iteration on the tiny math workload
+(its ``time/<stage>`` metric relative to the rollout's).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class RolloutStage(Stage):
     """
 
     name = "rollout"
+    cost_hint = 1.0
     in_keys = ("prompt", "answer", "group_id")
     out_keys = (
         "input_ids",
@@ -121,8 +123,10 @@ class RolloutStage(Stage):
         dtype: str | None = None,
         max_prompt_tokens: int | None = None,
         eval_prompts: int = 0,
+        engine_options: dict[str, Any] | None = None,
     ) -> None:
         self.policy, self.engine_name, self.sampling = policy, engine, sampling
+        self.engine_options = dict(engine_options or {})
         self.group_size, self.seed = group_size, seed
         self.prompt_format = prompt_format or PromptFormat()
         self.dtype = dtype or policy.dtype
@@ -142,7 +146,7 @@ class RolloutStage(Stage):
         rows = max(micro_batch, min(self.eval_prompts, EVAL_BATCH_SIZE))
         tokens = (self.max_prompt_tokens or 0) + self.sampling.max_new_tokens
         kv = rows * tokens * shape.layers * 2 * shape.kv_heads * shape.head_dim * size
-        fix = None if size <= 2 else "trainer.rollout_dtype=bfloat16 (half the rollout's memory)"
+        fix = None if size <= 2 else "task.rollout_dtype=bfloat16 (half the rollout's memory)"
         return [
             weights_part(shape.parameters, self.dtype, fix=fix),
             MemoryPart(
@@ -155,7 +159,7 @@ class RolloutStage(Stage):
     def setup(self, ctx: StageContext) -> None:
         self.tokenizer = self.policy.load_tokenizer()
         self.engine = ROLLOUT_ENGINES.get(self.engine_name)(
-            self.policy.model_path, device=ctx.device, dtype=self.dtype
+            self.policy.model_path, device=ctx.device, dtype=self.dtype, **self.engine_options
         )
         self.stats = _Mean()
 
@@ -229,6 +233,7 @@ class RewardStage(Stage):
     """Scores each completion: ``reward`` (correctness) plus ``format_weight`` x ``format_reward``."""
 
     name = "reward"
+    cost_hint = 0.15
     in_keys = ("completion", "answer")
     out_keys = ("reward", "correct")
 
@@ -271,6 +276,7 @@ class AdvantageStage(Stage):
     """Turns rewards into advantages with the algorithm's estimator (group-normalised for GRPO)."""
 
     name = "advantage"
+    cost_hint = 0.01
     in_keys = ("reward", "group_id")
     out_keys = ("advantage",)
 
@@ -298,6 +304,7 @@ class InferenceStage(Stage):
     """Reference-policy log-probs for the KL penalty; passes batches through when KL is off."""
 
     name = "inference"
+    cost_hint = 0.3
     in_keys = ("input_ids", "attention_mask", "response_mask")
     out_keys = ("ref_logprobs",)
 
@@ -352,10 +359,11 @@ class PolicyLoss:
 class ActorStage(TrainStage):
     """Accumulates the policy-loss gradient over micro-batches; one optimizer step per iteration.
 
-    Every replica of the group hosting it is a rank of its train engine (``train.strategy``).
+    Every replica of the group hosting it is a rank of its train engine (``train.engine``).
     """
 
     name = "actor"
+    cost_hint = 1.0
     in_keys = ("input_ids", "attention_mask", "response_mask", "rollout_logprobs", "advantage")
 
     def __init__(
@@ -392,6 +400,7 @@ def reasoning_workflow(
     algorithm: Any,
     rollout: str,
     rollout_dtype: str | None = None,
+    rollout_engine_options: dict[str, Any] | None = None,
     train: TrainSpec,
     sampling: SamplingParams,
     group_size: int,
@@ -419,6 +428,7 @@ def reasoning_workflow(
                 rollout_dtype,
                 max_prompt_tokens,
                 eval_prompts,
+                rollout_engine_options,
             ),
             RewardStage(reward, format_reward, format_weight),
             AdvantageStage(algorithm),

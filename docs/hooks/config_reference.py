@@ -103,10 +103,14 @@ def parser_keys(parser: Any, prefix: str = "") -> list[Key]:
     for action in parser._actions:
         dest = action.dest
         name = type(action).__name__
-        if dest in _SKIP_DESTS or name in ("_ActionConfigLoad", "_ActionHelpClassPath", "_HelpAction"):
+        skipped = ("_ActionConfigLoad", "_ActionHelpClassPath", "_HelpAction", "ActionSubCommands")
+        if dest in _SKIP_DESTS or name in skipped:
             continue
         hint = getattr(action, "_typehint", None)
         full = prefix + dest
+        if name == "_StoreTrueAction":
+            keys.append(Key(full, "flag", "", _help_text(action.help)))
+            continue
         if name == "ActionConfigFile":
             keys.append(Key(full, "path", "", "a YAML file of these keys (`--config` on the command line)"))
             continue
@@ -291,6 +295,15 @@ def build_sections(parser: Any = None) -> list[Section]:
                 _registry_table(registry) + extra,
             )
         )
+    out.append(
+        Section(
+            "rlinf",
+            "`rlinf` (every subcommand)",
+            2,
+            "Options of `rlinf` itself, given before the subcommand: `rlinf --quiet fit --config ...`.",
+            parser_keys(parser),
+        )
+    )
     for name, what in (("sft", "Supervised warm start"), ("prepare", "Build the tiny model and data")):
         out.append(
             Section(

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rlinf_lightning.trainer import RLTrainer
+
+log = logging.getLogger(__name__)
 
 
 class Callback:
@@ -51,7 +54,9 @@ class ProgressBar(Callback):
     """One live line per iteration: the headline metrics, seconds per stage, throughput, and the
     estimated time to the last iteration (evaluation and checkpoint pauses included, as measured).
 
-    Uses ``rich`` for colour on a terminal and plain text elsewhere (CI logs, files).
+    Uses ``rich`` for colour on a terminal and plain text elsewhere (CI logs, files). The lines are
+    the run's report on stdout, not log records, but they show only while this module's logger is
+    enabled for INFO: ``rlinf --quiet`` hides them with the INFO records (see ``console``).
     """
 
     def __init__(self, refresh_every: int = 1) -> None:
@@ -64,6 +69,8 @@ class ProgressBar(Callback):
         self.t0 = time.perf_counter()
 
     def on_iteration_end(self, trainer, iteration, metrics) -> None:
+        if not log.isEnabledFor(logging.INFO):
+            return
         if iteration % self.refresh_every and iteration != trainer.max_iterations:
             return
         stage_s = " ".join(
@@ -85,5 +92,7 @@ class ProgressBar(Callback):
         )
 
     def on_evaluation_end(self, trainer, iteration, metrics) -> None:
+        if not log.isEnabledFor(logging.INFO):
+            return
         head = trainer.task.eval_metric
         self.console.print(f"[cyan]eval @ it {iteration}: held-out {head} {metrics[head]:.3f}[/cyan]")

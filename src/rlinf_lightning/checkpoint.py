@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from rlinf_lightning.errors import CheckpointError, RunError
@@ -242,6 +241,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: Any, value: Any) -> None:
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            _set_at(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _set_at(state: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+    """Put ``value`` at ``path`` (dict keys and list indices) of the nested ``state``. The path
+    exists: the planner reads only the items of the state dict it was given, whose flattening
+    produced ``path``. (torch's own helper for this is private.)"""
+    for key in path[:-1]:
+        state = state[key]
+    state[path[-1]] = value

@@ -6,22 +6,32 @@
     rlinf fit --config configs/math_grpo_tiny.yaml --print_config
     rlinf plugins                                   # what is registered, built-in and from plugins
     rlinf plan --config configs/math_grpo_tiny.yaml --profile runs/x/profile.json --devices 8 --num_nodes 2
+    rlinf --quiet fit --config ...                  # warnings and errors only (--verbose: debug too)
 
 Every constructor argument of ``RLTrainer`` is a config key under ``trainer.``; ``policy`` and
 ``task`` take a ``class_path`` (any ``RLModule`` / ``Task``; default ``LMPolicy`` / ``MathTask``) and
 its constructor's arguments. Unknown keys and wrong types are rejected by name; a key that moved
 (:data:`MOVED_KEYS`, e.g. ``trainer.group_size`` -> ``task.group_size``) is refused naming its new
 place.
+
+What a command produces (the plugin listing, the ranked plans, ``--print_config``) is printed to
+stdout; what happens along the way is logged and shown by ``console.install`` at the level of
+``--quiet`` / ``--verbose``, options of ``rlinf`` itself (before the subcommand), and errors that
+end a command are one line on stderr.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser
 
+from rlinf_lightning.console import install
 from rlinf_lightning.errors import InputError, RunError
+
+log = logging.getLogger("rlinf_lightning.cli")  # not __name__, which is "__main__" under python -m
 
 
 def prepare(
@@ -56,18 +66,18 @@ def prepare(
     from rlinf_lightning.tasks.data import arithmetic_splits_on_disk, make_arithmetic_splits
 
     if arithmetic_splits_on_disk(data_dir, **settings):
-        print(f"prepare: data exists in {data_dir}")
+        log.info("prepare: data exists in %s", data_dir)
     else:
         make_arithmetic_splits(data_dir, **settings)
-        print(
-            f"prepare: wrote {n_train} train / {n_validation} validation / {n_test} test problems to "
-            f"{data_dir} (held-out operands never in train: {data_dir}/split.json)"
-        )
+        log.info(
+            "prepare: wrote %d train / %d validation / %d test problems to %s (held-out operands never "
+            "in train: %s/split.json)", n_train, n_validation, n_test, data_dir, data_dir,
+        )  # fmt: skip
     if is_model_dir(model_dir):
-        print(f"prepare: model exists at {model_dir}")
+        log.info("prepare: model exists at %s", model_dir)
     else:
         build_tiny_qwen2(model_dir)
-        print(f"prepare: built tiny Qwen2 at {model_dir}")
+        log.info("prepare: built tiny Qwen2 at %s", model_dir)
 
 
 def _fit_parser() -> ArgumentParser:
@@ -151,6 +161,10 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="rlinf", description="rlinf-lightning: RL post-training", allow_abbrev=False, exit_on_error=False
     )
+    parser.add_argument(
+        "--quiet", action="store_true", help="warnings and errors only: no progress line, no INFO messages"
+    )
+    parser.add_argument("--verbose", action="store_true", help="DEBUG messages too (workers, placement)")
     sub = parser.add_subcommands(dest="command")
     sub.add_subcommand("fit", _fit_parser(), help="RL training (GRPO, ...)")
     sub.add_subcommand(
@@ -227,7 +241,10 @@ def _with_suggestion(message: str, parser: ArgumentParser) -> str:
     if not message.startswith("unrecognized arguments:"):
         return message
     known = [o for p in _all_parsers(parser) for a in p._actions for o in a.option_strings]
+    general = {o for a in parser._actions for o in a.option_strings}
     for arg in message.split(":", 1)[1].split():
+        if arg in general:  # e.g. `rlinf fit --quiet`: an option of rlinf itself
+            return f"{message}; {arg} is an option of rlinf itself: give it first, e.g. rlinf {arg} fit ..."
         close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1)
         if close:
             message += f"; did you mean {close[0]}?"
@@ -293,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     except ArgumentError as exc:  # one message, not the whole usage text
         print(f"rlinf: {_with_suggestion(_key_path(str(exc)), parser)}", file=sys.stderr)
         return 2
+    if cfg.quiet and cfg.verbose:
+        print("rlinf: --quiet and --verbose contradict each other; give one", file=sys.stderr)
+        return 2
+    install(logging.WARNING if cfg.quiet else logging.DEBUG if cfg.verbose else logging.INFO)
     cmd = cfg.command
     if cmd == "plugins":
         list_plugins()

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import logging
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
 from typing import Any, Generic, TypeVar
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -98,6 +101,11 @@ def load_plugins() -> None:
             hook()
         except Exception as exc:  # a broken plugin must not break the core; `rlinf plugins` shows it
             _plugin_errors[ep.name] = f"{type(exc).__name__}: {exc}"
+            log.warning(
+                "plugin %s failed to load (%s); its components are missing (rlinf plugins lists what loaded)",
+                ep.name,
+                _plugin_errors[ep.name],
+            )
 
 
 def plugin_errors() -> dict[str, str]:

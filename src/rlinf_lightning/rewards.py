@@ -11,19 +11,21 @@ cheap), and ``fn.warm_up()``, which the reward stage calls at set-up to pay one-
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import re
 import subprocess
 import sys
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 from rlinf_lightning import judge
 from rlinf_lightning.judge import MATH_VERIFY_TIMEOUT_S
 from rlinf_lightning.registry import Registry
+
+log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str], float]
 REWARDS: Registry[RewardFn] = Registry("reward")
@@ -68,10 +70,10 @@ class _JudgeProcess:
             self.conn.send((rest, timeout_s))
             for completion, _ in rest:
                 if not self.conn.poll(2 * timeout_s + 1):
-                    warnings.warn(
-                        f"math-verify took over {2 * timeout_s + 1:.0f} s on a completion "
-                        f"({completion[:60]!r}...); scored 0.0",
-                        stacklevel=3,
+                    log.warning(
+                        "math-verify took over %.0f s on a completion (%r...); scored 0.0",
+                        2 * timeout_s + 1,
+                        completion[:60],
                     )
                     self.close()
                     scores.append(0.0)

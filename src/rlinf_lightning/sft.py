@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 import shutil
 import time
@@ -18,6 +19,8 @@ import torch
 
 from rlinf_lightning.assets import is_model_dir
 from rlinf_lightning.tasks.data import load_problems
+
+log = logging.getLogger(__name__)
 
 
 def run_sft(
@@ -64,9 +67,7 @@ def run_sft(
     if not force and is_model_dir(out) and meta.is_file():
         cached = json.loads(meta.read_text())
         if cached.get("settings") == settings:
-            print(
-                f"sft: cached result in {out} (held-out accuracy {cached['eval_accuracy']:.3f})", flush=True
-            )
+            log.info("sft: cached result in %s (held-out accuracy %.3f)", out, cached["eval_accuracy"])
             return cached
     if not is_model_dir(base_model):
         raise FileNotFoundError(
@@ -101,7 +102,7 @@ def run_sft(
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 20 == 0 or step == steps:
-            print(f"sft step {step}/{steps} loss {loss.item():.4f}", flush=True)
+            log.info("sft step %d/%d loss %.4f", step, steps, loss.item())
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -112,5 +113,5 @@ def run_sft(
     (tmp / "sft_settings.json").write_text(json.dumps(result, indent=1))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    print(f"sft: held-out accuracy {acc:.3f} on {len(test)} problems; saved to {out}", flush=True)
+    log.info("sft: held-out accuracy %.3f on %d problems; saved to %s", acc, len(test), out)
     return result

@@ -21,6 +21,7 @@ import torch
 
 from rlinf_lightning.engines.offload import Offloader
 from rlinf_lightning.registry import Registry
+from rlinf_lightning.seeds import row_seed
 
 
 @dataclass
@@ -47,12 +48,6 @@ class SamplingParams:
 class Completion:
     token_ids: list[int]
     logprobs: list[float]  # log-prob of each sampled token under softmax(logits / temperature)
-
-
-def row_seed(seed: int, group: int, sample: int) -> int:
-    """A deterministic 63-bit seed for sample ``sample`` of prompt group ``group``."""
-    x = (seed * 1_000_003 + group) * 1_000_033 + sample
-    return (x * 0x9E3779B97F4A7C15) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class RolloutEngine(ABC):

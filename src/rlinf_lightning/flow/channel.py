@@ -19,6 +19,11 @@ from typing import Any
 
 import torch
 
+# Default longest wait for a channel's next item (``trainer.timeout_s``): room for the slowest stage
+# of a real model to produce its output, while a stalled run still ends in minutes.
+DEFAULT_TIMEOUT_S = 600.0
+ABORT_POLL_S = 0.05  # a waiting ``get`` notices that the run was aborted within this
+
 
 class ChannelTimeout(TimeoutError):
     pass
@@ -55,7 +60,9 @@ class Channel:
 
     transport = "object"
 
-    def __init__(self, name: str, timeout_s: float = 600.0, abort: Any = None, q: Any = None) -> None:
+    def __init__(
+        self, name: str, timeout_s: float = DEFAULT_TIMEOUT_S, abort: Any = None, q: Any = None
+    ) -> None:
         self.name = name
         self.timeout_s = timeout_s
         self.abort = abort or threading.Event()
@@ -70,7 +77,7 @@ class Channel:
         deadline = time.monotonic() + t
         while True:
             try:
-                return self._q.get(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+                return self._q.get(timeout=min(ABORT_POLL_S, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
                 if self.abort.is_set():
                     raise ChannelAborted(f"channel {self.name!r}: run aborted") from None

@@ -19,6 +19,8 @@ from typing import Any
 
 from tensordict import TensorDict
 
+from rlinf_lightning.flow.channel import DEFAULT_TIMEOUT_S
+
 
 @dataclass(frozen=True)
 class MemoryPart:
@@ -140,7 +142,7 @@ class StageContext:
         slots: list[int] | None = None,
         own_process: bool = True,
         rendezvous: Any = None,
-        timeout_s: float = 600.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         one_machine: bool = True,
     ) -> None:
         self.device = device

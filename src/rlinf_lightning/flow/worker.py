@@ -11,6 +11,7 @@ stage and write a trace. Every launcher runs the same worker; they differ only i
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import time
 import traceback
@@ -22,6 +23,8 @@ from rlinf_lightning.flow.plan import WorkerGroup
 from rlinf_lightning.flow.stage import Stage, StageContext
 from rlinf_lightning.flow.wiring import Link, Port
 from rlinf_lightning.flow.workflow import SOURCE, Workflow
+
+log = logging.getLogger(__name__)
 
 IDLE_SLICE_S = 0.002  # how long an idle interleaved worker waits on one input before looking at the next
 
@@ -195,9 +198,7 @@ class Worker:
             try:
                 st.teardown()
             except Exception:
-                print(
-                    f"teardown of stage {name!r} on {self.name} failed:\n{traceback.format_exc()}", flush=True
-                )
+                log.warning("teardown of stage %r on %s failed", name, self.name, exc_info=True)
         self.ctx.close()
 
     def call(self, stage: str, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -9,6 +9,7 @@ worker is told to give up (``_abort``).
 
 from __future__ import annotations
 
+import logging
 import signal
 from abc import ABC, abstractmethod
 from collections import deque
@@ -22,7 +23,16 @@ from rlinf_lightning.flow.wiring import Port, wire
 from rlinf_lightning.flow.worker import Span, StageError
 from rlinf_lightning.flow.workflow import Workflow
 
+log = logging.getLogger(__name__)
+
 ABORT_GRACE_S = 5.0  # after a failure, how long the other workers get to come back before the run ends
+# Setup loads models and meets the other replicas: it gets at least this long, even when
+# trainer.timeout_s (the wait for a stage's input) is set short.
+SETUP_MIN_S = 120.0
+# A command's reply may wait a channel's whole trainer.timeout_s plus this margin, so a stuck stage
+# is reported by the channel waiting on it (which names it) before the driver gives up.
+REPLY_MARGIN_S = 30.0
+SHUTDOWN_S = 10.0  # how long teardown may take before the workers are stopped regardless
 
 
 class WorkerDied(RuntimeError):
@@ -120,10 +130,15 @@ class Runtime(ABC):
     def _setup(self) -> None:
         """Set up every worker at once (replicas of a group meet in their process group)."""
         try:
-            self.info = self._command(self.workers, "setup", deadline_s=max(self.timeout_s, 120.0))
+            self.info = self._command(self.workers, "setup", deadline_s=max(self.timeout_s, SETUP_MIN_S))
         except BaseException:
             self.shutdown()
             raise
+        for name, info in self.info.items():  # where each worker landed: placement questions start here
+            log.debug(
+                "worker %s: pid %s, device %s, %s torch thread(s), cores %s",
+                name, info["pid"], info["device"], info["torch_threads"], info["cores"],
+            )  # fmt: skip
 
     def start_iteration(self, iteration: int, batches: list[TensorDict]) -> None:
         """Queue iteration ``iteration`` with its input ``batches`` and return at once.
@@ -184,7 +199,7 @@ class Runtime(ABC):
         self._closed = True
         self._abort()  # a worker still inside an iteration stops at its next channel wait
         try:
-            self._collect(self._submit(self.workers, "shutdown"), deadline_s=10.0)
+            self._collect(self._submit(self.workers, "shutdown"), deadline_s=SHUTDOWN_S)
         except BaseException:
             pass  # dead or stuck workers are stopped by _close
         self._close()

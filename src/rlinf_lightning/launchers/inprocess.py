@@ -24,7 +24,9 @@ from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.flow.worker import Worker
 from rlinf_lightning.flow.workflow import Workflow
-from rlinf_lightning.launchers.base import ABORT_GRACE_S, Launcher, Runtime, first_cause
+from rlinf_lightning.launchers.base import ABORT_GRACE_S, REPLY_MARGIN_S, Launcher, Runtime, first_cause
+
+JOIN_SLICE_S = 0.01  # the driver waits this long on one worker thread, then looks for failures again
 
 
 class _Call:
@@ -95,7 +97,8 @@ class InProcessRuntime(Runtime):
         else:
             for c in calls:
                 c.start()
-            deadline = time.monotonic() + (deadline_s or self.timeout_s + 30.0)
+            wait_s = deadline_s or self.timeout_s + REPLY_MARGIN_S
+            deadline = time.monotonic() + wait_s
             grace_end = None
             while not all(c.finished for c in calls):
                 if grace_end is None and any(c.error is not None for c in calls if c.finished):
@@ -104,11 +107,11 @@ class InProcessRuntime(Runtime):
                 now = time.monotonic()
                 if (grace_end is not None and now > grace_end) or now > deadline:
                     break
-                next(c for c in calls if not c.finished).thread.join(timeout=0.01)
+                next(c for c in calls if not c.finished).thread.join(timeout=JOIN_SLICE_S)
             if not all(c.finished for c in calls) and not any(c.error for c in calls if c.finished):
                 self._abort()
                 stuck = [c.worker.name for c in calls if not c.finished]
-                raise TimeoutError(f"workers {stuck} did not answer within {deadline_s or self.timeout_s} s")
+                raise TimeoutError(f"workers {stuck} did not answer within {wait_s:.0f} s")
         errors = [c.error for c in calls if c.error is not None]
         if errors:
             self._abort()

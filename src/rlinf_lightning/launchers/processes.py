@@ -32,7 +32,17 @@ from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.flow.wiring import worker_queues
 from rlinf_lightning.flow.worker import StageError, Worker
 from rlinf_lightning.flow.workflow import Workflow
-from rlinf_lightning.launchers.base import ABORT_GRACE_S, Launcher, Runtime, WorkerDied, first_cause
+from rlinf_lightning.launchers.base import (
+    ABORT_GRACE_S,
+    REPLY_MARGIN_S,
+    Launcher,
+    Runtime,
+    WorkerDied,
+    first_cause,
+)
+
+LIVENESS_POLL_S = 0.2  # while replies are missing, how often the driver checks its workers are alive
+EXIT_S = 5.0  # how long worker processes get to exit after teardown before they are killed (and to die after)
 
 
 def _worker_main(name: str, build: dict[str, Any], commands: Any, replies: Any, parent_pid: int) -> None:
@@ -112,7 +122,7 @@ class ProcessRuntime(Runtime):
             self._closed = True
             for p in self.procs.values():
                 p.kill()
-                p.join(5.0)
+                p.join(EXIT_S)
             raise
         atexit.register(self.shutdown)  # before multiprocessing's exit hook joins the workers
         self._setup()
@@ -162,7 +172,7 @@ class ProcessRuntime(Runtime):
             if self._backlog.get(name):
                 return self._backlog[name].popleft()
         while True:
-            reply = self.replies.get(timeout=0.2)
+            reply = self.replies.get(timeout=LIVENESS_POLL_S)
             if reply[0] in pending:
                 return reply
             self._backlog.setdefault(reply[0], deque()).append(reply)
@@ -171,7 +181,8 @@ class ProcessRuntime(Runtime):
         """One reply from each worker; a failure (an error or a dead process) releases the others
         and waits up to ``ABORT_GRACE_S`` for them before raising."""
         pending, out, errors = set(workers), {}, []
-        deadline = time.monotonic() + (deadline_s or self.timeout_s + 30.0)
+        wait_s = deadline_s or self.timeout_s + REPLY_MARGIN_S
+        deadline = time.monotonic() + wait_s
         while pending:
             try:
                 name, status, value = self._reply(pending)
@@ -187,7 +198,7 @@ class ProcessRuntime(Runtime):
                         break
                     self._abort()
                     raise TimeoutError(
-                        f"workers {sorted(pending)} did not answer within {deadline_s} s"
+                        f"workers {sorted(pending)} did not answer within {wait_s:.0f} s"
                     ) from None
                 continue
             pending.discard(name)
@@ -210,12 +221,12 @@ class ProcessRuntime(Runtime):
 
     def _close(self) -> None:
         atexit.unregister(self.shutdown)
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + EXIT_S
         for p in self.procs.values():
             p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
-                p.join(timeout=5.0)
+                p.join(timeout=EXIT_S)
 
 
 class ProcessLauncher(Launcher):

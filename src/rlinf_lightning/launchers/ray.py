@@ -27,9 +27,19 @@ from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.flow.wiring import worker_queues
 from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.flow.workflow import Workflow
-from rlinf_lightning.launchers.base import ABORT_GRACE_S, Launcher, Runtime, WorkerDied, first_cause
+from rlinf_lightning.launchers.base import (
+    ABORT_GRACE_S,
+    REPLY_MARGIN_S,
+    SETUP_MIN_S,
+    Launcher,
+    Runtime,
+    WorkerDied,
+    first_cause,
+)
 from rlinf_lightning.launchers.processes import build_worker
 
+# How long Ray may take to reserve the plan's resources; past it, the cluster cannot hold the plan
+# (nodes or GPUs missing) and the run says so instead of waiting for ever.
 PLACEMENT_TIMEOUT_S = 60.0
 
 
@@ -178,7 +188,7 @@ class RayRuntime(Runtime):
             starts = {
                 w: a.start.remote(meet.get(self._group_name[w]), sync_meet) for w, a in self.actors.items()
             }
-            self._wait(starts, max(timeout_s, 120.0))
+            self._wait(starts, max(timeout_s, SETUP_MIN_S))
         except BaseException:
             self._close()
             raise
@@ -231,14 +241,15 @@ class RayRuntime(Runtime):
         by_ref = {ref: name for name, ref in futures.items()}
         out: dict[str, Any] = {}
         errors: list[BaseException] = []
-        deadline = time.monotonic() + (timeout_s or self.timeout_s + 30.0)
+        wait_s = timeout_s or self.timeout_s + REPLY_MARGIN_S
+        deadline = time.monotonic() + wait_s
         while by_ref:
             ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 if errors:
                     break
                 self._abort()
-                raise TimeoutError(f"workers {sorted(by_ref.values())} did not answer within {timeout_s} s")
+                raise TimeoutError(f"workers {sorted(by_ref.values())} did not answer within {wait_s:.0f} s")
             name = by_ref.pop(ready[0])
             try:
                 out[name] = ray.get(ready[0])

@@ -27,20 +27,21 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.engines.rollout import row_seed
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.envs import EnvBatch, make_env
 from rlinf_lightning.flow.memory import weights_part
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.policies.module import RLModule
+from rlinf_lightning.seeds import SEED_STRIDE, row_seed
 from rlinf_lightning.workflows.training import TrainStage, policy_dtype
 
 #: training resets draw their seeds below this and evaluation episodes from it up (episode ``k``
 #: resets with ``EVAL_SEED + k``), so no evaluation episode replays a training episode; both stay
 #: below 2**32, which simulators that seed numpy's ``RandomState`` require
 EVAL_SEED = 2**31
-#: episodic (GRPO) training resets of iteration ``i`` use seeds ``seed + i * EPISODE_SEED_STRIDE + group``
-EPISODE_SEED_STRIDE = 1_000_003
+#: evaluation's cap on an episode when the env declares no time limit: a policy that never ends an
+#: episode costs bounded time instead of hanging the run
+EVAL_MAX_STEPS = 10_000
 
 
 @dataclass
@@ -135,8 +136,8 @@ class EnvStage(Stage):
     def _seeds(self, first_env: int, n: int) -> list[int]:
         """Reset seeds of envs ``first_env .. first_env + n``: their group's, below ``EVAL_SEED``."""
         groups = [(first_env + i) // self.group_size for i in range(n)]
-        # GRPO: new episodes, and new group seeds, every iteration
-        base = self.seed + (EPISODE_SEED_STRIDE * self.iteration if self.episodic else 0)
+        # GRPO: new episodes, and new group seeds, every iteration (SEED_STRIDE > groups per iteration)
+        base = self.seed + (SEED_STRIDE * self.iteration if self.episodic else 0)
         return [(base + g) % EVAL_SEED for g in groups]
 
     def _start(self, shard: int, first_env: int, n: int) -> TensorDict:
@@ -285,7 +286,7 @@ class EnvRolloutStage(Stage):
             obs = batch.reset(seed)
             returns, success = torch.zeros(episodes), torch.full((episodes,), float("nan"))
             done = torch.zeros(episodes, dtype=torch.bool)
-            limit = batch.max_episode_steps or 10_000
+            limit = batch.max_episode_steps or EVAL_MAX_STEPS
             for _ in range(0, limit, self.chunk):
                 action = self.net.act(obs.to(self.device), deterministic=True)["action"].cpu()
                 for a in action.reshape(episodes, self.chunk, *batch.action_shape).unbind(1):  # open-loop

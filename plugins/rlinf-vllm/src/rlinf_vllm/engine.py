@@ -24,7 +24,8 @@ from collections.abc import Iterable
 
 import torch
 
-from rlinf_lightning.engines.rollout import Completion, RolloutEngine, SamplingParams, row_seed
+from rlinf_lightning.engines.rollout import Completion, RolloutEngine, SamplingParams
+from rlinf_lightning.seeds import row_seed
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: in-place sync
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -27,6 +27,7 @@ measurement, or ranked for a larger cluster with ``rlinf plan``.
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ from rlinf_lightning.strategies.base import Replan, Resources, RunInfo, Strategy
 from rlinf_lightning.strategies.collocated import CollocatedStrategy
 
 PROFILING_ITERATIONS = 2
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -166,7 +169,7 @@ class AutoStrategy(Strategy):
         self.profile = guess
         if self._is_current(best):
             self._recalibrate(recent)
-            print(f"auto: iteration {iteration}: {why}; re-fitted, the plan stays", flush=True)
+            log.info("auto: iteration %d: %s; re-fitted, the plan stays", iteration, why)
             return None
         self._probe_from = micro_batch
         return self._switch(best, iteration, f"{why}; re-fitted from them")
@@ -191,7 +194,7 @@ class AutoStrategy(Strategy):
         self._print_ranking(f"measured in iterations 1-{iteration}")
         if self.save_profile != "":
             path = Path(self.save_profile or self.info.run_dir / "profile.json")
-            print(f"auto: profile saved to {self.profile.save(path)}", flush=True)
+            log.info("auto: profile saved to %s", self.profile.save(path))
         best = self._choose(self.ranked, iteration)
         if self._is_current(best):
             return None
@@ -206,7 +209,7 @@ class AutoStrategy(Strategy):
         self._recalibrate([s for s in recent if s.micro_batch == self.current.micro_batch])
         best = self._choose(self._candidates(self.profile), iteration)
         if self._is_current(best):
-            print(f"auto: iteration {iteration}: re-fitted at two granularities, the plan stays", flush=True)
+            log.info("auto: iteration %d: re-fitted at two granularities, the plan stays", iteration)
             return None
         return self._switch(best, iteration, "re-fitted at two granularities")
 
@@ -233,7 +236,7 @@ class AutoStrategy(Strategy):
             else f"{describe(old)} -> {describe(best)}"
         )
         reason = f"iteration {iteration}: {why}: {change} (predicted {best.predicted_s:.3f} s per iteration)"
-        print(f"auto: {reason}", flush=True)
+        log.info("auto: %s", reason)
         return Replan(best.plan, reason)
 
     # -- helpers -------------------------------------------------------------------------------------------
@@ -290,4 +293,4 @@ class AutoStrategy(Strategy):
         lines = [f"auto: plans ranked by predicted seconds per iteration ({source}):"]
         for i, c in enumerate(self.ranked[: self.top], 1):
             lines.append(f"  {i}. {c.predicted_s:7.3f} s  {describe(c)}")
-        print("\n".join(lines), flush=True)
+        log.info("%s", "\n".join(lines))

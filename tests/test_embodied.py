@@ -160,7 +160,7 @@ def test_grpo_groups_share_reset_seeds_and_score_whole_episodes():
     assert adv[0, 0] > 0 > adv[1, 0] and torch.allclose(adv[:4].sum(0), torch.zeros(steps), atol=1e-5)
     assert not mask[4:].any()  # the all-success group carries no signal: dropped
     assert mask[:4, :2].all() and not mask[:, 2].any()  # steps after the first episode end do not count
-    assert stage.end_iteration() == {"groups_with_signal": 0.5}
+    assert stage.end_iteration().compute() == {"groups_with_signal": 0.5}
 
 
 def test_grpo_over_episodes_is_the_same_update_under_every_plan(tmp_path):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from rlinf_lightning.flow.metrics import Metrics
+
 
 def group_normalized_advantages(
     rewards: torch.Tensor, group_ids: torch.Tensor, *, scale_std: bool = True, eps: float = 1e-6
@@ -27,6 +29,18 @@ def group_normalized_advantages(
     std = (sq / (counts - 1)).sqrt()
     adv = centred / (std[inverse] + eps) if scale_std else centred
     return adv.to(rewards.dtype)
+
+
+def groups_with_signal(advantages: torch.Tensor, group_ids: torch.Tensor, metrics: Metrics) -> torch.Tensor:
+    """Per sample: whether its group carries any signal (some advantage in it is non-zero; a group
+    whose rewards are all equal has none, so it adds nothing to the gradient). Records the fraction
+    of groups that do in ``metrics`` as ``groups_with_signal``, weighted by the number of groups."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    spread = torch.zeros(int(inverse.max()) + 1, dtype=advantages.dtype)
+    spread.index_add_(0, inverse, advantages.abs())
+    signal = spread > 0
+    metrics.mean("groups_with_signal", float(signal.float().mean()), len(signal))
+    return signal[inverse]
 
 
 def gae(

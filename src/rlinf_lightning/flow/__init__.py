@@ -1,6 +1,7 @@
 """The macro flow (stages, channels, workflow) and its micro execution (plan, wiring, worker)."""
 
 from rlinf_lightning.flow.channel import Channel, ChannelAborted, ChannelTimeout, EndOfIteration, Message
+from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroup
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.flow.worker import Span, StageError, Worker
@@ -14,6 +15,7 @@ __all__ = [
     "ExecutionPlan",
     "MemoryPart",
     "Message",
+    "Metrics",
     "Span",
     "Stage",
     "StageContext",

@@ -28,7 +28,7 @@ from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.prompts import PromptFormat
-from rlinf_lightning.rewards import REWARDS, close_judges, score
+from rlinf_lightning.rewards import RewardInput, close_judges, load_reward, score
 from rlinf_lightning.workflows.padding import micro_batches
 from rlinf_lightning.workflows.training import TrainStage
 
@@ -73,6 +73,7 @@ class RolloutStage(Stage):
         "group_id",
         "completion",
         "answer",
+        "prompt",
     )
 
     def __init__(
@@ -153,6 +154,7 @@ class RolloutStage(Stage):
                 "group_id": torch.tensor(groups).repeat_interleave(n),
                 "completion": texts,
                 "answer": [a for a in batch["answer"] for _ in range(n)],
+                "prompt": [p for p in batch["prompt"] for _ in range(n)],
             },
             batch_size=[len(texts)],
         )
@@ -191,21 +193,22 @@ class RolloutStage(Stage):
 
 
 class RewardStage(Stage):
-    """Scores each completion: ``reward`` (correctness) plus ``format_weight`` x ``format_reward``."""
+    """Scores each completion: ``reward`` (correctness) plus ``format_weight`` x ``format_reward``
+    (names in ``rewards.REWARDS``); logs what the rewards count (``timeouts``, ``unparsed_gold``)."""
 
     name = "reward"
-    in_keys = ("completion", "answer")
+    in_keys = ("completion", "answer", "prompt", "response_mask")
     out_keys = ("reward", "correct")
 
     def __init__(self, reward: str, format_reward: str | None = None, format_weight: float = 0.0) -> None:
         self.reward, self.format_reward, self.format_weight = reward, format_reward, format_weight
 
     def setup(self, ctx: StageContext) -> None:
-        self.correct_fn = REWARDS.get(self.reward)
-        self.format_fn = REWARDS.get(self.format_reward) if self.format_reward else None
+        self.correct_fn = load_reward(self.reward)
+        self.format_fn = load_reward(self.format_reward) if self.format_reward else None
         for fn in (self.correct_fn, self.format_fn):
-            if hasattr(fn, "warm_up"):  # one-time set-up paid here, not in an iteration
-                fn.warm_up()
+            if fn is not None:  # one-time set-up paid here, not in an iteration
+                fn.setup()
         self.metrics = Metrics()
 
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
@@ -215,11 +218,17 @@ class RewardStage(Stage):
         close_judges()
 
     def process(self, batch: TensorDict) -> TensorDict:
-        completions, answers = list(batch["completion"]), list(batch["answer"])
-        correct = torch.tensor(score(self.correct_fn, completions, answers))
+        inputs = RewardInput(
+            list(batch["completion"]),
+            list(batch["answer"]),
+            list(batch["prompt"]),
+            batch["response_mask"].sum(-1),
+            self.metrics,
+        )
+        correct = score(self.correct_fn, inputs)
         reward = correct.clone()
         if self.format_fn is not None:
-            fmt = torch.tensor(score(self.format_fn, completions, answers))
+            fmt = score(self.format_fn, inputs)
             reward += self.format_weight * fmt
             self.metrics.mean("format", float(fmt.mean()), len(fmt))
         batch["reward"] = reward

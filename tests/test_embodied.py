@@ -189,3 +189,27 @@ def test_grpo_over_episodes_is_the_same_update_under_every_plan(tmp_path):
     for name, strategy in [("two", "collocated"), ("dis", "disaggregated")]:
         weights = fit(name, strategy)
         assert max(float((weights[k] - ref[k]).abs().max()) for k in ref) <= 1e-4, name
+
+
+def test_episodes_without_a_success_value_are_counted_not_dropped_silently():
+    """Pendulum reports no success (NaN): its ended episodes count in ``episodes_without_success``
+    and ``success`` is left out rather than averaged over nothing; FetchReach's all report one."""
+    from rlinf_lightning.flow.stage import StageContext
+    from rlinf_lightning.workflows.embodied import EnvStage
+
+    def episodes(env_id: str, steps: int) -> dict[str, float]:
+        stage = EnvStage(env_id, None, steps=steps)
+        stage.setup(StageContext())
+        stage.begin_iteration(1)
+        stage._start(0, 0, 3)
+        shard = stage.shards[0]
+        for _ in range(steps):
+            stage._step(shard, torch.zeros(3, *shard.env.action_shape))
+        stage.teardown()
+        return stage.end_iteration().compute()
+
+    pendulum = episodes("Pendulum-v1", 200)  # its time limit: every env ends once
+    assert (pendulum["episodes_total"], pendulum["episodes_without_success"]) == (3.0, 3.0)
+    assert "success" not in pendulum and pendulum["env_steps_total"] == 600.0
+    fetch = episodes(ENV, 50)
+    assert (fetch["episodes_total"], fetch["episodes_without_success"]) == (3.0, 0.0) and "success" in fetch

@@ -56,13 +56,15 @@ class _Shard:
 
 
 class _Episodes:
-    """The episodes that ended this iteration (mean success, return and length; how many) and the
-    env steps taken; counts are per second as ``perf/*_per_s`` where named ``*_total``."""
+    """The episodes that ended this iteration (mean success, return and length; how many; how many
+    reported no success, NaN: an env without a notion of success) and the env steps taken; counts
+    are per second as ``perf/*_per_s`` where named ``*_total``."""
 
     def __init__(self) -> None:
         self.metrics = Metrics()
         self.metrics.sum("episodes_total", 0)
         self.metrics.sum("env_steps_total", 0)
+        self.metrics.sum("episodes_without_success", 0)
 
     def steps(self, n: int) -> None:
         self.metrics.sum("env_steps_total", n)
@@ -70,6 +72,7 @@ class _Episodes:
     def ended(self, success: torch.Tensor, returns: torch.Tensor, lengths: torch.Tensor) -> None:
         reported = ~torch.isnan(success)
         self.metrics.sum("episodes_total", len(success))
+        self.metrics.sum("episodes_without_success", (~reported).sum())
         self.metrics.mean("return", float(returns.mean()), len(returns))
         self.metrics.mean("length", float(lengths.float().mean()), len(lengths))
         if reported.any():

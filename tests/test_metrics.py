@@ -69,7 +69,11 @@ def test_means_without_weight_are_plain_means():
 
 
 class _Emit(Stage):
+    """Sticky: input micro-batch ``k`` goes to replica ``k % 2`` (and stays on it downstream), so
+    both replicas report (pulling, one replica may take every micro-batch)."""
+
     name = "emit"
+    sticky = True
 
     def process(self, batch):
         return batch

@@ -54,10 +54,9 @@ def _prompts(path: Path, n: int) -> list[dict]:
 
 
 def _reward(completions, answer, **_):
-    from rlinf_lightning.rewards import REWARDS
+    from rlinf_lightning.rewards import RewardInput, load_reward, score
 
-    fn = REWARDS.get("math_verify")
-    return [fn(c, a) for c, a in zip(completions, answer)]
+    return score(load_reward("math_verify"), RewardInput(list(completions), list(answer))).tolist()
 
 
 def run_trl(

@@ -193,7 +193,7 @@ def test_grpo_groups_share_reset_seeds_and_score_whole_episodes():
     assert adv[0, 0] > 0 > adv[1, 0] and torch.allclose(adv[:4].sum(0), torch.zeros(steps), atol=1e-5)
     assert not mask[4:].any()  # the all-success group carries no signal: dropped
     assert mask[:4, :2].all() and not mask[:, 2].any()  # steps after the first episode end do not count
-    assert stage.end_iteration() == {"groups_with_signal": 0.5}
+    assert stage.end_iteration().compute() == {"groups_with_signal": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +223,27 @@ def test_training_reset_seeds_never_reach_the_evaluation_episodes_seeds():
             env.iteration = iteration
             assert all(0 <= s < EVAL_SEED for s in env._seeds(0, 64)), (episodic, iteration)
     assert EVAL_SEED + 10**6 < 2**32  # evaluation seeds too fit simulators seeding numpy's RandomState
+
+
+def test_episodes_without_a_success_value_are_counted_not_dropped_silently():
+    """Pendulum reports no success (NaN): its ended episodes count in ``episodes_without_success``
+    and ``success`` is left out rather than averaged over nothing; FetchReach's all report one."""
+    from rlinf_lightning.flow.stage import StageContext
+    from rlinf_lightning.workflows.embodied import EnvStage
+
+    def episodes(env_id: str, steps: int) -> dict[str, float]:
+        stage = EnvStage(env_id, None, steps=steps)
+        stage.setup(StageContext())
+        stage.begin_iteration(1)
+        stage._start(0, 0, 3)
+        shard = stage.shards[0]
+        for _ in range(steps):
+            stage._step(shard, torch.zeros(3, *shard.env.action_shape))
+        stage.teardown()
+        return stage.end_iteration().compute()
+
+    pendulum = episodes("Pendulum-v1", 200)  # its time limit: every env ends once
+    assert (pendulum["episodes_total"], pendulum["episodes_without_success"]) == (3.0, 3.0)
+    assert "success" not in pendulum and pendulum["env_steps_total"] == 600.0
+    fetch = episodes(ENV, 50)
+    assert (fetch["episodes_total"], fetch["episodes_without_success"]) == (3.0, 0.0) and "success" in fetch

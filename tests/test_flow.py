@@ -269,22 +269,3 @@ def test_a_replica_may_span_several_slots():
         assert rt.run_iteration(1, _batches(4, 4))["sum"] == {"replicas": 2.0, "slots": 1.0}
     finally:
         rt.shutdown()
-
-
-def test_replica_metrics_merge_as_if_one_replica_saw_every_sample():
-    """Means weighted by samples, maxima the largest, totals summed, stds pooled exactly."""
-    from rlinf_lightning.launchers.base import merge_metrics
-
-    a, b = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0])
-
-    def stats(x: torch.Tensor) -> dict[str, float]:
-        return {
-            "r": float(x.mean()),
-            "r_std": float(x.std(unbiased=False)),
-            "r_max": float(x.max()),
-            "r_total": float(x.sum()),
-        }
-
-    merged = merge_metrics([{"reward": (stats(a), 3)}, {"reward": (stats(b), 2)}])["reward"]
-    want = stats(torch.cat([a, b]))
-    assert merged == pytest.approx(want)

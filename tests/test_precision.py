@@ -55,7 +55,7 @@ def _step(model_dir: str, batch, precision: str):
     hook.remove()
     grads = {p.grad.dtype for p in engine.policy.parameters()}
     flat_grad = torch.cat([p.grad.float().reshape(-1) for p in engine.policy.parameters()])
-    metrics = engine.step()
+    metrics = engine.step().compute()
     state = engine.optimizer.state_dict()["state"]
     return {
         "compute": compute_dtypes,

@@ -1,6 +1,14 @@
-import pytest
+import logging
+import time
 
-from rlinf_lightning.rewards import REWARDS
+import pytest
+import torch
+
+from rlinf_lightning.rewards import REWARDS, MathVerify, Reward, RewardInput, load_reward, score
+
+
+def _math_verify(completion: str, gold: str, timeout_s: float = 5.0) -> float:
+    return MathVerify(timeout_s)(RewardInput([completion], [gold]))[0]
 
 
 @pytest.mark.parametrize(
@@ -16,57 +24,92 @@ from rlinf_lightning.rewards import REWARDS
     ],
 )
 def test_math_verify(completion, gold, expected):
-    assert REWARDS.get("math_verify")(completion, gold) == expected
+    assert _math_verify(completion, gold) == expected
 
 
-def test_format_rewards():
-    assert REWARDS.get("number_format")("12", "") == 1.0
-    assert REWARDS.get("number_format")("12 apples", "") == 0.0
-    assert REWARDS.get("boxed_format")("so \\boxed{3}", "") == 1.0
+def test_format_rewards_are_functions_scored_one_completion_at_a_time():
+    batch = RewardInput(["12", "12 apples", "so \\boxed{3}"], ["", "", ""])
+    assert score(load_reward("number_format"), batch).tolist() == [1.0, 0.0, 0.0]
+    assert score(load_reward("boxed_format"), batch).tolist() == [0.0, 0.0, 1.0]
 
 
-def test_plugins_extend_the_same_registry():
+def test_plugins_extend_the_same_registry_with_functions_or_reward_objects():
     @REWARDS.register("test_len_reward")
     def length(completion: str, answer: str) -> float:
         return float(len(completion))
 
-    assert REWARDS.get("test_len_reward")("abc", "") == 3.0
-    assert ("test_len_reward", "built-in", "") in REWARDS.describe()
+    @REWARDS.register("test_short_reward")
+    class Short(Reward):
+        """1.0 for responses of at most as many tokens as the prompt has words; set up once."""
+
+        def setup(self) -> None:
+            self.ready = True
+
+        def __call__(self, batch: RewardInput) -> torch.Tensor:
+            assert self.ready
+            words = torch.tensor([len(p.split()) for p in batch.prompts])
+            batch.metrics.sum("short", (batch.response_lengths <= words).sum())
+            return (batch.response_lengths <= words).float()
+
+    assert score(load_reward("test_len_reward"), RewardInput(["abc"], [""])).tolist() == [3.0]
+    short = load_reward("test_short_reward")
+    short.setup()
+    batch = RewardInput(["a", "b"], ["", ""], ["two words", "two words"], torch.tensor([1, 5]))
+    assert score(short, batch).tolist() == [1.0, 0.0] and batch.metrics.compute() == {"short": 1.0}
+    assert ("test_len_reward", "built-in", "") in REWARDS.describe() and "test_short_reward" in REWARDS
+
+
+def test_a_reward_with_the_wrong_number_of_scores_is_named():
+    class Wrong(Reward):
+        def __call__(self, batch):
+            return [1.0]
+
+    with pytest.raises(ValueError, match="reward Wrong returned 1 scores for 2 completions"):
+        score(Wrong(), RewardInput(["a", "b"], ["", ""]))
 
 
 PATHOLOGICAL = "\\boxed{9^{9^{9^{9}}}}"  # sympy evaluates 9^387420489 for minutes without a timeout
+# a sum math-verify takes seconds to parse (9 s here): as gold and as completion, two slow parses
+SLOW_GOLD = "\\boxed{" + "+".join(f"x_{{{i}}}^{{2}}" for i in range(800)) + "}"
+SLOW_COMPLETION = SLOW_GOLD.replace("x_", "z_")
 
 
-def _two_calls() -> tuple[float, float, float]:
-    import time
-
-    from rlinf_lightning.rewards import math_verify_reward
-
+def _timed_calls() -> tuple[list[float], float, dict[str, float], float, float]:
+    """Scores, seconds and counts of a pathological completion (1 s timeout) and of two slow parses
+    (2 s timeout), and the next completion's score."""
+    inputs = RewardInput([PATHOLOGICAL], ["1"])
     t0 = time.monotonic()
-    bad = math_verify_reward(PATHOLOGICAL, "1", timeout_s=1)
-    return bad, time.monotonic() - t0, math_verify_reward("\\boxed{7}", "7", timeout_s=1)
+    bad = MathVerify(timeout_s=1)(inputs)
+    took = time.monotonic() - t0
+    slow = RewardInput([SLOW_COMPLETION], [SLOW_GOLD], metrics=inputs.metrics)
+    t0 = time.monotonic()
+    bad += MathVerify(timeout_s=2)(slow)
+    took_slow = time.monotonic() - t0
+    return bad, took, inputs.metrics.compute(), took_slow, _math_verify("\\boxed{7}", "7", timeout_s=1)
 
 
 @pytest.mark.parametrize("where", ["main thread", "worker thread", "worker process"])
-def test_math_verify_times_out_anywhere(where):
-    """One pathological completion scores 0.0 within about the timeout, wherever the reward runs,
-    and the next call still works (off the main thread a stuck judge process is replaced)."""
+def test_math_verify_times_out_within_the_bound_anywhere_and_counts_it(where):
+    """A completion scores 0.0 within its timeout wherever the reward runs, however many parses
+    and comparisons it needs (math-verify's own timeouts apply to each: two slow parses took twice
+    the bound), is counted as a timeout, and the next call still works (off the main thread a stuck
+    judge process is replaced)."""
     import concurrent.futures
 
-    from rlinf_lightning.rewards import math_verify_reward
-
     if where == "main thread":
-        bad, took, good = _two_calls()
+        bad, took, counts, took_slow, good = _timed_calls()
     else:
         pool_cls = {
             "worker thread": concurrent.futures.ThreadPoolExecutor,
             "worker process": concurrent.futures.ProcessPoolExecutor,
         }[where]
         with pool_cls(1) as pool:
-            pool.submit(math_verify_reward, "1", "1").result(timeout=120)  # start-up not timed
-            bad, took, good = pool.submit(_two_calls).result(timeout=60)
-    assert (bad, good) == (0.0, 1.0)
-    assert took < 10, f"{took:.1f} s"
+            pool.submit(_math_verify, "1", "1").result(timeout=120)  # start-up not timed
+            bad, took, counts, took_slow, good = pool.submit(_timed_calls).result(timeout=60)
+    assert (bad, good) == ([0.0, 0.0], 1.0)
+    assert counts == {"timeouts": 2.0, "unparsed_gold": 0.0}
+    assert took < 1.9, f"{took:.1f} s"
+    assert took_slow < 2.9, f"{took_slow:.1f} s"
 
 
 def _in_a_thread(fn, *args):
@@ -79,16 +122,94 @@ def _in_a_thread(fn, *args):
 def test_math_verify_scores_a_micro_batch_off_the_main_thread():
     """Off the main thread a micro-batch goes to the judge process in one request; a completion that
     hangs it costs its own timeout, and the completions after it are judged by a new process."""
-    from rlinf_lightning.rewards import REWARDS, _math_verify_batch, score
-
     completions = ["\\boxed{7}", "8", "The answer is 12", "\\boxed{3}"] * 25
     answers = ["7", "8", "12", "4"] * 25
     expected = [1.0, 1.0, 1.0, 0.0] * 25
-    fn = REWARDS.get("math_verify")
-    assert score(fn, completions, answers) == expected  # main thread, in process
-    assert _in_a_thread(score, fn, completions, answers) == expected
+    reward = load_reward("math_verify")
+    assert score(reward, RewardInput(completions, answers)).tolist() == expected  # main thread
+    assert _in_a_thread(score, reward, RewardInput(completions, answers)).tolist() == expected
     stuck = ["\\boxed{1}", PATHOLOGICAL, "\\boxed{2}"]
-    assert _in_a_thread(_math_verify_batch, stuck, ["1", "1", "2"], 1) == [1.0, 0.0, 1.0]
+    verdicts = _in_a_thread(MathVerify(timeout_s=1).verdicts, stuck, ["1", "1", "2"])
+    assert verdicts == [(1.0, ""), (0.0, "timeout"), (1.0, "")]
+
+
+def test_a_gold_answer_whose_parse_timed_out_is_parsed_again(monkeypatch):
+    """A gold answer whose parse ran out of time once (a busy machine) is not remembered as
+    unreadable: the next completion with that answer is judged."""
+    from math_verify import parser
+
+    real, calls = parser.extract_target_from_pred, []
+
+    def slow_once(pred, *args, **kwargs):
+        if pred == "4242" and not calls:
+            calls.append(pred)
+            time.sleep(3)
+        return real(pred, *args, **kwargs)
+
+    monkeypatch.setattr(parser, "extract_target_from_pred", slow_once)
+    first = RewardInput(["\\boxed{4242}"], ["4242"])
+    assert MathVerify(timeout_s=1)(first) == [0.0] and first.metrics.compute()["timeouts"] == 1.0
+    assert _math_verify("\\boxed{4242}", "4242", timeout_s=1) == 1.0
+
+
+def test_unreadable_gold_answers_are_counted_and_reported_at_load(tmp_path):
+    """A gold answer math-verify reads nothing in scores 0.0 and is counted (``unparsed_gold``);
+    the task reads its gold answers when it loads: a warning with their count when some are
+    unreadable, a problem naming the key when none is."""
+    import json
+
+    from rlinf_lightning.tasks import MathTask
+
+    batch = RewardInput(["\\boxed{3}", "\\boxed{3}"], ["3", "\\text{three}"])
+    assert MathVerify()(batch) == [1.0, 0.0] and batch.metrics.compute()["unparsed_gold"] == 1.0
+
+    def task(answers: list[str]) -> MathTask:
+        path = tmp_path / f"{len(answers)}.jsonl"
+        path.write_text("".join(json.dumps({"prompt": "?", "answer": a}) + "\n" for a in answers))
+        return MathTask(str(path), str(tmp_path / "1.jsonl"))
+
+    task(["3"]).validate_config()  # the test set every task below uses: readable
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("rlinf_lightning.rewards").addHandler(handler)
+    try:
+        assert task(["3", "no idea", "no idea"]).validate_config() == []
+    finally:
+        logging.getLogger("rlinf_lightning.rewards").removeHandler(handler)
+    warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert any("train_path: reward 'math_verify' cannot read 2 of 3 gold answers" in m for m in warned)
+    problems = task(["A", "B", "C", "D"]).validate_config()
+    assert problems == [
+        ("train_path", "reward 'math_verify' reads none of its 4 gold answers (e.g. 'A', 'B', 'C'); "
+                       "check the records' answer field, or choose another task.reward")
+    ]  # fmt: skip
+
+
+def test_the_reward_stage_logs_timeouts_and_unreadable_gold_answers():
+    from tensordict import TensorDict
+
+    from rlinf_lightning.flow.stage import StageContext
+    from rlinf_lightning.workflows.reasoning import RewardStage
+
+    stage = RewardStage("math_verify", "boxed_format", 0.1)
+    stage.setup(StageContext())
+    stage.correct_fn.timeout_s = 1
+    completions = ["\\boxed{7}", PATHOLOGICAL, "\\boxed{2}", "2"]
+    batch = TensorDict(
+        {
+            "completion": completions,
+            "answer": ["7", "1", "\\text{two}", "2"],
+            "prompt": ["p"] * 4,
+            "response_mask": torch.ones(4, 3),
+        },
+        batch_size=[4],
+    )
+    out = stage.process(batch)
+    assert out["correct"].tolist() == [1.0, 0.0, 0.0, 1.0]
+    metrics = stage.end_iteration().compute()
+    assert (metrics["timeouts"], metrics["unparsed_gold"], metrics["accuracy"]) == (1.0, 1.0, 0.5)
+    assert metrics["format"] == 0.75 and metrics["reward_max"] == pytest.approx(1.1)
 
 
 SCORED = [  # completion, gold: numbers, fractions, LaTeX, powers, names sympy defines, text
@@ -119,15 +240,12 @@ def _plain_math_verify(pairs):
 def test_math_verify_with_one_sympy_namespace_scores_as_plain_math_verify_and_faster():
     """The reward builds sympy's parsing namespace once instead of per number; every score equals
     plain math-verify's, and scoring is at least twice as fast as rebuilding it (measured ~3x)."""
-    import time
-
     from sympy.parsing import sympy_parser
 
     from rlinf_lightning.judge import share_sympy_namespace
-    from rlinf_lightning.rewards import REWARDS
 
-    fn = REWARDS.get("math_verify")
-    assert [fn(c, a) for c, a in SCORED] == _plain_math_verify(SCORED)
+    scores = [s for s, _ in MathVerify().verdicts([c for c, _ in SCORED], [a for _, a in SCORED])]
+    assert scores == _plain_math_verify(SCORED)
     share_sympy_namespace()
     shared = sympy_parser.parse_expr
     numbers = [str(n) for n in range(200)]
@@ -156,7 +274,7 @@ def test_a_judge_process_runs_by_path_without_importing_torch():
 
     judge = _JudgeProcess()
     try:
-        assert judge([("\\boxed{7}", "7"), ("8", "9")], 5) == [1.0, 0.0]
+        assert judge([("\\boxed{7}", "7"), ("8", "9")], 5) == [(1.0, ""), (0.0, "")]
         libraries = {m.path for m in psutil.Process(judge.proc.pid).memory_maps()}
         assert not any("libtorch" in path for path in libraries), sorted(libraries)
         assert judge.proc.args[1].endswith("rlinf_lightning/judge.py")

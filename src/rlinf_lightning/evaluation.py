@@ -6,7 +6,7 @@ from typing import Any
 
 from rlinf_lightning.engines.rollout import RolloutEngine, SamplingParams
 from rlinf_lightning.prompts import RAW, PromptFormat
-from rlinf_lightning.rewards import REWARDS, score
+from rlinf_lightning.rewards import RewardInput, load_reward, score
 
 EVAL_BATCH_SIZE = 256  # prompts generated at once when evaluating
 
@@ -23,7 +23,8 @@ def greedy_accuracy(
 ) -> float:
     """Fraction of ``prompts`` whose greedy completion ``reward`` judges equal to the answer;
     ``prompt_format`` lays the prompts out as the policy was trained on them."""
-    fn = REWARDS.get(reward)
+    judge = load_reward(reward)
+    judge.setup()
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     correct = 0.0
     for i in range(0, len(prompts), batch_size):
@@ -31,5 +32,5 @@ def greedy_accuracy(
         ids = prompt_format.encode(tokenizer, chunk)
         outs = engine.generate(ids, list(range(i, i + len(chunk))), 1, params, 0, tokenizer.eos_token_id)
         texts = [tokenizer.decode(cs[0].token_ids, skip_special_tokens=True) for cs in outs]
-        correct += sum(score(fn, texts, answers[i : i + batch_size]))
+        correct += float(score(judge, RewardInput(texts, answers[i : i + batch_size], chunk)).sum())
     return correct / max(1, len(prompts))

@@ -7,8 +7,8 @@ so a judge is ready in about half a second instead of the 2 s a spawned interpre
 
     python .../judge.py <parent_pid> <connection_fd>
 
-It answers each ``(pairs, timeout_s)`` request on the connection with one score per
-``(completion, answer)`` pair, in order, as soon as each is judged.
+It answers each ``(pairs, timeout_s)`` request on the connection with one verdict (see
+:func:`judge`) per ``(completion, answer)`` pair, in order, as soon as each is judged.
 """
 
 from __future__ import annotations
@@ -19,22 +19,50 @@ import sys
 if __name__ == "__main__" and sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
     del sys.path[0]  # run by path: this package's modules must not shadow top-level ones
 
-from functools import cache, lru_cache  # noqa: E402
+import signal  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from functools import cache  # noqa: E402
 from typing import Any  # noqa: E402
 
-#: whole seconds (SIGALRM) math-verify may spend on one completion before it scores 0.0
-MATH_VERIFY_TIMEOUT_S = 5
+#: seconds math-verify may spend on one completion, parsing and comparing together, before it
+#: scores 0.0 as a timeout
+MATH_VERIFY_TIMEOUT_S = 5.0
+
+#: what a verdict's second element says went wrong ("": nothing)
+TIMEOUT, UNPARSED_GOLD = "timeout", "unparsed_gold"
 
 #: what sympy sets up lazily the first time math-verify meets each kind of expression (a power
 #: took 240 ms, a product 19 ms): judged once where a judge starts, not inside a training step
 WARM_UP = (("3^1", "39"), ("3*2", "6"), ("1/2", "0.5"), ("\\frac{1}{2}", "0.5"), ("x+1", "2"), ("12", "12"))
 
+_GOLD_CACHE_SIZE = 65536
+_gold: dict[str, list] = {}  # gold answer -> math-verify's parse; never a parse that timed out
 
-@lru_cache(maxsize=65536)
-def _parse_gold(answer: str, timeout: int):
-    from math_verify import parse
 
-    return parse(answer, parsing_timeout=timeout)
+class _Deadline(BaseException):
+    """A completion's time is up. A ``BaseException``, so that the ``except Exception`` handlers in
+    math-verify and sympy let it through to :func:`judge`."""
+
+
+@contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """Raise :class:`_Deadline` in this (main) thread after ``seconds``. One timer for the whole
+    judgement: math-verify's own timeouts apply per parse and per comparison (a completion could
+    take several of them), and each of them would cancel this one, so they are switched off."""
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _Deadline
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:
+            signal.signal(signal.SIGALRM, previous)
 
 
 @cache
@@ -69,22 +97,52 @@ def share_sympy_namespace() -> None:
     sympy_parser.parse_expr = parser.parse_expr = parse_expr
 
 
-def judge(completion: str, answer: str, timeout_s: int = MATH_VERIFY_TIMEOUT_S) -> float:
-    """math-verify in the calling (main) thread, under its own SIGALRM timeouts."""
+@cache
+def _disable_own_timeouts() -> None:
+    """math-verify warns once that it has no timeout when called without one; :func:`judge` bounds
+    every call itself."""
+    from math_verify import grader, parser
+
+    grader.TIMEOUT_WARNING_SHOWN = parser.TIMEOUT_WARNING_SHOWN = True
+
+
+def _parse_gold(answer: str) -> list:
+    from math_verify import parse
+
+    gold = _gold.get(answer)
+    if gold is None:
+        gold = parse(answer, parsing_timeout=None)  # a _Deadline here leaves nothing cached
+        if len(_gold) >= _GOLD_CACHE_SIZE:
+            del _gold[next(iter(_gold))]
+        _gold[answer] = gold
+    return gold
+
+
+def judge(completion: str | None, answer: str, timeout_s: float = MATH_VERIFY_TIMEOUT_S) -> tuple[float, str]:
+    """math-verify in the calling (main) thread, within ``timeout_s`` in all: the verdict
+    ``(score, problem)``, ``problem`` being ``""``, :data:`TIMEOUT` or :data:`UNPARSED_GOLD`
+    (math-verify reads nothing in the gold answer). ``completion=None`` only reads the answer."""
     from math_verify import parse, verify
 
     share_sympy_namespace()
-    gold = _parse_gold(answer, timeout_s)
-    pred = parse(completion, parsing_timeout=timeout_s)
-    if not pred or not gold:
-        return 0.0
-    return 1.0 if verify(gold, pred, timeout_seconds=timeout_s) else 0.0
+    _disable_own_timeouts()
+    try:
+        with _deadline(timeout_s):
+            gold = _parse_gold(answer)
+            if not gold:
+                return 0.0, UNPARSED_GOLD
+            if completion is None:
+                return 0.0, ""
+            pred = parse(completion, parsing_timeout=None)
+            return (1.0 if pred and verify(gold, pred, timeout_seconds=None) else 0.0), ""
+    except _Deadline:
+        return 0.0, TIMEOUT
 
 
 def warm_up() -> None:
     """Judge :data:`WARM_UP` in this (main) thread, so that sympy's lazy set-up is paid now."""
     for completion, answer in WARM_UP:
-        judge(completion, answer)
+        judge(completion, answer, timeout_s=60.0)
 
 
 def serve(conn: Any) -> None:

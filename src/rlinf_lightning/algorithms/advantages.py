@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.registry import Registry
 
 AdvantageEstimator = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
@@ -47,6 +48,18 @@ def group_normalized_advantages(
 def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, config: Any) -> torch.Tensor:
     """GRPO's group-normalised advantages (centred; divided by the group std if ``config.scale_std``)."""
     return group_normalized_advantages(rewards, group_ids, scale_std=getattr(config, "scale_std", True))
+
+
+def groups_with_signal(advantages: torch.Tensor, group_ids: torch.Tensor, metrics: Metrics) -> torch.Tensor:
+    """Per sample: whether its group carries any signal (some advantage in it is non-zero; a group
+    whose rewards are all equal has none, so it adds nothing to the gradient). Records the fraction
+    of groups that do in ``metrics`` as ``groups_with_signal``, weighted by the number of groups."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    spread = torch.zeros(int(inverse.max()) + 1, dtype=advantages.dtype)
+    spread.index_add_(0, inverse, advantages.abs())
+    signal = spread > 0
+    metrics.mean("groups_with_signal", float(signal.float().mean()), len(signal))
+    return signal[inverse]
 
 
 def gae(

@@ -37,6 +37,7 @@ from tensordict import TensorDict
 
 from rlinf_lightning.engines.precision import autocast
 from rlinf_lightning.engines.train import TRAIN_ENGINES, LossFn, SingleTrainEngine
+from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.policies.module import RLModule
 
@@ -162,7 +163,7 @@ class FSDPTrainEngine(DDPTrainEngine):
         self._pending.append((batch, loss_fn))  # passes run in lockstep at step()
         return {}
 
-    def _lockstep(self) -> dict[str, float]:
+    def _lockstep(self) -> Metrics:
         """Every rank runs as many forward/backward passes as the rank with the most micro-batches."""
         import torch.distributed as dist
 
@@ -174,8 +175,7 @@ class FSDPTrainEngine(DDPTrainEngine):
         template = [(self._pending[0][0][:1], self._pending[0][1]) if self._pending else None]
         if min(counts_all) == 0 < max(counts_all):  # a rank with no data borrows a row and the loss
             dist.broadcast_object_list(template, src=next(r for r, c in enumerate(counts_all) if c))
-        metrics: dict[str, float] = {}
-        rows = 0
+        metrics = Metrics()
         for i in range(max(counts_all)):
             real = i < len(self._pending)
             batch, fn = self._pending[i] if real else template[0]
@@ -188,10 +188,9 @@ class FSDPTrainEngine(DDPTrainEngine):
                 self._count += float(count)
                 self._loss_sum += float(loss_sum.detach())
                 for k, v in m.items():
-                    metrics[k] = metrics.get(k, 0.0) + float(v) * len(batch)
-                rows += len(batch)
+                    metrics.mean(k, float(v), len(batch))
         self._pending = []
-        return {k: v / max(rows, 1) for k, v in metrics.items()}
+        return metrics
 
     def _reduce(self, params: list[torch.nn.Parameter], totals: torch.Tensor) -> None:
         import torch.distributed as dist
@@ -203,9 +202,8 @@ class FSDPTrainEngine(DDPTrainEngine):
             else:
                 p.grad.mul_(dist.get_world_size())  # back to sums (gloo has no PREMUL_SUM)
 
-    def step(self) -> dict[str, float]:
-        metrics = self._lockstep()
-        return {**metrics, **super().step()}
+    def step(self) -> Metrics:
+        return self._lockstep().merge(super().step())
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.policy.model.named_parameters():

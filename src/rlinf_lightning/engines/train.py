@@ -20,6 +20,7 @@ from tensordict import TensorDict
 from rlinf_lightning.engines.flops import peak_matmul_flops
 from rlinf_lightning.engines.offload import Offloader
 from rlinf_lightning.engines.precision import autocast, param_dtype
+from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.policies.module import RLModule
 from rlinf_lightning.registry import Registry
@@ -51,9 +52,9 @@ class TrainEngine:
         """Backward of the loss sum of ``batch``; returns the micro-batch's metrics (e.g. clip_frac)."""
         raise NotImplementedError
 
-    def step(self) -> dict[str, float]:
+    def step(self) -> Metrics:
         """One optimizer step over everything accumulated on every rank; returns ``grad_norm`` and
-        the global ``loss`` (loss sum over count)."""
+        the global ``loss`` (loss sum over count), among others."""
         raise NotImplementedError
 
     def shutdown(self) -> None:
@@ -146,16 +147,16 @@ class SingleTrainEngine(TrainEngine):
         if flops is not None:
             self._flops += flops
 
-    def _flops_metrics(self) -> dict[str, float]:
-        """This step's model FLOPs (summed over replicas by the metric merge, per second as
+    def _record_flops(self, metrics: Metrics) -> None:
+        """This step's model FLOPs (summed over steps and replicas, per second as
         ``perf/flops_per_s``) and this device's measured peak in the training dtype: with the train
         stage's busy seconds, the trainer's ``perf/mfu``."""
         if not self._flops:
-            return {}
+            return
         dtype = torch.bfloat16 if self.precision.startswith("bf16") else torch.float32
-        peak = peak_matmul_flops(self.ctx.device, dtype, torch.get_num_threads())
-        flops, self._flops = self._flops, 0.0
-        return {"flops_total": flops, "peak_flops": peak}
+        metrics.sum("flops_total", self._flops)
+        metrics.mean("peak_flops", peak_matmul_flops(self.ctx.device, dtype, torch.get_num_threads()))
+        self._flops = 0.0
 
     def onload(self) -> None:
         self._offloader.onload(self.policy, self.optimizer)
@@ -175,7 +176,7 @@ class SingleTrainEngine(TrainEngine):
     def _reduce(self, params: list[torch.nn.Parameter], totals: torch.Tensor) -> None:
         """Sum gradients and ``totals`` (count, loss sum) over the ranks; one rank: nothing to do."""
 
-    def step(self) -> dict[str, float]:
+    def step(self) -> Metrics:
         params = [p for p in self.policy.parameters() if p.requires_grad]
         totals = torch.tensor([self._count, self._loss_sum], dtype=torch.float64)
         self._reduce(params, totals)
@@ -194,13 +195,12 @@ class SingleTrainEngine(TrainEngine):
         if self.scheduler is not None:  # one optimizer step per iteration: step-wise schedules
             self.scheduler.step()
         self._count, self._loss_sum = 0.0, 0.0
-        return {
-            **self.policy.pop_logged(),
-            **self._flops_metrics(),
-            "grad_norm": float(grad_norm),
-            "loss": loss_sum / max(count, 1.0),
-            "lr": lr,
-        }
+        metrics = Metrics.of_means(self.policy.pop_logged(), 1.0)
+        self._record_flops(metrics)
+        metrics.mean("grad_norm", float(grad_norm))
+        metrics.mean("loss", loss_sum / max(count, 1.0))
+        metrics.mean("lr", lr)
+        return metrics
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.policy.model.named_parameters():

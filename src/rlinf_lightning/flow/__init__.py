@@ -2,6 +2,7 @@
 
 from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.channel import Channel, ChannelAborted, ChannelTimeout, EndOfIteration, Message
+from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroup
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.flow.worker import Span, StageError, Worker
@@ -16,6 +17,7 @@ __all__ = [
     "ExecutionPlan",
     "MemoryPart",
     "Message",
+    "Metrics",
     "Span",
     "Stage",
     "StageContext",

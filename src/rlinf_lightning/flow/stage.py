@@ -20,6 +20,7 @@ from typing import Any
 from tensordict import TensorDict
 
 from rlinf_lightning.flow.channel import DEFAULT_TIMEOUT_S
+from rlinf_lightning.flow.metrics import Metrics
 
 
 @dataclass(frozen=True)
@@ -92,9 +93,11 @@ class Stage:
         """Transform one micro-batch; the result goes to the stage's output channel."""
         return batch
 
-    def end_iteration(self) -> dict[str, float]:
-        """Called after the iteration's last micro-batch; returns metrics to log (averaged over
-        replicas weighted by the samples each processed)."""
+    def end_iteration(self) -> Metrics | dict[str, float]:
+        """Called after the iteration's last micro-batch; returns metrics to log: a
+        :class:`~rlinf_lightning.flow.metrics.Metrics` (each merged across replicas by the
+        reduction it declares), or a plain dict (means, weighted by the samples each replica
+        processed)."""
         return {}
 
     def sync_state(self) -> TensorDict | None:

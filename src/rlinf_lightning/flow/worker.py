@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlinf_lightning.flow.channel import Channel, ChannelTimeout, EndOfIteration, Message
+from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.plan import WorkerGroup
 from rlinf_lightning.flow.stage import Stage, StageContext
 from rlinf_lightning.flow.wiring import Link, Port
@@ -78,7 +79,7 @@ class _StageRun:
     in_flight: int = 0
     samples: int = 0
     done: bool = False
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: Metrics | dict[str, float] = field(default_factory=dict)
 
 
 class Worker:
@@ -209,7 +210,9 @@ class Worker:
             self._switch([stage], "offload")
 
     # -- one iteration -------------------------------------------------------------------------------
-    def run_iteration(self, iteration: int) -> tuple[dict[str, tuple[dict[str, float], int]], list[Span]]:
+    def run_iteration(
+        self, iteration: int
+    ) -> tuple[dict[str, tuple[Metrics | dict[str, float], int]], list[Span]]:
         """Returns ``({stage: (metrics, samples processed)}, spans)``."""
         self.ports = self.port_sets[iteration % 2]
         for name, st in self.stages.items():

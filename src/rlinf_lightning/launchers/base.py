@@ -18,6 +18,7 @@ from typing import Any, Literal
 from tensordict import TensorDict
 
 from rlinf_lightning.flow.channel import ChannelAborted, Message
+from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.wiring import Port, wire
 from rlinf_lightning.flow.worker import Span, StageError
@@ -58,38 +59,19 @@ def first_cause(errors: list[BaseException]) -> BaseException:
     return next((e for e in errors if not isinstance(e, ChannelAborted)), errors[0])
 
 
-def merge_metrics(results: list[dict[str, tuple[dict[str, float], int]]]) -> dict[str, dict[str, float]]:
-    """Per stage, the replicas' metrics merged as if one replica had processed every sample: means
-    weighted by the samples each replica processed, ``*_max`` the largest, ``*_total`` the sum, and
-    ``*_std`` the pooled standard deviation (from each replica's mean and std of the metric it
-    belongs to)."""
-    per_stage: dict[str, list[tuple[dict[str, float], int]]] = {}
+def merge_metrics(
+    results: list[dict[str, tuple[Metrics | dict[str, float], int]]],
+) -> dict[str, dict[str, float]]:
+    """Per stage, the replicas' metrics merged as if one replica had processed every sample, each
+    by the reduction its stage declared (:class:`~rlinf_lightning.flow.metrics.Metrics`); a plain
+    dict's values are means weighted by the samples that replica processed."""
+    per_stage: dict[str, list[Metrics]] = {}
     for result in results:
-        for stage, entry in result.items():
-            per_stage.setdefault(stage, []).append(entry)
-    return {stage: _merge(entries) for stage, entries in per_stage.items()}
-
-
-def _merge(entries: list[tuple[dict[str, float], int]]) -> dict[str, float]:
-    def mean(values: list[tuple[float, int]]) -> float:
-        total = sum(n for _, n in values)
-        return sum(v * n for v, n in values) / total if total else sum(v for v, _ in values) / len(values)
-
-    keys = dict.fromkeys(k for m, _ in entries for k in m)
-    out = {}
-    for k in keys:
-        values = [(m[k], n) for m, n in entries if k in m]
-        base = k.removesuffix("_std")
-        if k.endswith("_max"):
-            out[k] = max(v for v, _ in values)
-        elif k.endswith("_total"):
-            out[k] = sum(v for v, _ in values)
-        elif k.endswith("_std") and all(base in m for m, _ in entries if k in m):
-            second = mean([(m[k] ** 2 + m[base] ** 2, n) for m, n in entries if k in m])
-            out[k] = max(second - mean([(m[base], n) for m, n in entries if k in m]) ** 2, 0.0) ** 0.5
-        else:
-            out[k] = mean(values)
-    return out
+        for stage, (metrics, samples) in result.items():
+            if not isinstance(metrics, Metrics):
+                metrics = Metrics.of_means(metrics, samples)
+            per_stage.setdefault(stage, []).append(metrics)
+    return {stage: Metrics.merged(parts).compute() for stage, parts in per_stage.items()}
 
 
 class Runtime(ABC):

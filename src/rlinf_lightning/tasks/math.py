@@ -102,7 +102,7 @@ class MathTask(Task):
         self._prompt_tokens: dict[tuple[str, PromptFormat], int] = {}
 
     def validate_config(self) -> list[tuple[str, str]]:
-        from rlinf_lightning.rewards import REWARDS
+        from rlinf_lightning.rewards import REWARDS, check_gold_answers
 
         problems = [("prompt_template", p) for p in self.prompt_format.problems()]
         for key in ("train_path", "test_path"):
@@ -111,9 +111,12 @@ class MathTask(Task):
                 problems.append((key, f"file {path!r} not found; run `rlinf prepare` to generate data"))
                 continue
             try:  # read up front (cheap): a bad record fails now, not mid-run
-                getattr(self, key.removesuffix("_path"))
+                loaded = getattr(self, key.removesuffix("_path"))
             except DataError as exc:
                 problems.append((key, str(exc)))
+                continue
+            if self.reward in REWARDS:  # and the gold answers as the reward will read them
+                problems += check_gold_answers(self.reward, [p.answer for p in loaded], key)
         for key in ("reward", "format_reward"):
             name = getattr(self, key)
             if name is not None and name not in REWARDS:

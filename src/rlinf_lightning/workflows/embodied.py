@@ -27,9 +27,11 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from rlinf_lightning.algorithms.advantages import groups_with_signal
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.envs import EnvBatch, make_env
 from rlinf_lightning.flow.memory import weights_part
+from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.policies.module import RLModule
 from rlinf_lightning.seeds import SEED_STRIDE, row_seed
@@ -62,28 +64,27 @@ class _Shard:
 
 
 class _Episodes:
-    """Success, return and length of the episodes that ended this iteration, and the env steps taken
-    (``*_total`` counts are summed over replicas and reported per second as ``perf/*_per_s``)."""
+    """The episodes that ended this iteration (mean success, return and length; how many; how many
+    reported no success, NaN: an env without a notion of success) and the env steps taken; counts
+    are per second as ``perf/*_per_s`` where named ``*_total``."""
 
     def __init__(self) -> None:
-        self.success: list[torch.Tensor] = []
-        self.returns: list[torch.Tensor] = []
-        self.lengths: list[torch.Tensor] = []
-        self.env_steps = 0
+        self.metrics = Metrics()
+        self.metrics.sum("episodes_total", 0)
+        self.metrics.sum("env_steps_total", 0)
+        self.metrics.sum("episodes_without_success", 0)
 
-    def metrics(self) -> dict[str, float]:
-        if not self.returns:
-            return {"episodes_total": 0.0, "env_steps_total": float(self.env_steps)}
-        success = torch.cat(self.success)
-        out = {
-            "episodes_total": float(len(success)),
-            "env_steps_total": float(self.env_steps),
-            "return": float(torch.cat(self.returns).mean()),
-            "length": float(torch.cat(self.lengths).float().mean()),
-        }
-        if not torch.isnan(success).all():
-            out["success"] = float(success[~torch.isnan(success)].mean())
-        return out
+    def steps(self, n: int) -> None:
+        self.metrics.sum("env_steps_total", n)
+
+    def ended(self, success: torch.Tensor, returns: torch.Tensor, lengths: torch.Tensor) -> None:
+        reported = ~torch.isnan(success)
+        self.metrics.sum("episodes_total", len(success))
+        self.metrics.sum("episodes_without_success", (~reported).sum())
+        self.metrics.mean("return", float(returns.mean()), len(returns))
+        self.metrics.mean("length", float(lengths.float().mean()), len(lengths))
+        if reported.any():
+            self.metrics.mean("success", float(success[reported].mean()), int(reported.sum()))
 
 
 class EnvStage(Stage):
@@ -190,7 +191,7 @@ class EnvStage(Stage):
         s.steps["mask"].append(s.running.clone())  # a step of the iteration's first episode
         for i in range(self.chunk):
             step = env.step(torch.maximum(torch.minimum(actions[:, i], high), low))
-            self.episodes.env_steps += n
+            self.episodes.steps(n)
             live = ~(terminated | truncated)  # an env that ended inside the chunk adds nothing more
             reward += torch.where(live, step.reward, torch.zeros(n))
             s.episode_return += torch.where(live, step.reward, torch.zeros(n))
@@ -200,9 +201,7 @@ class EnvStage(Stage):
             if ended.any():
                 final_obs = step.obs.clone() if final_obs is None else final_obs
                 final_obs[ended] = step.final_obs[ended]
-                self.episodes.success.append(step.success[ended])
-                self.episodes.returns.append(s.episode_return[ended].clone())
-                self.episodes.lengths.append(s.episode_length[ended].clone())
+                self.episodes.ended(step.success[ended], s.episode_return[ended], s.episode_length[ended])
                 s.episode_return[ended], s.episode_length[ended] = 0.0, 0
             terminated |= live & step.terminated
             truncated |= live & step.truncated
@@ -223,8 +222,8 @@ class EnvStage(Stage):
             batch_size=[n],
         )  # fmt: skip
 
-    def end_iteration(self) -> dict[str, float]:
-        return self.episodes.metrics()
+    def end_iteration(self) -> Metrics:
+        return self.episodes.metrics
 
     def teardown(self) -> None:
         for s in self.shards.values():
@@ -358,16 +357,11 @@ class EpisodeAdvantageStage(Stage):
         return []  # a few numbers per sample
 
     def setup(self, ctx: StageContext) -> None:
-        self.kept, self.groups = 0.0, 0.0
+        self.metrics = Metrics()
 
     def process(self, traj: TensorDict) -> TensorDict:
-        score, groups = traj["score"], traj["group_id"]
-        adv = self.algorithm.compute_advantages(score, groups)
-        _, inverse = torch.unique(groups, return_inverse=True)
-        spread = torch.zeros(int(inverse.max()) + 1).index_add_(0, inverse, adv.abs())
-        signal = spread[inverse] > 0
-        self.kept += float((spread > 0).sum())
-        self.groups += float(len(spread))
+        adv = self.algorithm.compute_advantages(traj["score"], traj["group_id"])
+        signal = groups_with_signal(adv, traj["group_id"], self.metrics)
         n, steps = traj["mask"].shape
         samples = TensorDict(
             {
@@ -383,10 +377,8 @@ class EpisodeAdvantageStage(Stage):
         )
         return samples.reshape(-1)
 
-    def end_iteration(self) -> dict[str, float]:
-        out = {"groups_with_signal": self.kept / max(self.groups, 1.0)}
-        self.kept, self.groups = 0.0, 0.0
-        return out
+    def end_iteration(self) -> Metrics:
+        return self.metrics.take()
 
 
 class EpisodeGRPOLoss:
@@ -464,12 +456,11 @@ class PPOActorStage(TrainStage):
         if data is not None:
             data["advantage"] = (adv - mean) / (std + 1e-8)
 
-    def end_iteration(self) -> dict[str, float]:
+    def end_iteration(self) -> Metrics:
         data = torch.cat(self.buffer) if self.buffer else None
         if self.norm_adv:
             self._normalize(data)
-        sums: dict[str, float] = {}
-        rows, steps = 0, 0
+        metrics = Metrics()
         for epoch in range(self.update_epochs):
             g = torch.Generator().manual_seed(row_seed(self.seed, self.iteration, epoch))
             position = torch.empty(self.total_samples, dtype=torch.long)
@@ -483,14 +474,9 @@ class PPOActorStage(TrainStage):
                 if data is not None and bool((minibatch == m).any()):
                     mb = data[minibatch == m]
                     for k, v in self.engine.accumulate(mb, self.loss).items():
-                        sums[k] = sums.get(k, 0.0) + v * len(mb)
-                    rows += len(mb)
-                for k, v in self.engine.step().items():
-                    sums[f"step:{k}"] = sums.get(f"step:{k}", 0.0) + v
-                steps += 1
-        out = {k: v / max(rows, 1) for k, v in sums.items() if not k.startswith("step:")}
-        out.update({k[5:]: v / steps for k, v in sums.items() if k.startswith("step:")})
-        return out
+                        metrics.mean(k, v, len(mb))
+                metrics.merge(self.engine.step())
+        return metrics
 
 
 def embodied_workflow(

@@ -13,22 +13,23 @@ group took it. The actor trains and is checkpointed (role ``train``); the rollou
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
+from rlinf_lightning.algorithms.advantages import groups_with_signal
 from rlinf_lightning.engines.offload import Offloader
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, Completion, SamplingParams
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.evaluation import EVAL_BATCH_SIZE, greedy_accuracy
 from rlinf_lightning.flow.memory import dtype_bytes, weights_part
+from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.prompts import PromptFormat
-from rlinf_lightning.rewards import REWARDS, close_judges, score
+from rlinf_lightning.rewards import RewardInput, close_judges, load_reward, score
 from rlinf_lightning.workflows.padding import micro_batches
 from rlinf_lightning.workflows.training import TrainStage
 
@@ -55,42 +56,6 @@ def pack_samples(
     return {"input_ids": ids, "attention_mask": attn, "response_mask": resp_mask, "rollout_logprobs": logps}
 
 
-class _Mean:
-    """Running means of named scalars over an iteration's micro-batches; :meth:`observe` adds the
-    spread of per-sample values too (``name_std``, ``name_max``), :meth:`count` a total
-    (``name_total``, which the trainer also reports per second as ``perf/name_per_s``); all merged
-    exactly across replicas by ``launchers.base.merge_metrics``."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.weights: dict[str, float] = {}
-        self.maxima: dict[str, float] = {}
-        self.totals: dict[str, float] = {}
-
-    def add(self, name: str, value: float, weight: float = 1.0) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + value * weight
-        self.weights[name] = self.weights.get(name, 0.0) + weight
-
-    def observe(self, name: str, values: torch.Tensor) -> None:
-        values = values.double()
-        self.add(name, float(values.mean()), len(values))
-        self.add(f"{name}_sq", float((values**2).mean()), len(values))
-        self.maxima[f"{name}_max"] = max(self.maxima.get(f"{name}_max", -math.inf), float(values.max()))
-
-    def count(self, name: str, amount: float) -> None:
-        self.totals[f"{name}_total"] = self.totals.get(f"{name}_total", 0.0) + amount
-
-    def pop(self) -> dict[str, float]:
-        out = {k: self.sums[k] / max(self.weights[k], 1e-12) for k in self.sums}
-        for k in [k for k in out if k.endswith("_sq")]:
-            name = k.removesuffix("_sq")
-            out[f"{name}_std"] = math.sqrt(max(out.pop(k) - out[name] ** 2, 0.0))
-        out.update(self.maxima)
-        out.update(self.totals)
-        self.sums, self.weights, self.maxima, self.totals = {}, {}, {}, {}
-        return out
-
-
 class RolloutStage(Stage):
     """Generates ``group_size`` completions per prompt with the chosen rollout engine; prompts are
     laid out by the task's :class:`PromptFormat` (template, then the chat template if any).
@@ -110,6 +75,7 @@ class RolloutStage(Stage):
         "group_id",
         "completion",
         "answer",
+        "prompt",
     )
 
     def __init__(
@@ -161,7 +127,7 @@ class RolloutStage(Stage):
         self.engine = ROLLOUT_ENGINES.get(self.engine_name)(
             self.policy.model_path, device=ctx.device, dtype=self.dtype, **self.engine_options
         )
-        self.stats = _Mean()
+        self.metrics = Metrics()
 
     def onload(self) -> None:
         self.engine.onload()
@@ -192,14 +158,15 @@ class RolloutStage(Stage):
                 "group_id": torch.tensor(groups).repeat_interleave(n),
                 "completion": texts,
                 "answer": [a for a in batch["answer"] for _ in range(n)],
+                "prompt": [p for p in batch["prompt"] for _ in range(n)],
             },
             batch_size=[len(texts)],
         )
         lengths = tensors["response_mask"].sum(-1)
-        self.stats.observe("response_length", lengths)
-        self.stats.observe("prompt_length", torch.tensor([float(len(p)) for p in prompt_ids]))
-        self.stats.count("tokens", float(tensors["attention_mask"].sum()))  # prompts + responses
-        self.stats.count("response_tokens", float(lengths.sum()))
+        self.metrics.distribution("response_length", lengths)
+        self.metrics.distribution("prompt_length", [len(p) for p in prompt_ids])
+        self.metrics.sum("tokens_total", tensors["attention_mask"].sum())  # prompts + responses
+        self.metrics.sum("response_tokens_total", lengths.sum())
         # clipped: stopped by max_new_tokens rather than by the end-of-sequence token
         eos = self.tokenizer.eos_token_id
         clipped = [
@@ -207,11 +174,11 @@ class RolloutStage(Stage):
             for cs in completions
             for c in cs
         ]
-        self.stats.add("clipped_ratio", sum(clipped) / len(clipped), len(clipped))
+        self.metrics.mean("clipped_ratio", sum(clipped) / len(clipped), len(clipped))
         return out
 
-    def end_iteration(self) -> dict[str, float]:
-        return self.stats.pop()
+    def end_iteration(self) -> Metrics:
+        return self.metrics.take()
 
     def apply_sync(self, source: str, state: TensorDict) -> None:
         self.engine.update_weights(state.items())
@@ -230,23 +197,24 @@ class RolloutStage(Stage):
 
 
 class RewardStage(Stage):
-    """Scores each completion: ``reward`` (correctness) plus ``format_weight`` x ``format_reward``."""
+    """Scores each completion: ``reward`` (correctness) plus ``format_weight`` x ``format_reward``
+    (names in ``rewards.REWARDS``); logs what the rewards count (``timeouts``, ``unparsed_gold``)."""
 
     name = "reward"
     cost_hint = 0.15
-    in_keys = ("completion", "answer")
+    in_keys = ("completion", "answer", "prompt", "response_mask")
     out_keys = ("reward", "correct")
 
     def __init__(self, reward: str, format_reward: str | None = None, format_weight: float = 0.0) -> None:
         self.reward, self.format_reward, self.format_weight = reward, format_reward, format_weight
 
     def setup(self, ctx: StageContext) -> None:
-        self.correct_fn = REWARDS.get(self.reward)
-        self.format_fn = REWARDS.get(self.format_reward) if self.format_reward else None
+        self.correct_fn = load_reward(self.reward)
+        self.format_fn = load_reward(self.format_reward) if self.format_reward else None
         for fn in (self.correct_fn, self.format_fn):
-            if hasattr(fn, "warm_up"):  # one-time set-up paid here, not in an iteration
-                fn.warm_up()
-        self.stats = _Mean()
+            if fn is not None:  # one-time set-up paid here, not in an iteration
+                fn.setup()
+        self.metrics = Metrics()
 
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
         return []  # no model (a judge process, if any, lives outside the device's budget)
@@ -255,21 +223,27 @@ class RewardStage(Stage):
         close_judges()
 
     def process(self, batch: TensorDict) -> TensorDict:
-        completions, answers = list(batch["completion"]), list(batch["answer"])
-        correct = torch.tensor(score(self.correct_fn, completions, answers))
+        inputs = RewardInput(
+            list(batch["completion"]),
+            list(batch["answer"]),
+            list(batch["prompt"]),
+            batch["response_mask"].sum(-1),
+            self.metrics,
+        )
+        correct = score(self.correct_fn, inputs)
         reward = correct.clone()
         if self.format_fn is not None:
-            fmt = torch.tensor(score(self.format_fn, completions, answers))
+            fmt = score(self.format_fn, inputs)
             reward += self.format_weight * fmt
-            self.stats.add("format", float(fmt.mean()), len(fmt))
+            self.metrics.mean("format", float(fmt.mean()), len(fmt))
         batch["reward"] = reward
         batch["correct"] = correct
-        self.stats.observe("reward", reward)
-        self.stats.add("accuracy", float(correct.mean()), len(correct))
+        self.metrics.distribution("reward", reward)
+        self.metrics.mean("accuracy", float(correct.mean()), len(correct))
         return batch
 
-    def end_iteration(self) -> dict[str, float]:
-        return self.stats.pop()
+    def end_iteration(self) -> Metrics:
+        return self.metrics.take()
 
 
 class AdvantageStage(Stage):
@@ -284,20 +258,18 @@ class AdvantageStage(Stage):
         self.algorithm = algorithm
 
     def setup(self, ctx: StageContext) -> None:
-        self.stats = _Mean()
+        self.metrics = Metrics()
 
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
         return []  # a few numbers per sample
 
     def process(self, batch: TensorDict) -> TensorDict:
         batch["advantage"] = self.algorithm.compute_advantages(batch["reward"], batch["group_id"])
-        _, inv = torch.unique(batch["group_id"], return_inverse=True)
-        spread = torch.zeros(int(inv.max()) + 1).index_add_(0, inv, batch["advantage"].abs())
-        self.stats.add("groups_with_signal", float((spread > 0).float().mean()), len(spread))
+        groups_with_signal(batch["advantage"], batch["group_id"], self.metrics)
         return batch
 
-    def end_iteration(self) -> dict[str, float]:
-        return self.stats.pop()
+    def end_iteration(self) -> Metrics:
+        return self.metrics.take()
 
 
 class InferenceStage(Stage):
@@ -382,16 +354,16 @@ class ActorStage(TrainStage):
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         self.loss = PolicyLoss(self.algorithm, self.temperature)
-        self.stats = _Mean()
+        self.metrics = Metrics()
 
     def process(self, batch: TensorDict) -> None:
         for chunk in micro_batches(batch, self.train_micro_batch_size, self.train_max_tokens):
             for k, v in self.engine.accumulate(chunk, self.loss).items():
-                self.stats.add(k, v, len(chunk))
+                self.metrics.mean(k, v, len(chunk))
         return None
 
-    def end_iteration(self) -> dict[str, float]:
-        return {**self.stats.pop(), **self.engine.step()}
+    def end_iteration(self) -> Metrics:
+        return self.metrics.take().merge(self.engine.step())
 
 
 def reasoning_workflow(

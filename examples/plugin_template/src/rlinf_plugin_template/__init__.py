@@ -11,10 +11,10 @@ def register() -> None:
     from rlinf_lightning.rewards import REWARDS
     from rlinf_lightning.strategies import STRATEGIES
     from rlinf_plugin_template.env import PointReach
-    from rlinf_plugin_template.reward import concise_math
+    from rlinf_plugin_template.reward import ConciseMath
     from rlinf_plugin_template.strategy import SingleWorkerStrategy
 
     origin = "rlinf-plugin-template"
-    REWARDS.register("concise_math", concise_math, origin=origin)
+    REWARDS.register("concise_math", ConciseMath, origin=origin)
     ENVS.register("PointReach-v0", PointReach, origin=origin)
     STRATEGIES.register("single_worker", SingleWorkerStrategy, origin=origin)

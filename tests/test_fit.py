@@ -118,7 +118,8 @@ def test_lightning_loggers(assets, tmp_path, logger):
     if logger == "wandb":  # always offline; the run records the resolved config and the plan
         assert list(run.glob("wandb/offline-run-*/run-*.wandb"))
         config = trainer.loggers[0].experiment.config
-        assert config["trainer/rollout_batch_size"] == 16 and "micro-batch (samples)" in config["plan"]
+        assert config["task/rollout_batch_size"] == 16 and "micro-batch (samples)" in config["plan"]
+        assert config["task/sampling/max_new_tokens"] == 16 and config["trainer/max_iterations"] == 1
     else:
         assert list(run.rglob("events.out.tfevents.*"))
 

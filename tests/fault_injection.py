@@ -21,7 +21,7 @@ import sys
 def inject(mode: str, iteration: int) -> None:
     import safetensors.torch
 
-    import rlinf_lightning.trainer as trainer
+    import rlinf_lightning.trainer.fit_loop as trainer
 
     tag = f"iter-{iteration:06d}"
     if mode == "kill":

@@ -106,7 +106,7 @@ def test_a_bf16_rollout_shows_its_mismatch_and_tis_weights_it(assets, tmp_path):
     def fit(name, rollout_dtype=None, **over):
         steps = MetricsRecorder()
         kw = tiny_trainer_kwargs(tmp_path / name, max_iterations=1, precision="32-true", callbacks=[steps])
-        task = tiny_task(assets, eval_size=2, rollout_dtype=rollout_dtype)
+        task = tiny_task(assets, eval_size=2, rollout_dtype=rollout_dtype, rollout_batch_size=64)
         RLTrainer(**{**kw, **over}).fit(LMPolicy(str(assets["sft"]), lr=1e-4), task)
         return steps.metrics[-1]
 
@@ -119,7 +119,9 @@ def test_a_bf16_rollout_shows_its_mismatch_and_tis_weights_it(assets, tmp_path):
     assert exact["actor/tis_weight"] == pytest.approx(1.0, abs=1e-6)
     assert abs(bf16["actor/tis_weight"] - 1.0) > 1e-4
     # a cap of 1 cuts the tokens the actor likes more than the rollout did: a smaller mean weight
-    # and another gradient (the weight multiplies each token's loss)
+    # and another gradient (the weight multiplies each token's loss; 64 samples, so that some
+    # group's samples disagree and the gradient is not zero)
+    assert bf16["advantage/groups_with_signal"] > 0
     assert capped["actor/tis_weight"] < min(bf16["actor/tis_weight"], 1.0)
     assert capped["actor/grad_norm"] != pytest.approx(bf16["actor/grad_norm"], rel=1e-4)
 

@@ -41,7 +41,7 @@ def test_a_disaggregated_plan_spans_two_nodes(assets, tmp_path, two_nodes):
             max_iterations=2,
         )
     )  # fmt: skip
-    task = tiny_task(assets, eval_size=8)
+    task = tiny_task(assets, eval_size=8, rollout_batch_size=64)  # 64 samples: some group disagrees
     policy = LMPolicy(str(assets["sft"]), lr=1e-3)
     workflow, plan = trainer.build_plan(policy, task)
     assert [(g.name, g.slots, plan.node_of(g.slots[0])) for g in plan.groups] == [

@@ -5,8 +5,9 @@
 A Qwen2 built from a config (14 M parameters by default, or ~100 M); every engine trains the
 same global batches (real rollouts' shapes: prompt + 16 response tokens, random advantages), two
 micro-batches per step, AdamW, as the actor stage of a collocated plan under the ``processes``
-launcher: ``ddp`` and ``fsdp`` on 2 replicas (the engine's ranks) of one thread each, ``single``
-on 1 replica of one thread (a rank's share of this 2-core machine). Each engine runs from a fresh
+launcher, every engine with the same thread budget: ``ddp`` and ``fsdp`` on 2 replicas (the engine's
+ranks) of ``--threads`` torch threads each, ``single`` on 1 replica of twice that (the JSON's
+``threads_total`` and ``threads_per_replica`` say so per engine). Each engine runs from a fresh
 driver process; the step time is the median over the steps after the first. Memory: peak RSS of
 each replica process (also above its RSS before the model loaded), and the bytes of parameters +
 gradients + Adam state each one holds; each engine as shipped, and all under one allocator
@@ -33,6 +34,8 @@ from rlinf_lightning.workflows.reasoning import ActorStage
 # default heap is measured too: the fragmentation that the engine's setting avoids.
 ALLOCATORS = {"as-shipped": {}, "4mib-mmap-for-all": {"MALLOC_MMAP_THRESHOLD_": str(4 * 2**20)}}
 CANDIDATES = {"single": {}, "ddp": {}, "fsdp": {}, "fsdp-glibc-heap": {"malloc_mmap_threshold_mb": None}}
+
+RANKS = 2  # ddp and fsdp replicas; single trains on one replica with their threads combined
 
 MODELS = {
     "14m": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8,
@@ -107,12 +110,13 @@ def run_one(spec: dict) -> dict:
     from rlinf_lightning.strategies import STRATEGIES, Resources
 
     name = spec["engine"].split("-")[0]
-    replicas = 1 if name == "single" else 2
+    replicas = 1 if name == "single" else RANKS
+    threads = RANKS * spec["threads"] // replicas  # the same budget for every engine
     train = TrainSpec(name, CANDIDATES[spec["engine"]])  # float32, as the figures in the README
     actor = BenchActor(LMPolicy(spec["model"], lr=1e-5), GRPO(), train, 1.0, None)
     wf = Workflow("train").chain(actor).role("train", "actor")
     plan = STRATEGIES.resolve("collocated").plan(
-        wf, Resources(replicas, threads_per_slot=1), BatchShape(spec["batch"], spec["batch"] // 2)
+        wf, Resources(replicas, threads_per_slot=threads), BatchShape(spec["batch"], spec["batch"] // 2)
     )
     runtime = LAUNCHERS.get("processes")().launch(wf, plan, timeout_s=1800)
     try:
@@ -139,6 +143,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--model", choices=sorted(MODELS), default="14m")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per ddp/fsdp rank")
     args = parse_args(ap, run_one)
     if args is None:
         return
@@ -148,11 +153,22 @@ def main() -> None:
         Path(tempfile.mkdtemp(prefix="rlinf-train-bench-")) / f"qwen2-{args.model}",
         TinyModelConfig(**MODELS[args.model]),
     )
-    result: dict = {"ranks": 2, "model": args.model}
+    result: dict = {
+        "ranks": RANKS,
+        "model": args.model,
+        "threads_total": RANKS * args.threads,
+        "threads_per_replica": {"single": RANKS * args.threads, "ddp": args.threads, "fsdp": args.threads},
+    }
     for allocator, env in ALLOCATORS.items():
         res = {}
         for name in CANDIDATES if allocator == "as-shipped" else ("single", "ddp", "fsdp"):
-            spec = {"engine": name, "model": str(model), "steps": args.steps, "batch": args.batch}
+            spec = {
+                "engine": name,
+                "model": str(model),
+                "steps": args.steps,
+                "batch": args.batch,
+                "threads": args.threads,
+            }
             res[name] = r = json.loads(run_child(__file__, spec, f"{allocator} {name}", env)[-1])
             rss = [f"{p:.0f} (+{m:.0f} for the model)" for p, m in r["peak_rss_mb"]]
             state = [round(x, 1) for x in r["state_mb"]]

@@ -2,8 +2,11 @@
 
     python benchmarks/vs_trl.py [--steps 8] [--tiny-steps 150]
 
-Throughput (a 24 M-parameter Qwen2 built from a config, random weights): 8 prompts x 8
-completions of exactly up to 64 new tokens per optimizer step, learning rate 1e-6. TRL 1.16 runs
+Throughput (a ~24 M-parameter Qwen2 built from a config, random weights; the count is read from
+the model): 8 prompts x 8 completions of up to 64 new tokens per optimizer step, learning rate
+1e-6. Tokens/s counts the completion tokens each side actually generated (TRL's
+``completion_ids`` as its reward function receives them, ours ``rollout/response_tokens_total``;
+both up to and including the end-of-sequence token), averaged over the timed steps. TRL 1.16 runs
 at its documented defaults (bf16 autocast where supported, HF ``generate``, loss ``dapo``, group
 reward scaling, no KL) except what must match ours: ``num_generations=8``,
 ``per_device_train_batch_size=64`` (all 64 completions in one step, its fastest layout),
@@ -75,10 +78,15 @@ def run_trl(
     tok = AutoTokenizer.from_pretrained(model)
     data = Dataset.from_list(_prompts(train, batch_prompts * (steps + 1)))
     stamps: list[float] = []
+    completion_tokens: list[int] = []  # per step: TRL generates and scores once per step here
 
     class Stamp(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             stamps.append(time.perf_counter())
+
+    def reward(completions, answer, completion_ids, **kw):
+        completion_tokens.append(sum(len(ids) for ids in completion_ids))
+        return _reward(completions, answer)
 
     config = GRPOConfig(
         output_dir=str(out),
@@ -96,7 +104,7 @@ def run_trl(
     )
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model),
-        reward_funcs=_reward,
+        reward_funcs=reward,
         args=config,
         train_dataset=data,
         processing_class=tok,
@@ -109,8 +117,9 @@ def run_trl(
     trainer.save_model(str(out / "final"))
     tok.save_pretrained(str(out / "final"))
     per_step = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else end - t0
+    timed = completion_tokens[1:] or completion_tokens  # the steps the stamps time (the first is warm-up)
     return {"s_per_step": per_step, "wall_s": end - t_start, "train_s": end - t0, "bf16": bool(config.bf16),
-            "final": str(out / "final")}  # fmt: skip
+            "completion_tokens_per_step": sum(timed) / len(timed), "final": str(out / "final")}  # fmt: skip
 
 
 def run_ours(
@@ -222,6 +231,7 @@ def main() -> None:
         return child(args)
 
     from rlinf_lightning.assets import TinyModelConfig, build_tiny_qwen2
+    from rlinf_lightning.policies.model_dir import causal_lm_shape
 
     data = ROOT / "data" / "arithmetic"
     train, test = data / "train.jsonl", data / "test.jsonl"
@@ -261,7 +271,6 @@ def main() -> None:
         )
     best = min(ours, key=lambda r: ours[r]["s_per_step"])
     completions = 64
-    tokens = lambda s: completions * 64 / s  # noqa: E731  (random weights: completions run to the limit)
 
     learn = {
         "model": tiny,
@@ -280,11 +289,11 @@ def main() -> None:
     tiny_acc = {p: held_out_accuracy(r["checkpoint"], str(tiny), test) for p, r in tiny_runs.items()}
 
     result = {
-        "model_parameters_m": 24.2,
+        "model_parameters_m": round(causal_lm_shape(big).parameters / 1e6, 2),
         "trl": {"s_per_step": trl["s_per_step"], "completions_per_s": completions / trl["s_per_step"],
-                "tokens_per_s": tokens(trl["s_per_step"]), "bf16": trl["bf16"]},
+                "tokens_per_s": trl["completion_tokens_per_step"] / trl["s_per_step"], "bf16": trl["bf16"]},
         "ours": {r: {"s_per_step": o["s_per_step"], "completions_per_s": completions / o["s_per_step"],
-                     "tokens_per_s": tokens(o["s_per_step"]), "actor_s": o["actor_s"],
+                     "tokens_per_s": o["response_tokens_per_step"] / o["s_per_step"], "actor_s": o["actor_s"],
                      "rollout_s": o["rollout_s"], "mfu": o["mfu"]} for r, o in ours.items()},
         "ours_best_rollout": best,
         "ours_over_trl": trl["s_per_step"] / ours[best]["s_per_step"],

@@ -9,6 +9,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from trainer_defaults import cli_fit_args, logged_metrics
 
@@ -43,6 +45,15 @@ def test_class_path_policy_with_scheduler_and_self_log(assets, tmp_path):
     assert (tmp_path / "a" / "run" / "checkpoints" / "iter-000002" / "lr_scheduler.pt").is_file()
     res = _fit(assets, tmp_path / "a", "--trainer.max_iterations=3", "--ckpt_path=last")
     assert res.returncode == 0, res.stderr
-    assert float(logged_metrics(tmp_path / "a" / "run", 1)[3]["actor/lr"]) == pytest.approx(
-        2.5e-4
-    )  # the schedule resumed
+    resumed = logged_metrics(tmp_path / "a" / "run", 1)[3]
+    assert float(resumed["actor/lr"]) == pytest.approx(2.5e-4)  # the schedule resumed
+    # exactly: iteration 3 logs what it logs in an uninterrupted run, and ends on the same weights
+    res = _fit(assets, tmp_path / "b", "--trainer.max_iterations=3")
+    assert res.returncode == 0, res.stderr
+    straight = logged_metrics(tmp_path / "b" / "run")[3]
+    for key in ("lr", "loss", "grad_norm", "policy/response_logprob"):
+        assert resumed[f"actor/{key}"] == straight[f"actor/{key}"], key
+    assert resumed["reward/reward"] == straight["reward/reward"]
+    last = Path("run", "checkpoints", "iter-000003", "model.safetensors")
+    a, b = load_file(str(tmp_path / "a" / last)), load_file(str(tmp_path / "b" / last))
+    assert all(torch.equal(a[k], b[k]) for k in b)

@@ -149,7 +149,15 @@ def test_three_iterations_are_the_same_updates_under_every_plan(tmp_path, refere
 
 def test_an_embodied_fit_logs_success_and_writes_the_summary(tmp_path):
     trainer, summary, _, _ = _fit(tmp_path, "collocated", "inprocess", devices=1, iterations=2)
-    assert {"success_before", "success_after", "eval_success_before", "eval_episodes"} <= set(summary)
+    before, after = summary["eval_history"]
+    assert (before["iteration"], after["iteration"], summary["eval_episodes"]) == (0, 2, 2.0)
+    assert (summary["success_before"], summary["success_after"]) == (before["success"], after["success"])
+    assert summary["eval_success_after"] == after["success"] and summary["eval_return"] == after["return"]
+    for ev in (before, after):
+        assert ev["success"] in (0.0, 0.5, 1.0)  # 2 episodes, each a success or not
+        assert -50.0 <= ev["return"] < 0.0  # FetchReachDense: minus the distance, 50 steps at most
+    # the evaluation ran the trained weights: the deterministic episodes changed with them
+    assert after["return"] != before["return"]
     assert trainer.plan.groups[0].stages == ["env", "rollout", "advantage", "actor"]
 
 

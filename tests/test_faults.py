@@ -108,7 +108,8 @@ def test_a_killed_worker_process_ends_the_run_naming_it(launcher):
         ended = time.monotonic() - killed[0]
     finally:
         rt.shutdown()
-    assert ended < ABORT_GRACE_S, f"the run ended {ended:.1f} s after the kill"  # measured 0.2 s / 0.03 s
+    # the README's "within a second" (the processes launcher polls its workers every 0.2 s)
+    assert ended < 1.0, f"the run ended {ended:.2f} s after the kill"
 
 
 def _training_fit(assets, tmp_path, *overrides: str):

@@ -3,6 +3,8 @@ real forward and backward executes (on a batch without padding, where both count
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -29,6 +31,19 @@ def test_train_flops_formula_matches_counted_flops(tmp_path, seq):
     assert causal_lm_train_flops(model, mask) + masked_half == pytest.approx(counted, rel=0.05)
 
 
-def test_peak_matmul_flops_is_measured():
-    peak = peak_matmul_flops("cpu", torch.float32, torch.get_num_threads())
-    assert 1e9 < peak < 1e14  # a real figure for a CPU, neither zero nor a datasheet's GPU number
+def test_peak_matmul_flops_is_the_best_rate_of_that_matmul_timed_here():
+    """The peak is the FLOP/s a matmul of the same size reaches when timed independently here, its
+    FLOPs counted by PyTorch. Rounds alternate and each side keeps its best, so a busy machine
+    slows both alike."""
+    n, threads = 2048, torch.get_num_threads()
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    with FlopCounterMode(display=False) as counter:
+        a @ b
+    peaks, best_s = [], float("inf")
+    for _ in range(3):
+        peaks.append(peak_matmul_flops.__wrapped__("cpu", torch.float32, threads))  # uncached
+        for _ in range(3):
+            t = time.perf_counter()
+            a @ b
+            best_s = min(best_s, time.perf_counter() - t)
+    assert max(peaks) == pytest.approx(counter.get_total_flops() / best_s, rel=0.3)

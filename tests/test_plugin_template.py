@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_defaults import add_broken_plugin, cli_fit_args
+from trainer_defaults import add_broken_plugin, cli_fit_args, logged_metrics
 
 ROOT = Path(__file__).parents[1]
 
@@ -56,6 +56,12 @@ def test_a_math_fit_uses_the_plugin_reward_and_strategy_by_name(site, assets, tm
     assert res.returncode == 0, res.stderr
     assert "one worker" in res.stdout  # the plugin strategy's plan: one worker over both slots
     assert "held-out accuracy" in res.stdout
+    # the plugin's reward scored the samples: math_verify gives 0 or 1 each, so a mean over 16
+    # samples in sixteenths; concise_math's 0.1 for a wrong bare number shows in the mean
+    rewards = [
+        float(m["reward/reward"]) for m in logged_metrics(tmp_path / "run").values() if "reward/reward" in m
+    ]
+    assert len(rewards) == 2 and any(not (16 * r).is_integer() for r in rewards), rewards
 
 
 def test_an_embodied_fit_uses_the_plugin_env_and_strategy_by_name(site, tmp_path):

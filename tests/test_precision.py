@@ -85,31 +85,45 @@ def test_bf16_mixed_keeps_float32_state_and_log_probs_and_tracks_the_float32_upd
     assert cosine > 0.99
 
 
-def test_bf16_true_trains_bf16_weights(assets):
-    out = _step(str(assets["sft"]), _batch(str(assets["sft"])), "bf16-true")
+def test_bf16_true_trains_bf16_weights_with_the_float32_gradient(assets):
+    batch = _batch(str(assets["sft"]))
+    full = _step(str(assets["sft"]), batch, "32-true")
+    out = _step(str(assets["sft"]), batch, "bf16-true")
     assert out["params"] == {torch.bfloat16} and out["adam"] == {torch.bfloat16}
     assert out["logp"] == torch.float32  # log-probs are computed in float32 from the logits
-    assert torch.isfinite(torch.tensor(out["metrics"]["grad_norm"]))
+    # the same update to bf16's rounding: the gradient's size and direction are float32's
+    assert out["metrics"]["grad_norm"] == pytest.approx(full["metrics"]["grad_norm"], rel=0.05)
+    assert torch.nn.functional.cosine_similarity(full["flat_grad"], out["flat_grad"], dim=0) > 0.99
 
 
 def test_a_bf16_rollout_shows_its_mismatch_and_tis_weights_it(assets, tmp_path):
     """The rollout/actor log-prob mismatch is measured (actor/approx_kl): none with a float32 rollout
-    and a float32 actor, some with a bf16 rollout, which GRPO(tis_cap) then weights."""
+    and a float32 actor, some with a bf16 rollout, which GRPO(tis_cap) then weights: each token by
+    min(pi_actor / pi_rollout, tis_cap), all 1 without a mismatch."""
     from rlinf_lightning import RLTrainer
     from trainer_defaults import MetricsRecorder, tiny_task, tiny_trainer_kwargs
 
     def fit(name, rollout_dtype=None, **over):
         steps = MetricsRecorder()
         kw = tiny_trainer_kwargs(tmp_path / name, max_iterations=1, precision="32-true", callbacks=[steps])
-        task = tiny_task(assets, eval_size=2, rollout_dtype=rollout_dtype)
+        task = tiny_task(assets, eval_size=2, rollout_dtype=rollout_dtype, rollout_batch_size=64)
         RLTrainer(**{**kw, **over}).fit(LMPolicy(str(assets["sft"]), lr=1e-4), task)
         return steps.metrics[-1]
 
-    exact = fit("fp32")
+    exact = fit("fp32", algorithm=GRPO(tis_cap=2.0))
     bf16 = fit("bf16", rollout_dtype="bfloat16", algorithm=GRPO(tis_cap=2.0))
+    capped = fit("bf16-cap1", rollout_dtype="bfloat16", algorithm=GRPO(tis_cap=1.0))
     assert exact["actor/approx_kl"] < 1e-6
     assert bf16["actor/approx_kl"] > 100 * max(exact["actor/approx_kl"], 1e-9)
-    assert 0.0 < bf16["actor/tis_weight"] <= 2.0
+    # measured: |weight - 1| 6e-8 in float32, 1e-3 with the bf16 rollout
+    assert exact["actor/tis_weight"] == pytest.approx(1.0, abs=1e-6)
+    assert abs(bf16["actor/tis_weight"] - 1.0) > 1e-4
+    # a cap of 1 cuts the tokens the actor likes more than the rollout did: a smaller mean weight
+    # and another gradient (the weight multiplies each token's loss; 64 samples, so that some
+    # group's samples disagree and the gradient is not zero)
+    assert bf16["advantage/groups_with_signal"] > 0
+    assert capped["actor/tis_weight"] < min(bf16["actor/tis_weight"], 1.0)
+    assert capped["actor/grad_norm"] != pytest.approx(bf16["actor/grad_norm"], rel=1e-4)
 
 
 def _attention_ops(policy: LMPolicy, batch, bf16: bool, grad: bool) -> set[str]:

@@ -41,7 +41,7 @@ def test_a_disaggregated_plan_spans_two_nodes(assets, tmp_path, two_nodes):
             max_iterations=2,
         )
     )  # fmt: skip
-    task = tiny_task(assets, eval_size=8)
+    task = tiny_task(assets, eval_size=8, rollout_batch_size=64)  # 64 samples: some group disagrees
     policy = LMPolicy(str(assets["sft"]), lr=1e-3)
     workflow, plan = trainer.build_plan(policy, task)
     assert [(g.name, g.slots, plan.node_of(g.slots[0])) for g in plan.groups] == [
@@ -60,7 +60,20 @@ def test_a_disaggregated_plan_spans_two_nodes(assets, tmp_path, two_nodes):
     finally:
         runtime.shutdown()
     assert nodes["gen/0"] == driver_node and nodes["train/0"] != driver_node  # each on its plan node
-    assert metrics["actor"]["grad_norm"] >= 0 and "reward" in metrics["reward"]
+    # the same iteration in one process: across the two nodes it is the same update, and a real one
+    # (iteration 1 of seed 0 has groups whose samples disagree)
+    workflow, plan = trainer.build_plan(LMPolicy(str(assets["sft"]), lr=1e-3), task)
+    local = LAUNCHERS.get("inprocess")().launch(workflow, plan, timeout_s=120)
+    try:
+        ref = local.run_iteration(
+            1, task.inputs(1, plan.micro_batch_size["__input__->rollout"], trainer.run_spec)
+        )
+    finally:
+        local.shutdown()
+    assert ref["advantage"]["groups_with_signal"] > 0 and ref["actor"]["grad_norm"] > 0
+    assert metrics["reward"]["reward"] == ref["reward"]["reward"]
+    for key in ("loss", "grad_norm"):
+        assert metrics["actor"][key] == pytest.approx(ref["actor"][key], rel=1e-4, abs=1e-6), key
 
     summary = trainer.fit(policy, task)  # the whole fit, across the two nodes
     assert summary["iterations"] == 2 and summary["strategy"] == "disaggregated"

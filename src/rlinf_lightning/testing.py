@@ -1,8 +1,14 @@
 """Fixture builders for tests and benchmarks: everything they train from, built in one place so
-they all start alike (the library itself never imports this module)."""
+they all start alike; and the fit check the simulator plugins' tests share (the library itself
+never imports this module)."""
 
 from __future__ import annotations
 
+import csv
+import json
+import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,3 +34,29 @@ def build_warm_started(
         **{"steps": 60, "batch_size": 32, "eval_size": 64, **sft},
     )  # fmt: skip
     return {"base": base, "sft": out, **data, "root": root}
+
+
+def check_one_embodied_iteration(config: Path, run: Path, *overrides: str) -> None:
+    """`rlinf fit` of ``config`` for one iteration of 2 envs x 4 steps and 2 evaluation episodes
+    (CSV logger on, into ``run``), and what it must show: the plan, a checkpoint, 8 env steps, a
+    finite PPO loss with a non-zero gradient (the value loss alone gives one), and success before
+    and after in {0, 0.5, 1}. Raises ``AssertionError`` naming what is wrong."""
+    res = subprocess.run(
+        [sys.executable, "-m", "rlinf_lightning.cli", "fit", f"--config={config}",
+         "--trainer.max_iterations=1", f"--trainer.default_root_dir={run}", "--task.init_args.num_envs=2",
+         "--task.init_args.steps=4", "--task.init_args.eval_episodes=2", *overrides],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "env -> rollout -> advantage -> actor" in res.stdout, "no plan table"
+    assert (run / "checkpoints" / "iter-000001" / "model.safetensors").is_file(), "no checkpoint"
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["iterations"], summary["eval_episodes"]) == (1, 2), summary
+    for key in ("success_before", "success_after"):
+        assert summary[key] in (0.0, 0.5, 1.0), (key, summary[key])  # 2 episodes, each 0 or 1
+    with open(run / "logs" / "version_0" / "metrics.csv") as f:
+        (step,) = [
+            {k: float(v) for k, v in row.items() if v} for row in csv.DictReader(f) if row.get("actor/loss")
+        ]
+    assert step["env/env_steps_total"] == 2 * 4, step
+    assert math.isfinite(step["actor/loss"]) and step["actor/grad_norm"] > 0, step

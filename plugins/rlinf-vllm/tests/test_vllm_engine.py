@@ -14,6 +14,9 @@ from rlinf_lightning.policies import LMPolicy
 from rlinf_lightning.workflows.reasoning import pack_samples
 
 PROMPTS = ["What is 1+2?=", "What is 33+44?=", "What is 7+40?=", "What is 25+25?="]
+# vLLM's float32 log-probs against HF's: the largest gap measured here was 1.9e-6 (2026-11-24; the
+# issue's earlier run 3e-6), float32 rounding of the same kernels' results; 10x that
+LOGPROB_TOLERANCE = 3e-5
 
 
 def _ids(tok):
@@ -45,15 +48,15 @@ def test_sampled_logprobs_match_hf_after_an_update_and_sync(assets, engine):
     policy = LMPolicy(str(assets["sft"]))
     policy.configure_model()
     tok = policy.load_tokenizer()
-    assert _max_logprob_gap(engine, policy, tok) < 2e-3
+    assert _max_logprob_gap(engine, policy, tok) < LOGPROB_TOLERANCE
     # an actor update: every parameter moves (the tied embedding / lm_head included)
     updated = copy.deepcopy(policy)
     with torch.no_grad():
         for p in updated.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    assert _max_logprob_gap(engine, updated, tok) > 2e-3  # the engine still has the old weights
+    assert _max_logprob_gap(engine, updated, tok) > 100 * LOGPROB_TOLERANCE  # still the old weights
     engine.update_weights(updated.model.named_parameters())
-    assert _max_logprob_gap(engine, updated, tok) < 2e-3  # the new weights are live
+    assert _max_logprob_gap(engine, updated, tok) < LOGPROB_TOLERANCE  # the new weights are live
     engine.update_weights(policy.model.named_parameters())
 
 

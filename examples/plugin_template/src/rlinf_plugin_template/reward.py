@@ -3,15 +3,16 @@
 
 from __future__ import annotations
 
-from rlinf_lightning.rewards import MathVerify, RewardInput
+from rlinf_lightning.rewards import MathVerify, RewardInput, number_format_reward
 
 
 class ConciseMath(MathVerify):
-    """math-verify correctness, halved for completions longer than 8 characters.
+    """math-verify correctness; a wrong answer given concisely (a bare number) still earns 0.1, a
+    shaped reward that pays for the format while the policy cannot yet get the answer right.
 
     A subclass of ``math_verify``'s reward: its ``setup`` (warm-up), its judge processes and its
     ``timeouts`` / ``unparsed_gold`` counts come with it."""
 
     def __call__(self, batch: RewardInput) -> list[float]:
         correct = super().__call__(batch)
-        return [c if len(text.strip()) <= 8 else c / 2 for c, text in zip(correct, batch.completions)]
+        return [c or 0.1 * number_format_reward(text, "") for c, text in zip(correct, batch.completions)]

@@ -199,14 +199,18 @@ def list_plugins() -> None:
             print(f"  {name:<20} {origin:<22} {desc}")
 
 
+def _config_paths(argv: list[str]) -> list[str]:
+    """The files given with ``--config=PATH`` or ``--config PATH``, in order."""
+    paths = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    return paths + [b for a, b in zip(argv, argv[1:]) if a == "--config"]
+
+
 def _config_file_problem(argv: list[str]) -> str | None:
     """The first ``--config`` file that is missing or not valid YAML, named with the line at fault
     (the argument parser reports YAML errors without saying which file they are in)."""
     import yaml
 
-    paths = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    paths += [b for a, b in zip(argv, argv[1:]) if a == "--config"]
-    for path in paths:
+    for path in _config_paths(argv):
         try:
             yaml.safe_load(Path(path).read_text(encoding="utf-8"))
         except OSError as exc:
@@ -283,9 +287,7 @@ def _moved_key_problem(argv: list[str]) -> str | None:
     """The first moved key (:data:`MOVED_KEYS`) set in a ``--config`` file or on the command line."""
     import yaml
 
-    paths = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    paths += [b for a, b in zip(argv, argv[1:]) if a == "--config"]
-    for path in paths:
+    for path in _config_paths(argv):
         config = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
         for section, keys in config.items() if isinstance(config, dict) else ():
             for key in keys if isinstance(keys, dict) else ():

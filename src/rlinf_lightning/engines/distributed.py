@@ -131,13 +131,16 @@ class FSDPTrainEngine(DDPTrainEngine):
         self.policy, self.ctx, self.precision = policy, ctx, precision
         self.group = ctx.process_group()
         self._own_world = False
+        cuda = ctx.device.startswith("cuda")
         if self.group is None and not dist.is_initialized():  # one rank: a world of one
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            # fully_shard's collectives run on the parameters' device: NCCL for CUDA tensors (gloo
+            # has no reduce-scatter of them), gloo for the CPU-side counts exchanged at step
+            backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             self._own_world = True
         policy.configure_model()
         policy.train()
-        cuda = ctx.device.startswith("cuda")
-        if cuda:
+        if cuda and torch.device(ctx.device).index is not None:
             torch.cuda.set_device(torch.device(ctx.device))
         # fully_shard moves each layer to the device as it shards it: a GPU never holds the whole
         # model, only one layer in full besides its shards. bf16-mixed on a GPU is FSDP's mixed

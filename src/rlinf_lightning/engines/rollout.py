@@ -150,7 +150,10 @@ class HFRolloutEngine(RolloutEngine):
         for i, (p, _, _) in enumerate(rows):
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
-        gens = [torch.Generator().manual_seed(row_seed(seed, g, j)) for _, g, j in rows]
+        # one generator per row, on the engine's device: a row's samples depend only on its seed,
+        # wherever it is batched, and on a GPU the noise is drawn there (drawing a vocabulary of
+        # noise per row on the host and copying it over bounded the GPU rollout by the CPU)
+        gens = [torch.Generator(self.device).manual_seed(row_seed(seed, g, j)) for _, g, j in rows]
         tokens, logps = self._sample(
             ids.to(self.device), mask.to(self.device), gens, params, eos_token_id, pad
         )
@@ -181,11 +184,11 @@ class HFRolloutEngine(RolloutEngine):
             if greedy:
                 nxt = scaled.argmax(-1)
             else:
-                noise = torch.stack([torch.rand(scaled.shape[-1], generator=g) for g in gens])
+                noise = torch.stack(
+                    [torch.rand(scaled.shape[-1], generator=g, device=g.device) for g in gens]
+                )
                 gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))  # Gumbel-max = exact sampling
-                nxt = (
-                    top_k_top_p_filter(scaled, params.top_k, params.top_p) + gumbel.to(scaled.device)
-                ).argmax(-1)
+                nxt = (top_k_top_p_filter(scaled, params.top_k, params.top_p) + gumbel).argmax(-1)
             tokens.append(torch.where(done, pad, nxt))
             logps.append(torch.where(done, 0.0, logp.gather(-1, nxt[:, None]).squeeze(-1)))
             done = done | (nxt == eos)

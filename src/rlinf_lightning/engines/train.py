@@ -166,6 +166,7 @@ class SingleTrainEngine(TrainEngine):
 
     def accumulate(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:
         self._count_flops(batch)
+        batch = batch.to(self.ctx.device)  # channels carry host tensors; the policy is on the device
         with autocast(self.precision, self.ctx.device):
             loss_sum, count, metrics = loss_fn(self.policy, batch)
         loss_sum.backward()

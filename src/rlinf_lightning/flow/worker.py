@@ -18,6 +18,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from rlinf_lightning.flow.channel import Channel, ChannelTimeout, EndOfIteration, Message
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.plan import WorkerGroup
@@ -154,6 +156,10 @@ class Worker:
     def _timed(self, stage: str, kind: str, fn, *args, samples: int = 0):
         t0 = time.time()  # wall clock: comparable across processes (and, roughly, machines)
         out = self._guard(stage, fn, *args)
+        if self.ctx.device.startswith("cuda"):
+            # kernels run after the call returns: without this a span (and ``time/<stage>``, MFU)
+            # would time the launches and charge the work to whichever stage synchronises next
+            torch.cuda.synchronize(self.ctx.device)
         self.spans.append(Span(self.name, stage, kind, t0, time.time(), samples))
         return out
 

@@ -19,24 +19,38 @@ if TYPE_CHECKING:
 MATH_ATTENTION_MAX_BYTES = 256 * 2**20
 
 
-def response_logits(logits: torch.Tensor, response_len: int, temperature: float) -> torch.Tensor:
-    """The logits that predict the last ``response_len`` tokens, in float32, over ``temperature``."""
-    return logits[:, -response_len - 1 : -1].float() / temperature
+#: rows of ``[rows, vocabulary]`` float32 the entropy is computed over at a time: its temporaries
+#: stay at a few hundred MB however large the micro-batch is
+ENTROPY_CHUNK_ROWS = 1024
 
 
-def response_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, response_len: int, temperature: float
-) -> torch.Tensor:
-    """Log-prob of each of the last ``response_len`` tokens given everything before it."""
-    logits = response_logits(logits, response_len, temperature)
-    targets = input_ids[:, -response_len:]
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+def response_log_softmax(logits: torch.Tensor, response_len: int, temperature: float) -> torch.Tensor:
+    """Float32 log-probabilities over the vocabulary at the positions that predict the last
+    ``response_len`` tokens, of ``softmax(logits / temperature)``.
+
+    Under bf16 autocast the logits are bf16; the log-softmax reads them and computes and writes in
+    float32 without a float32 copy of its input first, and a temperature of 1 divides nothing:
+    on a GPU each of those was a full pass over the ``[rows, vocabulary]`` tensor (and another in
+    the backward), the largest tensor of the step."""
+    logits = logits[:, -response_len - 1 : -1]
+    if temperature != 1.0:
+        logits = logits.float() / temperature
+    return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def gather_tokens(log_probs: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """``log_probs[b, t, input_ids[b, -R + t]]``: the log-prob of each of the last ``R`` tokens."""
+    targets = input_ids[:, -log_probs.shape[1] :]
+    return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 @torch.no_grad()
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of ``softmax(logits)`` per position: ``logsumexp(l) - sum(softmax(l) * l)``."""
-    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+def token_entropy(log_probs: torch.Tensor) -> torch.Tensor:
+    """Entropy per position, ``-sum(p * log p)``, from log-probabilities over the vocabulary, a
+    chunk of rows at a time (see ``ENTROPY_CHUNK_ROWS``)."""
+    flat = log_probs.reshape(-1, log_probs.shape[-1])
+    out = torch.cat([-(c.exp() * c).sum(-1) for c in flat.split(ENTROPY_CHUNK_ROWS)])
+    return out.reshape(log_probs.shape[:-1])
 
 
 class LMPolicy(RLModule):
@@ -107,10 +121,11 @@ class LMPolicy(RLModule):
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         with self.training_attention(ids):
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        log_probs = response_log_softmax(logits, response.shape[-1], temperature)
         if torch.is_grad_enabled():
-            entropy = token_entropy(response_logits(logits.detach(), response.shape[-1], temperature))
+            entropy = token_entropy(log_probs.detach())
             self.log("entropy", (entropy * response).sum() / response.sum().clamp_min(1.0))
-        return response_logprobs(logits, ids, response.shape[-1], temperature)
+        return gather_tokens(log_probs, ids)
 
     def training_attention(self, ids: torch.Tensor) -> contextlib.AbstractContextManager:
         """The attention kernel of a forward over ``ids``: PyTorch's default (flash attention),

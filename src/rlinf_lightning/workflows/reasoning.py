@@ -292,7 +292,7 @@ class InferenceStage(Stage):
         return None if n is None else [weights_part(n, self.policy.dtype, "reference weights")]
 
     def setup(self, ctx: StageContext) -> None:
-        self.ref = None
+        self.ref, self.device = None, ctx.device
         if self.algorithm.needs_reference:
             self.ref = copy.deepcopy(self.policy)
             self.ref.configure_model()
@@ -310,7 +310,8 @@ class InferenceStage(Stage):
     @torch.no_grad()
     def process(self, batch: TensorDict) -> TensorDict:
         if self.ref is not None:
-            batch["ref_logprobs"] = self.ref.forward_logprobs(batch, self.temperature)
+            ref = self.ref.forward_logprobs(batch.to(self.device), self.temperature)
+            batch["ref_logprobs"] = ref.cpu()  # channels carry host tensors
         return batch
 
 

@@ -1,0 +1,480 @@
+"""GPU validation on one device: the actor's MFU, the HF rollout's throughput, the weight sync, a
+whole collocated GRPO iteration, and FSDP2 against the single engine.
+
+    python benchmarks/gpu.py [--sections peak,actor,rollout,sync,iteration,fsdp]
+
+Runs where CUDA is present and prints one line saying it skipped elsewhere (``--device cpu
+--shape tiny`` runs the same code on the CPU with a small model, as ``tests/test_benchmarks.py``
+does, so the script cannot rot between GPU sessions).
+
+The model is a ``Qwen2ForCausalLM`` built from Qwen2.5-0.5B's config (24 layers, hidden 896,
+14 query and 2 key/value heads, vocabulary 151,936, tied embedding: 494 M parameters) with random
+weights, saved and loaded with ``from_pretrained`` as a real checkpoint would be. Every figure runs
+the library's own code (the reasoning workflow's ``ActorStage`` and ``PolicyLoss``, the ``hf``
+rollout engine, ``RLTrainer.fit``), not a re-implementation:
+
+- ``peak``: the bf16 matmul peak measured here (``engines.flops.peak_matmul_flops``), which MFU
+  divides by.
+- ``actor``: one GRPO optimizer step under ``bf16-mixed`` over 256 rollout-shaped samples (prompts
+  of 24-64 tokens, responses of 128-256), cut into micro-batches by each token budget of
+  ``--max-tokens``; tokens/s (real tokens) and MFU (model FLOPs, PaLM's count, over the peak), the
+  median over the steps after the first.
+- ``rollout``: the ``hf`` engine in bf16 generating ``--sequences`` completions (``--group`` per
+  prompt) of exactly ``--new-tokens`` tokens each, KV-cached; tokens/s.
+- ``sync``: the actor's weights into the rollout engine (``named_weights`` -> ``update_weights``),
+  seconds and share of an iteration (rollout + actor step + sync).
+- ``iteration``: ``RLTrainer.fit`` of the math task, collocated on the one GPU (rollout, reward,
+  advantage, actor, weight sync), ``--iterations`` iterations; seconds per stage of the last one.
+- ``fsdp``: the ``fsdp`` engine (FSDP2, ``MixedPrecisionPolicy``: bf16 compute, float32 reduce) on
+  one rank against the ``single`` engine under bf16 autocast, 3 steps on the same batches: loss
+  and grad norm per step and the weights' change over the 3 steps, relative differences.
+- ``compile``: the actor step with the model under ``torch.compile`` (compile time reported).
+
+The last line is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from rlinf_lightning.rewards import Reward
+
+SHAPES = {
+    # Qwen2.5-0.5B's config.json, weights random
+    "0.5b": {
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+    },
+    # the same code on a CPU in seconds
+    "tiny": {
+        "vocab_size": 1024,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 1024,
+    },
+}
+SECTIONS = ("peak", "actor", "rollout", "sync", "iteration", "fsdp", "compile")
+
+
+def build_model(path: Path, shape: dict) -> Path:
+    """A random-weight Qwen2 of ``shape`` with the library's byte-level chat tokenizer (its ids are
+    the first few hundred of the vocabulary), saved like a downloaded checkpoint."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from rlinf_lightning.assets import build_chat_tokenizer
+
+    build_chat_tokenizer(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    config = Qwen2Config(
+        **shape,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(path)
+    return path
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def rollout_batch(n: int, vocab: int, max_response: int, seed: int = 0):
+    """``n`` rollout-shaped samples (prompts 24-64 tokens, responses half to all of
+    ``max_response``) packed as the rollout stage packs them, with advantages."""
+    from rlinf_lightning.engines.rollout import Completion
+    from rlinf_lightning.workflows.reasoning import pack_samples
+
+    g = torch.Generator().manual_seed(seed)
+    prompts, completions = [], []
+    for _ in range(n):
+        p = int(torch.randint(24, 65, (1,), generator=g))
+        r = int(torch.randint(max_response // 2, max_response + 1, (1,), generator=g))
+        prompts.append(torch.randint(3, vocab, (p,), generator=g).tolist())
+        ids = torch.randint(3, vocab, (r,), generator=g).tolist()
+        completions.append([Completion(ids, (-torch.rand(r, generator=g) * 3).tolist())])
+    batch = pack_samples(prompts, completions, pad_id=0)
+    batch["advantage"] = torch.randn(n, generator=g)
+    from tensordict import TensorDict
+
+    return TensorDict(batch, batch_size=[n])
+
+
+def actor_stage(model: Path, engine: str, device: str, max_tokens: int | None):
+    from rlinf_lightning.algorithms import GRPO
+    from rlinf_lightning.engines.train import TrainSpec
+    from rlinf_lightning.flow.stage import StageContext
+    from rlinf_lightning.policies import LMPolicy
+    from rlinf_lightning.workflows.reasoning import ActorStage
+
+    stage = ActorStage(
+        LMPolicy(str(model), lr=1e-6), GRPO(), TrainSpec(engine, {}, "bf16-mixed"), 1.0, None, max_tokens
+    )
+    stage.setup(StageContext(device=device, num_threads=torch.get_num_threads()))
+    return stage
+
+
+def timed_step(stage, batch, device: str) -> tuple[float, dict]:
+    sync(device)
+    t0 = time.perf_counter()
+    stage.process(batch)
+    metrics = stage.end_iteration().compute()
+    sync(device)
+    return time.perf_counter() - t0, metrics
+
+
+def bench_actor(model: Path, args, peak: float) -> tuple[dict, object]:
+    """Step time, tokens/s and MFU per token budget; returns the stage for the sync section."""
+    from rlinf_lightning.policies.lm import causal_lm_train_flops
+
+    batch = rollout_batch(args.sequences, args.token_vocab, args.new_tokens)
+    tokens = int(batch["attention_mask"].sum())
+    stage = actor_stage(model, "single", args.device, None)
+    flops = causal_lm_train_flops(stage.engine.policy.model, batch["attention_mask"])
+    out = {
+        "samples": len(batch),
+        "tokens": tokens,
+        "model_tflops_per_step": round(flops / 1e12, 2),
+        "budgets": {},
+    }
+    for budget in args.max_tokens:
+        stage.train_max_tokens = budget
+        if args.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats(args.device)
+        try:
+            times = [timed_step(stage, batch, args.device)[0] for _ in range(args.steps)]
+        except torch.OutOfMemoryError as exc:  # larger budgets would too: stop here
+            out["budgets"][budget] = {"error": f"out of memory: {str(exc).splitlines()[0][:120]}"}
+            print(f"actor  budget {budget}: out of memory", flush=True)
+            stage.engine.optimizer.zero_grad(set_to_none=True)
+            stage.engine._count = stage.engine._loss_sum = 0.0
+            torch.cuda.empty_cache()
+            break
+        step_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
+        row = {
+            "step_s": round(step_s, 4),
+            "first_step_s": round(times[0], 3),
+            "tokens_per_s": round(tokens / step_s),
+            "mfu": round(flops / step_s / peak, 4),
+        }
+        if args.device.startswith("cuda"):
+            row["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(args.device) / 2**30, 1)
+        out["budgets"][budget] = row
+        print(f"actor  budget {budget}: {row}", flush=True)
+    ok = {b: r for b, r in out["budgets"].items() if "mfu" in r}
+    if ok:
+        best = max(ok, key=lambda b: ok[b]["mfu"])
+        out.update(
+            best_budget=best,
+            mfu=ok[best]["mfu"],
+            tokens_per_s=ok[best]["tokens_per_s"],
+            step_s=ok[best]["step_s"],
+        )
+        if args.profile:
+            stage.train_max_tokens = min(ok)
+            profile_step(stage, batch, args.device)
+    return out, stage
+
+
+def profile_step(stage, batch, device: str) -> None:
+    """Where one actor step's device time goes: the top kernels, printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        timed_step(stage, batch, device)
+    key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60), flush=True)
+
+
+def bench_rollout(model: Path, args):
+    from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
+
+    engine = HFRolloutEngine(str(model), device=args.device, dtype="bfloat16")
+    n_prompts = args.sequences // args.group
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, args.token_vocab, (32,), generator=g).tolist() for _ in range(n_prompts)]
+    groups = list(range(n_prompts))
+
+    def generate(new_tokens: int) -> float:
+        params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+        sync(args.device)
+        t0 = time.perf_counter()
+        out = engine.generate(
+            prompts, groups, args.group, params, 0, -1
+        )  # EOS -1: every completion full length
+        sync(args.device)
+        assert {len(c.token_ids) for cs in out for c in cs} == {new_tokens}
+        return time.perf_counter() - t0
+
+    generate(8)  # warm-up: kernels, allocator
+    seconds = statistics.median(generate(args.new_tokens) for _ in range(args.repeats))
+    tokens = n_prompts * args.group * args.new_tokens
+    row = {
+        "sequences": n_prompts * args.group,
+        "new_tokens": args.new_tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds),
+    }
+    print(f"rollout: {row}", flush=True)
+    return row, engine
+
+
+def bench_sync(stage, engine, args) -> dict:
+    def once() -> float:
+        sync(args.device)
+        t0 = time.perf_counter()
+        engine.update_weights(stage.engine.named_weights())
+        sync(args.device)
+        return time.perf_counter() - t0
+
+    once()
+    seconds = statistics.median(once() for _ in range(args.repeats))
+    row = {"seconds": round(seconds, 4)}
+    print(f"sync: {row}", flush=True)
+    return row
+
+
+class Alternating(Reward):
+    """A timing reward: 0, 1, 0, 1, ... down each micro-batch (every group has signal)."""
+
+    def __call__(self, batch) -> list[float]:
+        return [float(i % 2) for i in range(len(batch.completions))]
+
+
+def bench_iteration(model: Path, work: Path, args) -> dict:
+    """``RLTrainer.fit`` on the math task, collocated on the device: seconds per stage."""
+    import rlinf_lightning as rl
+    from rlinf_lightning.engines.rollout import SamplingParams
+    from rlinf_lightning.rewards import REWARDS
+    from rlinf_lightning.tasks.data import make_arithmetic_splits
+
+    data = make_arithmetic_splits(work / "data", n_train=2000, n_validation=50, n_test=64)
+    # random weights never answer right (and decode mostly to ''), so every completion would score
+    # alike and the actor would skip every group for want of signal; for timing, half of each
+    # group is rewarded, so every sample trains
+    if "alternating" not in REWARDS:
+        REWARDS.register("alternating", Alternating)
+    rows: list[dict] = []
+
+    class Record(rl.Callback):
+        def on_iteration_end(self, trainer, iteration, metrics) -> None:
+            rows.append(dict(metrics))
+
+    task = rl.tasks.MathTask(
+        str(data["train"]),
+        str(data["test"]),
+        reward="alternating",
+        eval_size=args.sequences // args.group,
+        group_size=args.group,
+        rollout_batch_size=args.sequences,
+        rollout="hf",
+        rollout_dtype="bfloat16",
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens),
+        train_max_tokens_per_micro_batch=max(args.max_tokens),
+    )
+    trainer = rl.RLTrainer(
+        strategy="collocated",
+        accelerator="cuda" if args.device.startswith("cuda") else "cpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_iterations=args.iterations,
+        eval_every=0,
+        ckpt_every=0,
+        default_root_dir=str(work / "run"),
+        logger=False,
+        callbacks=[Record()],
+        enable_progress_bar=False,
+    )
+    t0 = time.perf_counter()
+    trainer.fit(rl.LMPolicy(str(model), lr=1e-6), task)
+    last = rows[-1]
+    out = {
+        "fit_s": round(time.perf_counter() - t0, 1),
+        "iteration_s": round(last["time/iteration"], 3),
+        "stages_s": {
+            k[5:]: round(v, 3) for k, v in last.items() if k.startswith("time/") and k != "time/iteration"
+        },
+        "mfu": round(last.get("perf/mfu", float("nan")), 4),
+        "response_tokens": last.get("rollout/response_length"),
+    }
+    print(f"iteration: {out}", flush=True)
+    return out
+
+
+def bench_compile(model: Path, args, peak: float) -> dict:
+    """The actor step with the policy's model under ``torch.compile`` (dynamic shapes: every
+    micro-batch of the token budget has its own), against eager at the smallest budget."""
+    from rlinf_lightning.policies.lm import causal_lm_train_flops
+
+    batch = rollout_batch(args.sequences, args.token_vocab, args.new_tokens)
+    stage = actor_stage(model, "single", args.device, min(args.max_tokens))
+    flops = causal_lm_train_flops(stage.engine.policy.model, batch["attention_mask"])
+    stage.engine.policy.model.compile(dynamic=True)
+    times = [timed_step(stage, batch, args.device)[0] for _ in range(args.steps + 2)]
+    step_s = statistics.median(times[2:])
+    out = {
+        "budget": min(args.max_tokens),
+        "compile_and_first_steps_s": [round(t, 2) for t in times[:2]],
+        "step_s": round(step_s, 4),
+        "mfu": round(flops / step_s / peak, 4),
+    }
+    print(f"compile: {out}", flush=True)
+    return out
+
+
+def bench_fsdp(model: Path, args) -> dict:
+    """``fsdp`` (one rank) against ``single``: 3 steps over the same batches under bf16."""
+    batches = [
+        rollout_batch(args.fsdp_samples, args.token_vocab, args.new_tokens // 4, seed=s) for s in range(3)
+    ]
+    runs = {}
+    for engine in ("single", "fsdp"):
+        stage = actor_stage(model, engine, args.device, min(args.max_tokens))
+        before = {k: v.to("cpu", torch.float32, copy=True) for k, v in stage.engine.named_weights()}
+        steps = [timed_step(stage, b, args.device) for b in batches]
+        update = {k: v.to("cpu", torch.float32) - before[k] for k, v in stage.engine.named_weights()}
+        runs[engine] = {
+            "loss": [m["loss"] for _, m in steps],
+            "grad_norm": [m["grad_norm"] for _, m in steps],
+            "step_s": [round(t, 3) for t, _ in steps],
+            "update": torch.cat([u.reshape(-1) for u in update.values()]),
+        }
+        stage.teardown()
+        del stage
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    def rel(a: list[float], b: list[float]) -> float:
+        return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+    s, f = runs["single"], runs["fsdp"]
+    # the weights' change over the 3 steps (the weights themselves barely move at this rate, and
+    # the zero-initialised biases would make any relative difference of weights meaningless)
+    fu, su = f["update"].double(), s["update"].double()
+    update_diff = float((fu - su).norm() / su.norm())
+    cosine = float(fu @ su / (fu.norm() * su.norm()))
+    out = {
+        "loss_rel_diff": round(rel(f["loss"], s["loss"]), 5),
+        "grad_norm_rel_diff": round(rel(f["grad_norm"], s["grad_norm"]), 5),
+        "update_rel_diff": round(update_diff, 4),
+        "update_cosine": round(cosine, 5),
+        "loss": {"single": s["loss"], "fsdp": f["loss"]},
+        "grad_norm": {"single": s["grad_norm"], "fsdp": f["grad_norm"]},
+        "step_s": {"single": s["step_s"], "fsdp": f["step_s"]},
+    }
+    print(f"fsdp: {out}", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--sequences", type=int, default=256)
+    ap.add_argument("--group", type=int, default=8, help="completions per prompt")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", default="16384,32768,65536", help="actor token budgets to compare")
+    ap.add_argument("--steps", type=int, default=4, help="actor steps per budget (the first is a warm-up)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--iterations", type=int, default=2)
+    ap.add_argument("--fsdp-samples", type=int, default=64)
+    ap.add_argument("--profile", action="store_true", help="print the top kernels of one actor step")
+    ap.add_argument(
+        "--token-vocab", type=int, default=None, help="sample ids below this (default: the vocabulary)"
+    )
+    args = ap.parse_args()
+    args.max_tokens = sorted(int(x) for x in args.max_tokens.split(","))
+    if args.device == "cuda":
+        args.device = "cuda:0"  # what a plan hands a worker
+    args.token_vocab = args.token_vocab or SHAPES[args.shape]["vocab_size"]
+    sections = args.sections.split(",")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(json.dumps({"skipped": "no CUDA device: torch.cuda.is_available() is False"}))
+        return
+    if unknown := sorted(set(sections) - set(SECTIONS)):
+        raise SystemExit(f"--sections: unknown {unknown}; choose from {','.join(SECTIONS)}")
+
+    from rlinf_lightning.engines.flops import peak_matmul_flops
+
+    result: dict = {
+        "device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "shape": args.shape,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        t0 = time.perf_counter()
+        model = build_model(work / "model", SHAPES[args.shape])
+        result["parameters_m"] = round(sum(p.numel() for p in _load_meta(model).parameters()) / 1e6, 1)
+        result["build_s"] = round(time.perf_counter() - t0, 1)
+        peak = peak_matmul_flops(args.device, torch.bfloat16, torch.get_num_threads())
+        result["peak_bf16_tflops"] = round(peak / 1e12, 1)
+        print(
+            f"model {result['parameters_m']} M parameters; measured bf16 peak {peak / 1e12:.1f} TFLOP/s",
+            flush=True,
+        )
+        stage = engine = None
+        for name in sections:
+            try:
+                if name == "actor":
+                    result["actor"], stage = bench_actor(model, args, peak)
+                elif name == "rollout":
+                    result["rollout"], engine = bench_rollout(model, args)
+                elif name == "sync" and stage is not None and engine is not None:
+                    result["sync"] = bench_sync(stage, engine, args)
+                elif name == "iteration":
+                    stage = engine = None
+                    if args.device.startswith("cuda"):
+                        torch.cuda.empty_cache()
+                    result["iteration"] = bench_iteration(model, work, args)
+                elif name == "fsdp":
+                    result["fsdp"] = bench_fsdp(model, args)
+                elif name == "compile":
+                    result["compile"] = bench_compile(model, args, peak)
+            except Exception as exc:  # one section's failure is a finding; the others still run
+                import traceback
+
+                traceback.print_exc()
+                result[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        if "sync" in result and "seconds" in result["sync"] and "step_s" in result.get("actor", {}):
+            it = result["rollout"]["seconds"] + result["actor"]["step_s"] + result["sync"]["seconds"]
+            result["sync"]["share_of_iteration"] = round(result["sync"]["seconds"] / it, 4)
+    if out := os.environ.get("OUT"):
+        Path(out, "gpu.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+def _load_meta(path: Path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""``benchmarks/gpu.py`` runs its code on the CPU with a tiny model, so it cannot rot between the
+sessions that have a GPU; without CUDA its default run says it skipped."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "benchmarks" / "gpu.py")
+
+
+def run(*args: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, SCRIPT, *args], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_without_cuda_it_skips_in_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    assert "skipped" in run()
+
+
+def test_every_section_runs_on_the_cpu_with_a_tiny_model():
+    small = ["--device", "cpu", "--shape", "tiny", "--sequences", "8", "--group", "4", "--new-tokens", "8"]
+    r = run(*small, "--max-tokens", "128,256", "--steps", "2", "--repeats", "1", "--fsdp-samples", "4",
+            "--sections", "actor,rollout,sync,iteration,fsdp")  # fmt: skip
+    assert not [k for k, v in r.items() if isinstance(v, dict) and "error" in v], r
+    assert set(r["actor"]["budgets"]) == {"128", "256"} and 0 < r["actor"]["mfu"] < 1
+    assert r["rollout"]["tokens_per_s"] > 0 and 0 < r["sync"]["share_of_iteration"] < 1
+    assert r["iteration"]["stages_s"]["actor"] > 0  # the timing reward gives every group signal
+    # on one CPU rank FSDP runs the same autocast as the single engine: the same updates
+    assert r["fsdp"]["loss_rel_diff"] < 1e-6 and r["fsdp"]["update_cosine"] > 0.9999

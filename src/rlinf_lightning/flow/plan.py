@@ -61,6 +61,9 @@ class ExecutionPlan:
     # object store), "broadcast" (a process group from the source's first replica; NCCL on GPU),
     # or "auto" (broadcast on GPU, copy on CPU)
     sync_transport: str = "auto"
+    # the launcher this plan runs on (a name in ``LAUNCHERS``); None: ``trainer.launcher``. Set by
+    # a strategy that weighs how workers start (auto runs a one-worker plan in the driver's process)
+    launcher: str | None = None
 
     @property
     def broadcasts_sync(self) -> bool:
@@ -107,6 +110,15 @@ class ExecutionPlan:
         if per_node > len(cores):
             return None
         return {cores[s % per_node] for s in slots}
+
+    def layout(self) -> tuple:
+        """What decides the workers: two plans with the same layout run on the same workers (only
+        their micro-batch sizes may differ); any other change starts new ones."""
+        groups = tuple(
+            (g.name, tuple(g.stages), tuple(g.slots), g.slots_per_replica, g.schedule, g.num_threads)
+            for g in self.groups
+        )
+        return (self.launcher, groups)
 
     @property
     def workers(self) -> list[tuple[WorkerGroup, int]]:
@@ -180,6 +192,8 @@ class ExecutionPlan:
             rows.append((g.name, f"{g.replicas}{per}", slots, threads, " -> ".join(g.stages), sched))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"execution plan: {self.strategy}" + (f" ({self.notes})" if self.notes else "")]
+        if self.launcher:
+            lines[0] += f", launcher {self.launcher}"
         for i, r in enumerate(rows):
             lines.append("  " + "  ".join(c.ljust(widths[j]) for j, c in enumerate(r)).rstrip())
             if i == 0:

@@ -105,6 +105,9 @@ class AutoStrategy(Strategy):
             counts as drift.
         retune_patience: iterations in a row with drift before re-tuning.
         top: how many ranked plans to print.
+        launch_s: seconds that starting worker processes costs, used until some start on this
+            run (then measured); default: estimated (:func:`launch_estimate`). Give it where this
+            process's age is no measure of its start-up, e.g. in a notebook.
         placements: the kinds of placement to choose from: ``one_worker`` (every stage on one
             worker in this process, on one or every slot), ``collocated`` (every stage on every
             slot) and ``split`` (two groups on disjoint slots, pipelined).
@@ -119,6 +122,7 @@ class AutoStrategy(Strategy):
         retune_threshold: float = 0.15,
         retune_patience: int = 2,
         top: int = 5,
+        launch_s: float | None = None,
         placements: list[str] | None = None,
     ) -> None:
         self.kinds = tuple(placements or KINDS)
@@ -128,7 +132,9 @@ class AutoStrategy(Strategy):
             raise ValueError(f"strategy 'auto': retune_threshold must be > 0, got {retune_threshold}")
         if retune_patience < 1:
             raise ValueError(f"strategy 'auto': retune_patience must be >= 1, got {retune_patience}")
-        self.profile_path, self.save_profile = profile, save_profile
+        if launch_s is not None and launch_s < 0:
+            raise ValueError(f"strategy 'auto': launch_s must be >= 0, got {launch_s}")
+        self.profile_path, self.save_profile, self.launch_s = profile, save_profile, launch_s
         self.retune_threshold, self.retune_patience, self.top = retune_threshold, retune_patience, top
         self.profile: Profile | None = Profile.load(profile) if profile else None
         self.metrics: dict[str, float] = {}
@@ -186,7 +192,9 @@ class AutoStrategy(Strategy):
         if not self._in_process(self.current.plan) or not info.separate_processes:
             self.profile.launch_s, self.profile.launch_estimated = info.launch_s, False
         elif self._profiling or self.profile.launch_estimated:
-            est = launch_estimate(self.profile.inprocess_launch_s, self._startup_s)
+            est = self.launch_s
+            if est is None:
+                est = launch_estimate(self.profile.inprocess_launch_s, self._startup_s)
             self.profile.launch_s, self.profile.launch_estimated = est, True
 
     def holds_after(self, iteration: int) -> bool:

@@ -97,9 +97,11 @@ class ExecutionPlan:
         return ",".join(str(s % per) for s in slots)
 
     def cores_of(self, slots: list[int]) -> set[int] | None:
-        """The CPU cores a replica process on ``slots`` is pinned to: on CPU a slot is a core, the
-        slot's node-local index into the cores this process may run on. ``None`` (no pinning) on
-        GPUs, or where a node has fewer cores than the plan has slots on it.
+        """The CPU cores a replica process on ``slots`` is pinned to: on CPU a slot is its share of
+        the cores this process may run on (the node's cores split evenly between its slots, as
+        ``Resources.threads`` splits the torch threads), so one slot on a 4-core node is all 4
+        cores, not one core running 4 threads. ``None`` (no pinning) on GPUs, or where a node has
+        fewer cores than the plan has slots on it.
 
         Pinning keeps what sizes its thread pool by the cores it may use (Mesa's llvmpipe renderer,
         OpenMP) on the replica's own cores instead of competing with the neighbouring replicas."""
@@ -109,7 +111,8 @@ class ExecutionPlan:
         per_node = self.slots_per_node or 1 + max(s for g in self.groups for s in g.slots)
         if per_node > len(cores):
             return None
-        return {cores[s % per_node] for s in slots}
+        share = len(cores) // per_node
+        return {c for s in slots for c in cores[(s % per_node) * share : (s % per_node + 1) * share]}
 
     def layout(self) -> tuple:
         """What decides the workers: two plans with the same layout run on the same workers (only

@@ -177,6 +177,9 @@ def test_a_replica_over_several_slots_is_predicted_from_its_measured_speedup_onl
         simulate(wf, plan, p, BATCH)
     p.speedup = {"2": {"gen": 2.0, "learn": 1.0}}  # gen twice as fast on two slots, learn not at all
     assert simulate(wf, plan, p, BATCH) == pytest.approx(BATCH * 0.001 / 2 + BATCH * 0.0005)
+    # re-fitting from that replica's own calls takes them back to one slot: 10 ms there is 20 ms here
+    p.add_spans([Span("all/0", "gen", "process", 0.0, 0.01, 16)], 16, widths={"gen": 2})
+    assert p.points["gen"] == [(16, pytest.approx(0.02))]
 
 
 def test_profile_round_trips_through_json(tmp_path):

@@ -105,17 +105,27 @@ class Profile:
     sync_samples: dict[str, list[float]] = field(default_factory=dict)
 
     # -- from spans ----------------------------------------------------------------------------------
-    def add_spans(self, spans: Iterable[Span], micro_batch: int, skip_first: bool = False) -> None:
+    def add_spans(
+        self,
+        spans: Iterable[Span],
+        micro_batch: int,
+        skip_first: bool = False,
+        widths: dict[str, int] | None = None,
+    ) -> None:
         """Record one iteration's ``process`` calls at source granularity ``micro_batch``, and its
         end-of-iteration and sync costs. ``skip_first`` drops each worker's first call of each
         stage (the first iteration's one-off set-up: lazy imports, caches, allocator growth) and
-        the iteration's end-of-iteration and sync costs."""
+        the iteration's end-of-iteration and sync costs. ``widths``: the slots per replica of each
+        stage, when not one: its calls and end-of-iteration seconds are taken back to one slot by the
+        measured speed-up."""
         spans = sorted(spans, key=lambda s: s.start)
         seen: set[tuple[str, str]] = set()
         ends: dict[str, list[float]] = {}
         sync: dict[str, float] = {}
         for s in spans:
             d = s.end - s.start
+            if s.kind in ("process", "end_iteration"):  # what the simulator speeds up over slots
+                d *= self.factor(s.stage, (widths or {}).get(s.stage, 1))
             if s.kind == "process":
                 if skip_first and (s.worker, s.stage) not in seen:
                     seen.add((s.worker, s.stage))

@@ -1,7 +1,8 @@
 """Auto: measure the run's own stages, simulate every candidate plan, run the best, keep re-tuning.
 
 RLinf's auto placement is an offline tool (stage times measured by hand, typed into YAML, a
-script run, its placement pasted back). Here the first two iterations are the measurement:
+script run, its placement pasted back). Here the first iterations (three with several slots)
+are the measurement:
 
 1. They run under the profiling plan: one worker on one slot in the driver's process (nothing
    to spawn, so a short run pays no process start-up for the measurement; where one in-process
@@ -368,8 +369,9 @@ class AutoStrategy(Strategy):
         assert self.profile is not None
         cleared = {"stages": {}, "sync_s": {}, "points": {}, "end_samples": {}, "sync_samples": {}}
         p = Profile.from_dict({**self.profile.to_dict(), **cleared})
+        widths = {st: g.slots_per_replica for g in self.current.plan.groups for st in g.stages}
         for s in seen:
-            p.add_spans(s.spans, s.micro_batch)
+            p.add_spans(s.spans, s.micro_batch, widths=widths)
         p.refit()
         return p
 

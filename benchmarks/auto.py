@@ -68,7 +68,7 @@ from pathlib import Path
 from children import parse_args, recipe_assets, run_child
 
 WARMUP = 5
-PROFILING_ITERATIONS = 2
+PROFILING_ITERATIONS = 3  # auto on 2 slots: one slot at two micro-batch sizes, then both slots
 BARS = {"prediction_error_unprofiled": (max, 0.20), "auto_wall_over_best_fixed": (min, 0.90)}
 COLLOCATED = "rlinf_lightning.strategies.CollocatedStrategy"
 HYBRID = "rlinf_lightning.strategies.HybridStrategy"

@@ -12,7 +12,9 @@ Workloads (2 slots; on CPU a slot is a core, one torch thread per slot unless sa
   plans: one worker (in-process, 1 and 2 threads), collocated with 2 replicas, and env | policy
   pipelined with 1 and 2 shards per slot (``micro_batches`` 2 and 4).
 
-Every candidate is a fresh process running ``--iterations`` iterations. A round runs auto first,
+Auto is given the launcher the multi-worker fixed plans use (``processes``); a one-worker plan
+it runs in its own process, as the one-worker fixed plans do. Every candidate is a fresh process
+running ``--iterations`` iterations. A round runs auto first,
 then every fixed plan; rounds repeat that order, so machine noise hits every candidate in every
 round. Each figure is computed per round (auto against the fixed plans of its round) and reported
 as the median over rounds with its spread (``*_spread``: [min, max] over rounds).
@@ -32,10 +34,12 @@ as the median over rounds with its spread (``*_spread``: [min, max] over rounds)
   resources, batch shape) and simulated; error = |measured - predicted| / measured, measured being
   the plan's median seconds per iteration after the warm-up. The figure is the median over the
   fixed plans; ``predictions`` gives each plan's. A plan the simulator does not model (a worker
-  spanning both slots, with two threads: the profile measured one-thread slots) is listed there
-  with the reason and left out of the median. One fixed plan, ``collocated``, has the placement
-  and granularity auto profiled in (``profiled: true``): its run is separate, but the simulator was
-  calibrated on that plan's second iteration in auto's run.
+  spanning a number of slots auto never measured) is listed there with the reason and left out
+  of the median. The one-worker plans are the placements auto
+  profiled in (``profiled: true``; ``PROFILED``): its run is separate, but auto measured one worker
+  on one slot (iterations 1-2, the overhead calibrated on the second) and on every slot (iteration
+  3, its speed-up). ``prediction_error_never_run`` is the median over the other plans only: those
+  whose placement auto never ran.
 - ``prediction_error_in_sample``: auto's own ``auto/predicted_s`` against its measured iterations
   after profiling, median: in sample (the overhead is calibrated on, and re-tuning re-fits from,
   the very iterations it is scored on); a check of the re-tuning loop, not of the simulator.
@@ -64,7 +68,7 @@ from pathlib import Path
 from children import parse_args, recipe_assets, run_child
 
 WARMUP = 5
-PROFILING_ITERATIONS = 2
+PROFILING_ITERATIONS = 3  # auto on 2 slots: one slot at two micro-batch sizes, then both slots
 BARS = {"prediction_error_unprofiled": (max, 0.20), "auto_wall_over_best_fixed": (min, 0.90)}
 COLLOCATED = "rlinf_lightning.strategies.CollocatedStrategy"
 HYBRID = "rlinf_lightning.strategies.HybridStrategy"
@@ -80,7 +84,7 @@ def _hybrid(placement: str, micro_batches: int = 4) -> dict:
 # fixed plans: name -> (strategy, launcher, devices, the placement auto's search calls it by)
 PLANS = {
     "math": {
-        "collocated_1worker": (ONE_WORKER, "inprocess", 2, None),
+        "collocated_1worker": (ONE_WORKER, "inprocess", 2, "one worker[2 slots]"),
         "collocated": ("collocated", "processes", 2, "collocated"),
         "disaggregated": ("disaggregated", "processes", 2, "rollout: 0, reward,advantage,inference,actor: 1"),
         "hybrid[rollout,reward: 0, ...]": (
@@ -93,14 +97,15 @@ PLANS = {
         ),
     },
     "embodied": {
-        "collocated_1worker[t1]": (ONE_WORKER, "inprocess", 1, None),
-        "collocated_1worker[t2]": (ONE_WORKER, "inprocess", 2, None),
+        "collocated_1worker[t1]": (ONE_WORKER, "inprocess", 1, "one worker[1 slots]"),
+        "collocated_1worker[t2]": (ONE_WORKER, "inprocess", 2, "one worker[2 slots]"),
         "collocated": ("collocated", "processes", 2, "collocated"),
         "pipelined[2]": (_hybrid(ENV_SPLIT, 2), "processes", 2, ENV_SPLIT),
         "pipelined[4]": (_hybrid(ENV_SPLIT, 4), "processes", 2, ENV_SPLIT),
     },
 }  # fmt: skip
-PROFILED = "collocated"  # the fixed plan with auto's profiling placement and granularity
+# the fixed plans with a placement auto's profiling ran (one worker, on one slot or every slot)
+PROFILED = ("collocated_1worker", "collocated_1worker[t1]", "collocated_1worker[t2]")
 
 
 def _build(spec: dict):
@@ -177,11 +182,12 @@ def run_one(spec: dict) -> dict:
 
 
 def placement_of(plan) -> str:
-    """``collocated``, or the groups in the hybrid placement syntax."""
+    """``one worker[n slots]``, ``collocated``, or the groups in the hybrid placement syntax."""
     from rlinf_lightning.flow.plan import format_slots
 
     if len(plan.groups) == 1:
-        return "collocated"
+        g = plan.groups[0]
+        return f"one worker[{len(g.slots)} slots]" if g.replicas == 1 else "collocated"
     return ", ".join(f"{','.join(g.stages)}: {format_slots(g.slots)}" for g in plan.groups)
 
 
@@ -228,6 +234,9 @@ def per_round(plans: dict, runs: dict[str, list[dict]], iterations: int) -> dict
             if not isinstance(p, str):
                 errors[n].append(abs(steady_s(runs[n][r]) - p) / steady_s(runs[n][r]))
         row["prediction_error_unprofiled"] = statistics.median(e[r] for e in errors.values() if e)
+        never = [e[r] for n, e in errors.items() if e and n not in PROFILED]
+        if never:
+            row["prediction_error_never_run"] = statistics.median(never)
         after = [(t, p) for t, p in zip(auto["times"], auto["predicted"]) if p is not None]
         row["prediction_error_in_sample"] = statistics.median(abs(t - p) / t for t, p in after)
         ref = next((n for n in fixed if plans[n][3] == auto["placement"]), None)
@@ -270,7 +279,7 @@ def summarise(plans: dict, runs: dict[str, list[dict]], iterations: int) -> dict
             out["predictions"][n] = {
                 "predicted_s": spread(predicted, 4)[0], "measured_s": spread(measured, 4)[0],
                 "error": spread(p["errors"][n])[0], "error_spread": spread(p["errors"][n])[1],
-                "profiled": n == PROFILED,
+                "profiled": n in PROFILED,
             }  # fmt: skip
         else:
             out["predictions"][n] = {"measured_s": spread(measured, 4)[0], "not_predicted": preds[0]}

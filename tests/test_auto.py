@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -12,8 +13,10 @@ from tensordict import TensorDict
 from rlinf_lightning import Callback, RLTrainer
 from rlinf_lightning.flow import BatchShape
 from rlinf_lightning.flow.stage import Stage
+from rlinf_lightning.flow.worker import Span
 from rlinf_lightning.flow.workflow import Workflow
-from rlinf_lightning.strategies import STRATEGIES, Resources
+from rlinf_lightning.strategies import STRATEGIES, Resources, RunInfo
+from rlinf_lightning.strategies.auto import AutoStrategy
 from rlinf_lightning.strategies.auto.profile import Profile, StageCost
 from rlinf_lightning.strategies.auto.simulate import simulate
 from rlinf_lightning.tasks.base import Task
@@ -45,7 +48,7 @@ class Learner(Sleeper):
 
     def end_iteration(self) -> dict[str, float]:
         self.steps += 1
-        return {"steps": float(self.steps)}
+        return {"steps": float(self.steps), "pid": float(os.getpid())}
 
     def sync_state(self) -> TensorDict:
         return TensorDict({"steps": torch.tensor(self.steps)}, [])
@@ -109,11 +112,11 @@ class _Policy:
     pass
 
 
-def _trainer(tmp_path, strategy, iterations: int) -> tuple[RLTrainer, Recorder]:
+def _trainer(tmp_path, strategy, iterations: int, launcher: str = "inprocess") -> tuple[RLTrainer, Recorder]:
     rec = Recorder()
     trainer = RLTrainer(
         strategy=strategy,
-        launcher="inprocess",
+        launcher=launcher,
         devices=2,
         max_iterations=iterations,
         default_root_dir=tmp_path,
@@ -139,6 +142,13 @@ def test_stage_cost_fit_recovers_a_line_and_clamps_to_nonnegative():
     assert one.a == 0.0 and one.call_s(16) == pytest.approx(0.032)
 
 
+def test_stage_cost_fit_is_not_moved_by_one_slow_call():
+    """The median call of each size: a pause in one of three calls must not bend the line."""
+    calls = [(32, 0.0227), (32, 0.0503), (32, 0.0229), (64, 0.0407), (64, 0.0409), (64, 0.0411)]
+    c = StageCost.fit(calls)
+    assert c.call_s(32) == pytest.approx(0.0229) and c.call_s(64) == pytest.approx(0.0409)
+
+
 def test_simulated_pipeline_matches_the_hand_computed_schedule():
     """Disaggregated gen | learn, M micro-batches: the pipeline's makespan is
     M x max(stage) + min(stage) (plus the sync's two ends)."""
@@ -157,15 +167,24 @@ def test_simulated_pipeline_matches_the_hand_computed_schedule():
     assert simulate(wf, plan, p, BATCH) == pytest.approx(half * (0.009 + 0.004) + 0.002 + 0.002)
 
 
-def test_simulator_refuses_a_replica_spanning_several_slots():
+def test_a_replica_over_several_slots_is_predicted_from_its_measured_speedup_only():
     wf = SleepTask().build_workflow(None, None)
-    plan = STRATEGIES.get("collocated")(replicas=1).plan(wf, Resources(2), BatchShape(BATCH, UNIT))
+    plan = STRATEGIES.get("collocated")(replicas=1).plan(wf, Resources(2), BatchShape(BATCH, UNIT, 16))
+    p = Profile(
+        "sleepers", message_s=0.0, stages={"gen": StageCost(0.0, 0.001), "learn": StageCost(0.0, 0.0005)}
+    )
     with pytest.raises(ValueError, match=r"group\(s\) \['all'\] have replicas spanning several slots"):
-        simulate(wf, plan, Profile("sleepers"), BATCH)
+        simulate(wf, plan, p, BATCH)
+    p.speedup = {"2": {"gen": 2.0, "learn": 1.0}}  # gen twice as fast on two slots, learn not at all
+    assert simulate(wf, plan, p, BATCH) == pytest.approx(BATCH * 0.001 / 2 + BATCH * 0.0005)
+    # re-fitting from that replica's own calls takes them back to one slot: 10 ms there is 20 ms here
+    p.add_spans([Span("all/0", "gen", "process", 0.0, 0.01, 16)], 16, widths={"gen": 2})
+    assert p.points["gen"] == [(16, pytest.approx(0.02))]
 
 
 def test_profile_round_trips_through_json(tmp_path):
     p = Profile("w", stages={"a": StageCost(0.1, 0.2, 0.3, [8])}, sync_s={"a": 0.01}, launch_s=2.0)
+    p.launch_estimated, p.inprocess_launch_s, p.speedup = True, 0.2, {"2": {"a": 1.5}}
     p.points = {"a": [(8, 1.7)]}
     assert Profile.load(p.save(tmp_path / "p.json")).to_dict() == p.to_dict()
     (tmp_path / "bad.json").write_text("{}")
@@ -176,10 +195,65 @@ def test_profile_round_trips_through_json(tmp_path):
 def test_auto_profiles_predicts_within_15_percent_and_reports_it(tmp_path):
     trainer, rec = _fit(tmp_path, "auto", iterations=8)
     assert (tmp_path / "profile.json").is_file()
+    # starting two in-process replicas costs next to nothing and halves the iteration: taken
+    assert len(trainer.plan.workers) == 2 and trainer.plan.launcher is None
     tuned = [r for r in rec.rows if "auto/predicted_s" in r]
-    assert [r["iteration"] for r in tuned] == list(range(3, 9))
+    assert [r["iteration"] for r in tuned] == list(range(4, 9))  # 3 profiling iterations
     errors = [abs(r["auto/measured_s"] - r["auto/predicted_s"]) / r["auto/measured_s"] for r in tuned]
     assert sorted(errors)[len(errors) // 2] < 0.15, errors
+
+
+def _iteration(mb: int, t: float, slow: float = 1.0) -> tuple[float, list[Span]]:
+    """One iteration of the sleepers on one worker at ``mb`` samples per message, costs as
+    ``SleepTask`` sets them (``slow`` times each call): its seconds and its spans."""
+    spans, t0 = [], t
+    for _ in range(BATCH // mb):
+        for stage, a, b in (("gen", 0.0005, 0.001), ("learn", 0.0005, 0.0006)):
+            spans.append(Span("all/0", stage, "process", t, t + slow * (a + b * mb), mb))
+            t = spans[-1].end
+    for stage, kind, d in (("learn", "end_iteration", 0.002), ("learn", "sync_state", 0.0005)):
+        spans.append(Span("all/0", stage, kind, t, t + d))
+        t += d
+    spans.append(Span("all/0", "gen", "apply_sync", t, t + 0.0005))
+    return t + 0.0005 - t0 + 0.001, spans
+
+
+@pytest.mark.parametrize("iterations, moves", [(10, False), (1000, True)])
+def test_auto_moves_to_worker_processes_only_when_the_run_repays_their_start(tmp_path, iterations, moves):
+    """One in-process worker takes ~0.1 s per iteration, two replicas would take half; starting
+    worker processes costs 2 s. Over 7 remaining iterations that never pays (auto stays in this
+    process); over 997 it does (auto moves to the trainer's launcher, data-parallel)."""
+    wf = SleepTask().build_workflow(None, None)
+    auto = AutoStrategy(launch_s=2.0, save_profile="")
+    plan = auto.plan(wf, Resources(2), BatchShape(BATCH, UNIT))
+    assert plan.launcher == "inprocess" and len(plan.workers) == 1  # profiles in this process
+    auto.on_launch(RunInfo(tmp_path, iterations, 0.01, separate_processes=True))
+    t, replan = 0.0, None
+    for it in (1, 2, 3):
+        mb = plan.micro_batch_size[wf.source_edge.channel]
+        seconds, spans = _iteration(mb, t)
+        t += seconds
+        replan = auto.observe(it, seconds, spans, mb, queued=False)
+        if it < 3:
+            assert replan is not None and replan.plan.launcher == "inprocess", it
+            plan = replan.plan
+            if it == 2:  # the same worker on both slots, for its speed-up
+                assert plan.groups[0].slots == [0, 1]
+                auto.on_relaunch(RunInfo(tmp_path, iterations, 0.01, separate_processes=True))
+    if moves:
+        assert replan is not None and replan.plan.launcher is None and len(replan.plan.workers) == 2
+    else:
+        assert replan is None or replan.plan.launcher == "inprocess"
+
+
+def test_a_short_run_never_starts_a_worker_process(tmp_path):
+    """Given the processes launcher, auto measures and (the run being too short to repay a
+    process start) trains in this very process: every iteration's learner ran here."""
+    auto = {"class_path": "rlinf_lightning.strategies.AutoStrategy", "init_args": {"launch_s": 30.0}}
+    trainer, rec = _trainer(tmp_path, auto, iterations=5, launcher="processes")
+    trainer.fit(_Policy(), SleepTask())
+    assert [r["learn/pid"] for r in rec.rows] == [os.getpid()] * 5
+    assert trainer.plan.launcher == "inprocess"
 
 
 def test_a_plan_auto_never_ran_is_predicted_from_its_profile(tmp_path):

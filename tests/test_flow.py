@@ -269,3 +269,15 @@ def test_a_replica_may_span_several_slots():
         assert rt.run_iteration(1, _batches(4, 4))["sum"] == {"replicas": 2.0, "slots": 1.0}
     finally:
         rt.shutdown()
+
+
+def test_a_slot_is_pinned_to_its_share_of_the_cores(monkeypatch):
+    """One slot of a 4-core node is its 4 cores (4 threads, as Resources.threads gives it), not one
+    core running 4 threads; 4 slots are a core each; 2 slots of a 2-slot replica, 2 cores each."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7})
+    wf = Workflow("toy").chain(AddOne())
+    for devices, replica_slots, cores in ((1, [0], {4, 5, 6, 7}), (4, [2], {6}), (2, [1], {6, 7})):
+        plan = STRATEGIES.get("collocated")().plan(wf, Resources(devices), BatchShape(16, 4, 4))
+        assert plan.cores_of(replica_slots) == cores, devices

@@ -61,6 +61,9 @@ class ExecutionPlan:
     # object store), "broadcast" (a process group from the source's first replica; NCCL on GPU),
     # or "auto" (broadcast on GPU, copy on CPU)
     sync_transport: str = "auto"
+    # the launcher this plan runs on (a name in ``LAUNCHERS``); None: ``trainer.launcher``. Set by
+    # a strategy that weighs how workers start (auto runs a one-worker plan in the driver's process)
+    launcher: str | None = None
 
     @property
     def broadcasts_sync(self) -> bool:
@@ -94,9 +97,11 @@ class ExecutionPlan:
         return ",".join(str(s % per) for s in slots)
 
     def cores_of(self, slots: list[int]) -> set[int] | None:
-        """The CPU cores a replica process on ``slots`` is pinned to: on CPU a slot is a core, the
-        slot's node-local index into the cores this process may run on. ``None`` (no pinning) on
-        GPUs, or where a node has fewer cores than the plan has slots on it.
+        """The CPU cores a replica process on ``slots`` is pinned to: on CPU a slot is its share of
+        the cores this process may run on (the node's cores split evenly between its slots, as
+        ``Resources.threads`` splits the torch threads), so one slot on a 4-core node is all 4
+        cores, not one core running 4 threads. ``None`` (no pinning) on GPUs, or where a node has
+        fewer cores than the plan has slots on it.
 
         Pinning keeps what sizes its thread pool by the cores it may use (Mesa's llvmpipe renderer,
         OpenMP) on the replica's own cores instead of competing with the neighbouring replicas."""
@@ -106,7 +111,17 @@ class ExecutionPlan:
         per_node = self.slots_per_node or 1 + max(s for g in self.groups for s in g.slots)
         if per_node > len(cores):
             return None
-        return {cores[s % per_node] for s in slots}
+        share = len(cores) // per_node
+        return {c for s in slots for c in cores[(s % per_node) * share : (s % per_node + 1) * share]}
+
+    def layout(self) -> tuple:
+        """What decides the workers: two plans with the same layout run on the same workers (only
+        their micro-batch sizes may differ); any other change starts new ones."""
+        groups = tuple(
+            (g.name, tuple(g.stages), tuple(g.slots), g.slots_per_replica, g.schedule, g.num_threads)
+            for g in self.groups
+        )
+        return (self.launcher, groups)
 
     @property
     def workers(self) -> list[tuple[WorkerGroup, int]]:
@@ -180,6 +195,8 @@ class ExecutionPlan:
             rows.append((g.name, f"{g.replicas}{per}", slots, threads, " -> ".join(g.stages), sched))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"execution plan: {self.strategy}" + (f" ({self.notes})" if self.notes else "")]
+        if self.launcher:
+            lines[0] += f", launcher {self.launcher}"
         for i, r in enumerate(rows):
             lines.append("  " + "  ".join(c.ljust(widths[j]) for j, c in enumerate(r)).rstrip())
             if i == 0:

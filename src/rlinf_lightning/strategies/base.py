@@ -38,12 +38,15 @@ class Resources:
 
 @dataclass
 class RunInfo:
-    """What a strategy learns once the workers run: where the run writes, how long it is, and
-    how long starting the workers took (what a change of placement would cost again)."""
+    """What a strategy learns once the workers run: where the run writes, how long it is, how
+    long starting the workers took (what a change of placement would cost again), and whether
+    ``trainer.launcher`` starts each worker as a process of its own (``separate_processes``;
+    a plan may name another launcher: :attr:`ExecutionPlan.launcher`)."""
 
     run_dir: Path
     max_iterations: int
     launch_s: float
+    separate_processes: bool = False
 
 
 @dataclass
@@ -73,6 +76,10 @@ class Strategy(ABC):
 
     def on_launch(self, info: RunInfo) -> None:
         """The workers of the first plan are running."""
+
+    def on_relaunch(self, info: RunInfo) -> None:
+        """The workers of a plan returned by :meth:`observe` are running; ``info.launch_s`` is
+        what the switch took (saving and loading the training state included)."""
 
     def holds_after(self, iteration: int) -> bool:
         """Whether the workers must be idle after ``iteration`` (not start the next one early),

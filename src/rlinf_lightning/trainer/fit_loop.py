@@ -37,7 +37,6 @@ class FitLoop:
         self.strategy = self.connector.strategy
         self.train = self.workflow.roles["train"]
         self.run_spec = trainer.run_spec
-        self.launcher = LAUNCHERS.resolve(trainer.launcher)
         self.spans: list[Any] = []  # every stage call, kept for the trace
         self.history: list[dict[str, float]] = []  # evaluations
         self.replan_s = 0.0  # seconds spent starting the workers of a new plan mid-run
@@ -53,8 +52,8 @@ class FitLoop:
         log.info("%s", self.plan.describe())
         t.logger_connector.log_hyperparams(hyperparameters(t, self.policy, self.task, self.plan))
         t0 = time.perf_counter()
-        self.runtime = self.launcher.launch(self.workflow, self.plan, timeout_s=t.timeout_s)
-        self.strategy.on_launch(RunInfo(t.default_root_dir, t.max_iterations, time.perf_counter() - t0))
+        self.runtime = self._launch(self.plan)
+        self.strategy.on_launch(self._run_info(time.perf_counter() - t0))
         try:
             start_it = self._start(resume)
             train_s, samples = self._iterate(start_it)
@@ -222,16 +221,26 @@ class FitLoop:
         """Run the next iterations under ``replan.plan``: the same groups take the new micro-batch
         sizes at once; other groups get new workers, which receive the training state (through a
         sharded checkpoint for a sharded engine) and the synced weights before they continue."""
-
-        def layout(plan: ExecutionPlan) -> list[tuple]:
-            return [(g.name, g.stages, g.slots, g.slots_per_replica, g.schedule) for g in plan.groups]
-
-        if layout(self.plan) != layout(replan.plan):
+        if self.plan.layout() != replan.plan.layout():
             t0 = time.perf_counter()
             self._restart_workers(replan.plan)
-            self.replan_s += time.perf_counter() - t0
-            log.info("new workers running in %.1f s", time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            self.replan_s += took
+            log.info("new workers running in %.1f s", took)
+            self.strategy.on_relaunch(self._run_info(took))
         self.plan = self.connector.plan = replan.plan
+
+    def _launcher(self, plan: ExecutionPlan) -> Any:
+        """``plan``'s own launcher (a strategy may choose it), else the trainer's."""
+        return LAUNCHERS.resolve(plan.launcher or self.trainer.launcher)
+
+    def _launch(self, plan: ExecutionPlan) -> Any:
+        return self._launcher(plan).launch(self.workflow, plan, timeout_s=self.trainer.timeout_s)
+
+    def _run_info(self, launch_s: float) -> RunInfo:
+        t = self.trainer
+        separate = LAUNCHERS.resolve(t.launcher).separate_processes
+        return RunInfo(t.default_root_dir, t.max_iterations, launch_s, separate)
 
     def _restart_workers(self, plan: ExecutionPlan) -> None:
         tmp, train = self.trainer.default_root_dir / ".replan", self.train
@@ -239,7 +248,7 @@ class FitLoop:
         state = None if sharded else self.runtime.call(train, "state_dict", replicas="all")[0]
         self.runtime.shutdown()
         log.info("%s", plan.describe())
-        self.runtime = self.launcher.launch(self.workflow, plan, timeout_s=self.trainer.timeout_s)
+        self.runtime = self._launch(plan)
         if sharded:
             self.runtime.call(train, "load_sharded", str(tmp), replicas="all")
             shutil.rmtree(tmp, ignore_errors=True)

@@ -82,7 +82,7 @@ class PlanConnector:
             return exc.problems
         except ValueError as exc:  # the strategy cannot place this workflow on these resources
             return [("trainer.strategy", str(exc))]
-        separate = LAUNCHERS.resolve(self.trainer.launcher).separate_processes
+        separate = LAUNCHERS.resolve(plan.launcher or self.trainer.launcher).separate_processes
         placement = [
             problem
             for g in plan.groups

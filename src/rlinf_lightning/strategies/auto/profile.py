@@ -7,10 +7,17 @@ thread): a stage's ``process`` calls at each micro-batch size the profiling iter
 sync edges' two ends, and the part of an iteration no span covers (the driver's feeding and
 collecting, messages between processes), which the simulator adds as a constant.
 
-A stage's time per call is fitted as ``a + b x micro_batch`` (least squares, both >= 0): ``a``
-is what a call costs however small (Python, kernel launches, a simulator's step), ``b`` what each
-sample adds. With one measured size the fit is proportional (``a = 0``), which is exact at that
-size and optimistic for smaller ones; the search then stays at measured sizes.
+A stage's time per call is fitted as ``a + b x micro_batch`` (least squares through the median
+call at each measured size, both >= 0): ``a`` is what a call costs however small (Python, kernel
+launches, a simulator's step), ``b`` what each sample adds. The median per size, because the
+noise is one-sided (a collection pause, another process taking the core): one slow call among
+three must not move the line. With one measured size the fit is proportional (``a = 0``), which
+is exact at that size and optimistic for smaller ones; the search then stays at measured sizes.
+
+A replica spanning ``n`` slots (on CPU, one worker with ``n`` torch threads) is predicted from
+the one-slot costs divided by each stage's measured ``speedup[n]``: one iteration of such a
+worker, timed per stage at a size the one-slot fit measured. Widths never measured are not
+predicted.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from typing import Any
 
 from rlinf_lightning.flow.worker import Span
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+MIN_TIMED_S = 1e-4  # a call shorter than this is timing noise, not a speed to compare
 
 
 @dataclass
@@ -41,14 +49,15 @@ class StageCost:
 
     @classmethod
     def fit(cls, points: list[tuple[int, float]], end_s: float = 0.0) -> StageCost:
-        """Least squares over ``(micro_batch, seconds)`` points, clamped to ``a, b >= 0``."""
+        """Least squares through the median of each size's ``(micro_batch, seconds)`` points,
+        clamped to ``a, b >= 0``."""
         sizes = sorted({n for n, _ in points})
         if not points:
             return cls(end_s=end_s)
+        ys = [statistics.median(t for m, t in points if m == n) for n in sizes]
         if len(sizes) == 1:
-            n = sizes[0]
-            return cls(0.0, statistics.fmean(t for _, t in points) / max(n, 1), end_s, sizes)
-        xs, ys = [float(n) for n, _ in points], [t for _, t in points]
+            return cls(0.0, ys[0] / max(sizes[0], 1), end_s, sizes)
+        xs = [float(n) for n in sizes]
         mx, my = statistics.fmean(xs), statistics.fmean(ys)
         b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
         a = my - b * mx
@@ -69,8 +78,13 @@ class Profile:
         sync_s: per stage at either end of a sync edge, seconds of its side of the sync.
         overhead_s: seconds per iteration outside every stage call (driver, messages).
         message_s: seconds a message costs when it crosses between workers.
-        launch_s: seconds from launching the workers to their first iteration (what a change of
-            placement costs: the workers are started anew).
+        launch_s: seconds from launching the trainer's launcher's workers to their first iteration
+            (what a change to a plan on them costs: the workers are started anew); measured, or
+            estimated while ``launch_estimated`` (see ``auto.launch``).
+        launch_estimated: ``launch_s`` is an estimate (no such worker started on the run yet).
+        inprocess_launch_s: the same for a worker in the driver's process (measured).
+        speedup: per replica width ``n`` (slots, as text), per stage, how many times faster a
+            replica of ``n`` slots ran than one slot (measured; see the module docstring).
         accelerator: what one slot was (``cpu``: a core, one torch thread; ``cuda``: a GPU).
         points: per stage, the ``(micro_batch, seconds)`` calls behind its fit.
         end_samples, sync_samples: per stage, the measured end-of-iteration and sync seconds.
@@ -82,23 +96,36 @@ class Profile:
     overhead_s: float = 0.0
     message_s: float = 0.0005
     launch_s: float = 0.0
+    launch_estimated: bool = False
+    inprocess_launch_s: float = 0.0
+    speedup: dict[str, dict[str, float]] = field(default_factory=dict)
     accelerator: str = "cpu"
     points: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     end_samples: dict[str, list[float]] = field(default_factory=dict)
     sync_samples: dict[str, list[float]] = field(default_factory=dict)
 
     # -- from spans ----------------------------------------------------------------------------------
-    def add_spans(self, spans: Iterable[Span], micro_batch: int, skip_first: bool = False) -> None:
+    def add_spans(
+        self,
+        spans: Iterable[Span],
+        micro_batch: int,
+        skip_first: bool = False,
+        widths: dict[str, int] | None = None,
+    ) -> None:
         """Record one iteration's ``process`` calls at source granularity ``micro_batch``, and its
         end-of-iteration and sync costs. ``skip_first`` drops each worker's first call of each
         stage (the first iteration's one-off set-up: lazy imports, caches, allocator growth) and
-        the iteration's end-of-iteration and sync costs."""
+        the iteration's end-of-iteration and sync costs. ``widths``: the slots per replica of each
+        stage, when not one: its calls and end-of-iteration seconds are taken back to one slot by the
+        measured speed-up."""
         spans = sorted(spans, key=lambda s: s.start)
         seen: set[tuple[str, str]] = set()
         ends: dict[str, list[float]] = {}
         sync: dict[str, float] = {}
         for s in spans:
             d = s.end - s.start
+            if s.kind in ("process", "end_iteration"):  # what the simulator speeds up over slots
+                d *= self.factor(s.stage, (widths or {}).get(s.stage, 1))
             if s.kind == "process":
                 if skip_first and (s.worker, s.stage) not in seen:
                     seen.add((s.worker, s.stage))
@@ -115,6 +142,25 @@ class Profile:
             self.end_samples.setdefault(stage, []).append(min(ds))
         for stage, d in sync.items():
             self.sync_samples.setdefault(stage, []).append(d)
+
+    def add_speedup(self, width: int, spans: Iterable[Span], micro_batch: int) -> None:
+        """Record how much faster each stage ran on a replica of ``width`` slots (``spans``: one
+        iteration at ``micro_batch``, a size the one-slot fit measured) than the fit predicts for
+        one slot. A stage too short to time (under ``MIN_TIMED_S`` a call) is taken as 1."""
+        calls: dict[str, list[float]] = {}
+        for s in spans:
+            if s.kind == "process":
+                calls.setdefault(s.stage, []).append(s.end - s.start)
+        factors = {}
+        for stage, ds in calls.items():
+            wide, one = statistics.median(ds), self.stages[stage].call_s(micro_batch)
+            factors[stage] = one / wide if min(one, wide) >= MIN_TIMED_S else 1.0
+        self.speedup[str(width)] = factors
+
+    def factor(self, stage: str, width: int) -> float:
+        """How many times faster ``stage`` runs on ``width`` slots than on one (``KeyError``: the
+        width was never measured)."""
+        return 1.0 if width == 1 else self.speedup[str(width)].get(stage, 1.0)
 
     def refit(self) -> None:
         """Fit every stage from its points, end-of-iteration and sync samples."""
@@ -177,6 +223,9 @@ class Profile:
             overhead_s=d["overhead_s"],
             message_s=d["message_s"],
             launch_s=d["launch_s"],
+            launch_estimated=d["launch_estimated"],
+            inprocess_launch_s=d["inprocess_launch_s"],
+            speedup={w: dict(f) for w, f in d["speedup"].items()},
             accelerator=d["accelerator"],
             points={k: [(int(n), float(t)) for n, t in v] for k, v in d["points"].items()},
             end_samples={k: list(v) for k, v in d["end_samples"].items()},

@@ -1,8 +1,14 @@
 """Search: every placement and granularity worth simulating, ranked by predicted iteration time.
 
-Candidates on the resources' slots (one slot per replica, the unit a profile measures):
+Candidates on the resources' slots:
 
+- one worker in the driver's process (the ``inprocess`` launcher, whatever ``trainer.launcher``
+  is): every stage on one slot, or on every slot (on CPU: one torch thread per core). Nothing to
+  spawn, so it starts in a fraction of the time worker processes take: on a short run that can
+  outweigh a faster plan. Offered on one machine, on CPU or one GPU, when every stage may run in
+  the driver's process (``Stage.check_placement``);
 - collocated: every stage on every slot, data-parallel replicas, stages time-shared;
+  (one slot per replica, the unit a profile measures, as in the splits);
 - two-group splits: the stages cut in data order (the first ``i`` stages and the rest), the slots
   cut in two (``k`` and the rest), each group data-parallel over its slots and both pipelined by
   micro-batch. The cut after the first stage with half the slots is ``disaggregated``; every
@@ -55,11 +61,29 @@ def micro_batches(workflow: Workflow, batch: BatchShape, profile: Profile) -> li
     return sizes
 
 
-KINDS = ("collocated", "split")
+PLACEMENTS = ("collocated", "split")  # the multi-worker kinds: what ``rlinf plan`` ranks for a cluster
+KINDS = ("one_worker", *PLACEMENTS)
+IN_PROCESS = "inprocess"
+
+
+def one_worker_allowed(workflow: Workflow, resources: Resources) -> bool:
+    """Whether one worker in the driver's process can run the workflow on these resources."""
+    if resources.num_nodes > 1 or (resources.accelerator != "cpu" and resources.devices > 1):
+        return False
+    return not any(st.check_placement(1, False) for st in workflow.stages.values())
+
+
+def one_worker_plan(workflow: Workflow, resources: Resources, batch: BatchShape, slots: int) -> ExecutionPlan:
+    """Every stage on one worker over the first ``slots`` slots, in the driver's process."""
+    res = Resources(slots, 1, resources.accelerator, resources.threads(1))
+    plan = CollocatedStrategy(replicas=1).plan(workflow, res, batch)
+    plan.strategy, plan.launcher = "auto", IN_PROCESS
+    plan.notes = f"one worker on {slots} slot(s), in this process"
+    return plan
 
 
 def placements(
-    workflow: Workflow, slots: list[int], kinds: tuple[str, ...] = KINDS
+    workflow: Workflow, slots: list[int], kinds: tuple[str, ...] = PLACEMENTS
 ) -> list[tuple[str, str | None]]:
     """``(name, placement)`` pairs of the ``kinds`` asked for: collocated (placement ``None``),
     every two-group split."""
@@ -82,23 +106,31 @@ def candidates(
     batch: BatchShape,
     profile: Profile,
     fits: Callable[[ExecutionPlan], bool] | None = None,
-    kinds: tuple[str, ...] = KINDS,
+    kinds: tuple[str, ...] = PLACEMENTS,
 ) -> list[Candidate]:
-    """Every candidate plan of the placement ``kinds``, simulated and sorted fastest first."""
+    """Every candidate plan of the placement ``kinds``, simulated and sorted fastest first; the
+    one-worker plans only at widths the profile measured."""
     out = []
-    for name, placement in placements(workflow, resources.slots, kinds):
-        for mb in micro_batches(workflow, batch, profile):
-            shape = BatchShape(batch.rollout_batch_size, batch.group_size, mb)
+    for mb in micro_batches(workflow, batch, profile):
+        shape = BatchShape(batch.rollout_batch_size, batch.group_size, mb)
+        plans = []
+        if "one_worker" in kinds and one_worker_allowed(workflow, resources):
+            n = len(resources.slots)
+            for width in [1] + ([n] if n > 1 and str(n) in profile.speedup else []):
+                name = f"one worker ({width} slot(s), in this process)"
+                plans.append((name, None, one_worker_plan(workflow, resources, shape, width)))
+        for name, placement in placements(workflow, resources.slots, kinds):
             if placement is None:
                 plan = CollocatedStrategy().plan(workflow, resources, shape)
             else:
                 plan = HybridStrategy(placement=placement).plan(workflow, resources, shape)
             plan.strategy = "auto"
-            if fits is not None and not fits(plan):
-                continue
-            c = Candidate(name, plan, placement=placement)
-            c.predicted_s = simulate(workflow, plan, profile, batch.rollout_batch_size)
-            out.append(c)
+            plans.append((name, placement, plan))
+        for name, placement, plan in plans:
+            if fits is None or fits(plan):
+                c = Candidate(name, plan, placement=placement)
+                c.predicted_s = simulate(workflow, plan, profile, batch.rollout_batch_size)
+                out.append(c)
     return sorted(out, key=lambda c: c.predicted_s)
 
 
@@ -109,5 +141,7 @@ def placement_syntax(c: Candidate) -> str:
 
 def describe(c: Candidate) -> str:
     """One line: name, placement, granularity."""
-    where = f" [{c.placement}]" if c.placement else f" ({c.plan.groups[0].replicas} replicas)"
+    where = f" [{c.placement}]" if c.placement else ""
+    if c.name == "collocated":
+        where = f" ({c.plan.groups[0].replicas} replicas)"
     return f"{c.name}{where}, micro-batch {c.micro_batch}"

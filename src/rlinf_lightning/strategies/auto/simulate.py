@@ -16,10 +16,11 @@ wiring (``flow.wiring.wire``) and each call's cost from the :class:`~.profile.Pr
 
 The iteration time is the last worker's end plus ``profile.overhead_s``.
 
-Not modelled: a replica spanning several slots (on CPU, a worker with several torch threads).
-The profile measures one slot per replica, and how a stage speeds up over more slots (threads'
-share of its work, their contention) is not something one slot shows, so such a plan is refused
-rather than predicted with one slot's costs. Auto's own candidates never span slots.
+A replica spanning several slots (on CPU, a worker with several torch threads) runs each stage
+``profile.factor(stage, width)`` times faster than one slot: how a stage speeds up over more
+slots (the threads' share of its work, their contention) is not something one slot shows, so it
+is the measured speed-up of that width (auto measures its one-worker width), and a plan with a
+width never measured is refused rather than predicted with one slot's costs.
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ class _Worker:
 
 class _Sim:
     def __init__(self, workflow: Workflow, plan: ExecutionPlan, profile: Profile, batch: int) -> None:
-        if wide := [g.name for g in plan.groups if g.slots_per_replica > 1]:
+        measured = [1, *sorted(int(w) for w in profile.speedup)]
+        if wide := [g.name for g in plan.groups if g.slots_per_replica not in measured]:
             raise ValueError(
                 f"cannot simulate plan {plan.strategy!r}: group(s) {wide} have replicas spanning "
-                "several slots, and the profile measured one slot per replica"
+                f"several slots, and the profile measured replicas of {measured} slot(s) only"
             )
         self.wf, self.plan, self.profile = workflow, plan, profile
         self.links: dict[str, Link] = wire(workflow, plan)
@@ -144,13 +146,15 @@ class _Sim:
                     best = (t, s, "end", None)
         return best
 
-    def _cost(self, stage: str) -> float:
+    def _cost(self, stage: str, w: _Worker) -> float:
         c = self.profile.stages.get(stage)
-        return max(c.call_s(self.mb), 0.0) if c else 0.0
+        return (
+            max(c.call_s(self.mb), 0.0) / self.profile.factor(stage, w.group.slots_per_replica) if c else 0.0
+        )
 
     def _process(self, w: _Worker, t: float, stage: str, link: Link, m: _Msg) -> None:
         self._queue(link, w.replica).remove(m)
-        t_end = t + self._cost(stage) + (self.profile.message_s if m.crossed else 0.0)
+        t_end = t + self._cost(stage, w) + (self.profile.message_s if m.crossed else 0.0)
         w.free_at = t_end
         lp = self.wf.loop_of(stage)
         key = (stage, w.replica)
@@ -191,6 +195,7 @@ class _Sim:
 
     def _end(self, w: _Worker, t: float, stage: str) -> None:
         cost = self.profile.stages[stage].end_s if stage in self.profile.stages else 0.0
+        cost /= self.profile.factor(stage, w.group.slots_per_replica)
         if stage == self.train and w.group.replicas > 1:  # a collective step
             arrived = self.arrived.setdefault(stage, {})
             arrived[w.replica] = t

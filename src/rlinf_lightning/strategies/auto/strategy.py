@@ -1,20 +1,28 @@
 """Auto: measure the run's own stages, simulate every candidate plan, run the best, keep re-tuning.
 
 RLinf's auto placement is an offline tool (stage times measured by hand, typed into YAML, a
-script run, its placement pasted back). Here the first two iterations are the measurement:
+script run, its placement pasted back). Here the first iterations (three with several slots)
+are the measurement:
 
-1. They run under the profiling plan, collocated with one replica per slot (each stage on one
-   slot, as every candidate's groups are), at two granularities: iteration 1 at two micro-batches
-   per replica (its first call per stage is set-up and is dropped), iteration 2 at one. They
-   train like every other iteration: nothing is thrown away.
+1. They run under the profiling plan: one worker on one slot in the driver's process (nothing
+   to spawn, so a short run pays no process start-up for the measurement; where one in-process
+   worker is not a candidate, collocated with one replica per slot on the trainer's launcher).
+   Each stage sits on one slot, as every candidate's groups are, at two granularities:
+   iteration 1 at two micro-batches per replica of the collocated plan (its first call per stage
+   is set-up and is dropped), iteration 2 at one. With several slots, iteration 3 runs the same
+   worker on every slot (on CPU one thread per core) to measure each stage's speed-up over them.
+   They train like every other iteration: nothing is thrown away.
 2. Each stage's time per call is fitted as ``a + b x micro_batch`` (``auto.profile``); the part
    of an iteration no stage call covers is calibrated so the profiling plan's simulation matches
    its measured iteration 2.
-3. Every candidate (``auto.search``: collocated, every two-group split of stages and slots, every
-   granularity; minus what memory refuses) is simulated (``auto.simulate``); the five fastest are
-   printed. Changing the granularity is free; changing the placement restarts the workers, so it
-   is taken only when the predicted saving over the remaining iterations exceeds the measured
-   launch time.
+3. Every candidate (``auto.search``: one in-process worker on one or every slot, collocated,
+   every two-group split of stages and slots, every granularity; minus what memory refuses) is
+   simulated (``auto.simulate``); the five fastest are printed. The plan taken is the one with
+   the least predicted whole fit: the start-up of its workers (none for the workers already
+   running; a granularity change is free) plus the remaining iterations at its predicted
+   seconds. Start-up is measured on this run (the in-process set-up; worker processes once any
+   started), and until then estimated (``launch_estimate``). So a short run stays in-process
+   when a faster plan would not repay its launch, and a long run moves. One line says why.
 4. From then on each iteration logs ``auto/predicted_s`` and ``auto/measured_s``. When they differ
    by more than ``retune_threshold`` for ``retune_patience`` iterations in a row, the stages are
    re-fitted from the recent iterations (first keeping each stage's per-sample slope, the only
@@ -27,7 +35,9 @@ measurement, or ranked for a larger cluster with ``rlinf plan``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -39,7 +49,15 @@ from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.worker import Span
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.strategies.auto.profile import Profile
-from rlinf_lightning.strategies.auto.search import KINDS, Candidate, candidates, describe
+from rlinf_lightning.strategies.auto.search import (
+    IN_PROCESS,
+    KINDS,
+    Candidate,
+    candidates,
+    describe,
+    one_worker_allowed,
+    one_worker_plan,
+)
 from rlinf_lightning.strategies.auto.simulate import simulate
 from rlinf_lightning.strategies.base import Replan, Resources, RunInfo, Strategy
 from rlinf_lightning.strategies.collocated import CollocatedStrategy
@@ -47,6 +65,25 @@ from rlinf_lightning.strategies.collocated import CollocatedStrategy
 PROFILING_ITERATIONS = 2
 
 log = logging.getLogger(__name__)
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux; ``None`` elsewhere): the interpreter, its
+    imports and whatever ran before the fit, the most a new worker process repeats."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def launch_estimate(inprocess_s: float, startup_s: float | None) -> float:
+    """What starting worker processes will cost, before any started on this run: a process
+    repeats the driver's start-up (``startup_s``, its age when the fit began: interpreter and
+    imports, an upper bound since it also counts the script's own work) and the stages' set-up
+    (``inprocess_s``, measured in this process). Without ``startup_s``, the set-up alone."""
+    return (startup_s or 0.0) + inprocess_s
 
 
 @dataclass
@@ -69,7 +106,11 @@ class AutoStrategy(Strategy):
             counts as drift.
         retune_patience: iterations in a row with drift before re-tuning.
         top: how many ranked plans to print.
-        placements: the kinds of placement to choose from: ``collocated`` (every stage on every
+        launch_s: seconds that starting worker processes costs, used until some start on this
+            run (then measured); default: estimated (:func:`launch_estimate`). Give it where this
+            process's age is no measure of its start-up, e.g. in a notebook.
+        placements: the kinds of placement to choose from: ``one_worker`` (every stage on one
+            worker in this process, on one or every slot), ``collocated`` (every stage on every
             slot) and ``split`` (two groups on disjoint slots, pipelined).
     """
 
@@ -82,6 +123,7 @@ class AutoStrategy(Strategy):
         retune_threshold: float = 0.15,
         retune_patience: int = 2,
         top: int = 5,
+        launch_s: float | None = None,
         placements: list[str] | None = None,
     ) -> None:
         self.kinds = tuple(placements or KINDS)
@@ -91,7 +133,9 @@ class AutoStrategy(Strategy):
             raise ValueError(f"strategy 'auto': retune_threshold must be > 0, got {retune_threshold}")
         if retune_patience < 1:
             raise ValueError(f"strategy 'auto': retune_patience must be >= 1, got {retune_patience}")
-        self.profile_path, self.save_profile = profile, save_profile
+        if launch_s is not None and launch_s < 0:
+            raise ValueError(f"strategy 'auto': launch_s must be >= 0, got {launch_s}")
+        self.profile_path, self.save_profile, self.launch_s = profile, save_profile, launch_s
         self.retune_threshold, self.retune_patience, self.top = retune_threshold, retune_patience, top
         self.profile: Profile | None = Profile.load(profile) if profile else None
         self.metrics: dict[str, float] = {}
@@ -99,6 +143,7 @@ class AutoStrategy(Strategy):
     # -- planning ------------------------------------------------------------------------------------
     def plan(self, workflow: Workflow, resources: Resources, batch: BatchShape) -> ExecutionPlan:
         self.workflow, self.resources, self.batch = workflow, resources, batch
+        self._startup_s, self._wide = process_age_s(), False
         if self.profile is not None:
             if self.profile.workflow != workflow.name:
                 raise ValueError(
@@ -110,13 +155,21 @@ class AutoStrategy(Strategy):
             self._profiling = False
             return self.current.plan
         self._profiling = True
+        self.profile = Profile(workflow.name, accelerator=resources.accelerator)
         replicas = len(resources.slots)
         first = BatchShape(batch.rollout_batch_size, batch.group_size, batch.micro_batch_for(2 * replicas))
         if workflow.stages[workflow.order[0]].sticky:  # its state is cut once: profile the final cut
             first.micro_batch_size = batch.micro_batch_for(replicas)
-        plan = CollocatedStrategy(replicas=replicas).plan(workflow, resources, first)
-        plan.strategy, plan.notes = "auto", f"profiling: collocated over {replicas} replica(s)"
-        self.current = Candidate("collocated", plan)
+        plan = one_worker_plan(workflow, resources, first, 1)
+        if (
+            "one_worker" not in self.kinds
+            or not one_worker_allowed(workflow, resources)
+            or not self._fits(plan)
+        ):
+            plan = CollocatedStrategy(replicas=replicas).plan(workflow, resources, first)
+            plan.strategy = "auto"
+        plan.notes = f"profiling: {plan.notes}"
+        self.current = Candidate("profiling", plan)
         return plan
 
     def rank(self) -> list[Candidate]:
@@ -127,9 +180,23 @@ class AutoStrategy(Strategy):
         self.info, self.queued = info, False
         self.seen: deque[_Seen] = deque(maxlen=self.retune_patience + 1)
         self._drift, self._probe_from = 0, None
-        if self.profile is not None and not self._profiling:
-            self.profile.launch_s = info.launch_s
+        self.on_relaunch(info)
+        if not self._profiling:
             self._print_ranking(f"from profile {self.profile_path}")
+
+    def on_relaunch(self, info: RunInfo) -> None:
+        """Record what starting the current plan's workers took; while no worker process has
+        started, estimate what one would take."""
+        assert self.profile is not None
+        if self._in_process(self.current.plan):
+            self.profile.inprocess_launch_s = info.launch_s
+        if not self._in_process(self.current.plan) or not info.separate_processes:
+            self.profile.launch_s, self.profile.launch_estimated = info.launch_s, False
+        elif self._profiling or self.profile.launch_estimated:
+            est = self.launch_s
+            if est is None:
+                est = launch_estimate(self.profile.inprocess_launch_s, self._startup_s)
+            self.profile.launch_s, self.profile.launch_estimated = est, True
 
     def holds_after(self, iteration: int) -> bool:
         # while measuring, and while a drift may turn into a new plan, the next iteration waits
@@ -178,18 +245,31 @@ class AutoStrategy(Strategy):
     def _profile_step(
         self, iteration: int, seconds: float, spans: list[Span], micro_batch: int
     ) -> Replan | None:
-        if self.profile is None:
-            self.profile = Profile(self.workflow.name, accelerator=self.resources.accelerator)
+        assert self.profile is not None
+        if self._wide:  # the one worker on every slot ran: its speed-up over one slot
+            self.profile.add_speedup(len(self.resources.slots), spans, micro_batch)
+            return self._profiled(iteration)
         self.profile.add_spans(spans, micro_batch, skip_first=iteration == 1)
         if iteration < PROFILING_ITERATIONS:
             second = self.batch.micro_batch_for(len(self.resources.slots))
             if self.workflow.stages[self.workflow.order[0]].sticky or second == micro_batch:
                 return None
             return Replan(self._at(second), f"profiling: micro-batch {micro_batch} -> {second}")
-        self._profiling = False
-        self.profile.launch_s = self.info.launch_s
         self.profile.refit()
         self._recalibrate([self.seen[-1]])
+        n = len(self.resources.slots)
+        if self.current.plan.launcher == IN_PROCESS and n > 1 and iteration < self.info.max_iterations:
+            shape = BatchShape(self.batch.rollout_batch_size, self.batch.group_size, micro_batch)
+            wide = one_worker_plan(self.workflow, self.resources, shape, n)
+            if self._fits(wide):
+                self._wide, self.current = True, Candidate("profiling", wide)
+                return Replan(wide, f"profiling: the same worker on {n} slots, for its speed-up")
+        return self._profiled(iteration)
+
+    def _profiled(self, iteration: int) -> Replan | None:
+        """The profile is complete: rank, save it, and take the best plan for the rest of the run."""
+        assert self.profile is not None
+        self._profiling, self._wide = False, False
         self.ranked = self.rank()
         self._print_ranking(f"measured in iterations 1-{iteration}")
         if self.save_profile != "":
@@ -198,7 +278,7 @@ class AutoStrategy(Strategy):
         best = self._choose(self.ranked, iteration)
         if self._is_current(best):
             return None
-        return self._switch(best, iteration, "the best predicted plan")
+        return self._switch(best, iteration, "the least predicted time for the remaining iterations")
 
     def _after_probe(self, iteration: int) -> Replan | None:
         """The new granularity has run: re-fit every stage from the drifted iterations at both
@@ -214,25 +294,48 @@ class AutoStrategy(Strategy):
         return self._switch(best, iteration, "re-fitted at two granularities")
 
     def _choose(self, ranked: list[Candidate], iteration: int) -> Candidate:
-        """The fastest candidate, unless it needs new workers that the remaining iterations do not
-        pay for; then the fastest at the current placement."""
-        here = [c for c in ranked if c.placement == self.current.placement]
-        best = ranked[0]
-        if best.placement == self.current.placement or not here:
-            return best
-        if self.queued:  # the next iteration runs on these workers already
-            return here[0]
+        """The candidate with the least predicted rest of the fit: the start-up of its workers
+        plus the remaining iterations at its predicted seconds. While the next iteration is
+        already queued on the current workers, only their granularity can change."""
+        assert self.profile is not None
         remaining = self.info.max_iterations - iteration
-        if (here[0].predicted_s - best.predicted_s) * remaining > self.profile.launch_s:
-            return best
-        return here[0]
+        here = [c for c in ranked if c.plan.layout() == self.current.plan.layout()]
+        pool = here if self.queued and here else ranked
+
+        def rest_s(c: Candidate) -> float:
+            return self._start_s(c) + remaining * c.predicted_s
+
+        best, fastest = min(pool, key=rest_s), ranked[0]
+        line = (
+            f"auto: iteration {iteration}: {describe(best)}: predicted {best.predicted_s:.3f} s per "
+            f"iteration, {rest_s(best):.2f} s for the {remaining} remaining with {self._start_s(best):.2f} s "
+            "of start-up"
+        )
+        if fastest is not best:
+            line += (
+                f"; the fastest per iteration, {describe(fastest)} ({fastest.predicted_s:.3f} s), "
+                f"would take {rest_s(fastest):.2f} s with {self._start_s(fastest):.2f} s of start-up"
+            )
+        est = " (estimated)" if self.profile.launch_estimated else ""
+        log.info("%s; worker processes start in %.2f s%s", line, self.profile.launch_s, est)
+        return best
+
+    def _start_s(self, c: Candidate) -> float:
+        """Seconds to start ``c``'s workers: none if they are the ones running."""
+        assert self.profile is not None
+        if c.plan.layout() == self.current.plan.layout():
+            return 0.0
+        return self.profile.inprocess_launch_s if self._in_process(c.plan) else self.profile.launch_s
+
+    def _in_process(self, plan: ExecutionPlan) -> bool:
+        return plan.launcher == IN_PROCESS or not self.info.separate_processes
 
     def _switch(self, best: Candidate, iteration: int, why: str) -> Replan:
         old = self.current
         self.current = best
         change = (
             f"micro-batch {old.micro_batch} -> {best.micro_batch}"
-            if best.placement == old.placement
+            if best.plan.layout() == old.plan.layout()
             else f"{describe(old)} -> {describe(best)}"
         )
         reason = f"iteration {iteration}: {why}: {change} (predicted {best.predicted_s:.3f} s per iteration)"
@@ -242,14 +345,13 @@ class AutoStrategy(Strategy):
     # -- helpers -------------------------------------------------------------------------------------------
     def _candidates(self, profile: Profile) -> list[Candidate]:
         """Every candidate that fits in memory, ranked under ``profile``."""
+        return candidates(self.workflow, self.resources, self.batch, profile, self._fits, self.kinds)
 
-        def fits(plan: ExecutionPlan) -> bool:
-            return not memory_problems(self.workflow, plan)
-
-        return candidates(self.workflow, self.resources, self.batch, profile, fits, self.kinds)
+    def _fits(self, plan: ExecutionPlan) -> bool:
+        return not memory_problems(self.workflow, plan)
 
     def _is_current(self, c: Candidate) -> bool:
-        return c.placement == self.current.placement and c.micro_batch == self.current.micro_batch
+        return c.plan.layout() == self.current.plan.layout() and c.micro_batch == self.current.micro_batch
 
     def _predict(self, micro_batch: int) -> float:
         """Predicted seconds of the current placement at ``micro_batch``."""
@@ -259,26 +361,17 @@ class AutoStrategy(Strategy):
     def _at(self, micro_batch: int) -> ExecutionPlan:
         """The current placement at granularity ``micro_batch``."""
         plan = self.current.plan
-        mbs = {ch: micro_batch for ch in plan.micro_batch_size}
-        return ExecutionPlan(
-            plan.strategy,
-            plan.groups,
-            mbs,
-            plan.slots_per_node,
-            plan.accelerator,
-            plan.notes,
-            plan.sync_transport,
-        )
+        return dataclasses.replace(plan, micro_batch_size={ch: micro_batch for ch in plan.micro_batch_size})
 
     def _measured(self, seen: list[_Seen]) -> Profile:
-        """A profile of just ``seen`` (fitted), keeping the current one's launch and message costs."""
+        """A profile of just ``seen`` (fitted), keeping the current one's launch, message and
+        overhead costs and speed-ups."""
         assert self.profile is not None
-        p = Profile(
-            self.workflow.name, message_s=self.profile.message_s, accelerator=self.profile.accelerator
-        )
-        p.launch_s, p.overhead_s = self.profile.launch_s, self.profile.overhead_s
+        cleared = {"stages": {}, "sync_s": {}, "points": {}, "end_samples": {}, "sync_samples": {}}
+        p = Profile.from_dict({**self.profile.to_dict(), **cleared})
+        widths = {st: g.slots_per_replica for g in self.current.plan.groups for st in g.stages}
         for s in seen:
-            p.add_spans(s.spans, s.micro_batch)
+            p.add_spans(s.spans, s.micro_batch, widths=widths)
         p.refit()
         return p
 

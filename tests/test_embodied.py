@@ -173,30 +173,49 @@ PLANS = {
 }
 
 
-@pytest.fixture(scope="module", params=["ppo", "grpo", "discrete"])
-def reference(request, tmp_path_factory):
-    """The one-worker plan's run of a workload: what every other plan must reproduce."""
-    workload = request.param
-    root = tmp_path_factory.mktemp(workload)
-    _, _, metrics, weights = _fit(root, PLANS["collocated_1worker"], "inprocess", workload=workload)
-    moved = max(float((weights[k] - v).abs().max()) for k, v in _initial_weights(workload).items())
-    assert moved > 1e-3  # the Adam steps moved the weights well past the tolerance below
-    assert any(abs(m["actor/loss"]) > 0 for m in metrics)  # it learned
-    if workload != "grpo":
-        assert len({round(m["env/return"], 6) for m in metrics}) == 3  # episodes end in every iteration
-    if workload == "discrete":  # target_kl stopped some iteration early, not all of them at once
-        assert 1 <= min(m["actor/epochs"] for m in metrics) < 4 and "actor/explained_variance" in metrics[0]
-    return workload, metrics, weights
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The one-worker plan's run of a workload (made once per workload): what every other plan
+    must reproduce."""
+    runs = {}
+
+    def run(workload):
+        if workload not in runs:
+            root = tmp_path_factory.mktemp(workload)
+            _, _, metrics, weights = _fit(root, PLANS["collocated_1worker"], "inprocess", workload=workload)
+            moved = max(float((weights[k] - v).abs().max()) for k, v in _initial_weights(workload).items())
+            assert moved > 1e-3  # the Adam steps moved the weights well past the tolerance below
+            assert any(abs(m["actor/loss"]) > 0 for m in metrics)  # it learned
+            if workload != "grpo":
+                assert len({round(m["env/return"], 6) for m in metrics}) == 3  # episodes end every iteration
+            if workload == "discrete":  # target_kl stopped some iteration early, not all at once
+                assert 1 <= min(m["actor/epochs"] for m in metrics) < 4
+                assert "actor/explained_variance" in metrics[0]
+            runs[workload] = metrics, weights
+        return runs[workload]
+
+    return run
 
 
-@pytest.mark.parametrize("launcher", ["inprocess", "processes", "ray"])
-def test_three_iterations_are_the_same_updates_under_every_plan(tmp_path, reference, launcher):
+# every workload under every launcher, but the discrete one under ray: what it adds (the
+# categorical head, target_kl's shared decision) is the plans' business, which inprocess and
+# processes cover, and ray's transport is the FetchReach workloads' (a quarter of this test's time)
+EQUIVALENCE = [
+    (workload, launcher)
+    for workload in ("ppo", "grpo", "discrete")
+    for launcher in ("inprocess", "processes", "ray")
+    if (workload, launcher) != ("discrete", "ray")
+]
+
+
+@pytest.mark.parametrize(("workload", "launcher"), EQUIVALENCE)
+def test_three_iterations_are_the_same_updates_under_every_plan(tmp_path, reference, workload, launcher):
     """Three queued iterations: loss, grad norm and episode returns per iteration (and for PPO the
     explained variance and the passes ``target_kl`` allowed) and the final weights equal the
     one-worker plan's under every plan and launcher (the weights synced to the rollout and the
     envs carried from one iteration to the next included). Workloads: PPO on FetchReach, GRPO over
     episodes, PPO on CartPole's discrete actions."""
-    workload, ref_metrics, ref_weights = reference
+    ref_metrics, ref_weights = reference(workload)
     for name, strategy in PLANS.items():
         _, _, metrics, weights = _fit(tmp_path / name, strategy, launcher, workload=workload)
         _assert_same_run(name, launcher, metrics, weights, ref_metrics, ref_weights)

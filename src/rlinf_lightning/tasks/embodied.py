@@ -12,7 +12,7 @@ from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.tasks.base import RunSpec, Task
-from rlinf_lightning.workflows.embodied import EVAL_SEED, advantage_inputs, embodied_workflow
+from rlinf_lightning.workflows.embodied import EVAL_SEED, advantage_mode, embodied_workflow
 
 if TYPE_CHECKING:
     from rlinf_lightning.launchers.base import Runtime
@@ -78,7 +78,7 @@ class EmbodiedTask(Task):
     def _episodic(run: RunSpec) -> bool:
         """GRPO over episodes (an algorithm reading no values) groups envs; an algorithm the
         workflow cannot serve is a ``ConfigError``."""
-        return advantage_inputs(run.algorithm) == "episodes"
+        return advantage_mode(run.algorithm) == "episodes"
 
     def _spaces(self, seed: int) -> tuple[TensorDict, tuple[int, ...], tuple[int, ...] | None]:
         """One env's observation, the action shape of a policy call (``chunk`` steps) and, for

@@ -11,7 +11,7 @@ downstream. Episodes run on across iterations. The rollout draws each env's acti
 generator seeded by ``(seed, env id, global step)``, so the trajectories do not depend on how the
 plan cut the envs into shards or placed them.
 
-Two ways to advantages, chosen by what the algorithm ``reads`` (:func:`advantage_inputs`): GAE
+Two ways to advantages, chosen by what the algorithm ``reads`` (:func:`advantage_mode`): GAE
 over the steps with the critic's values (PPO), or GRPO over episodes as RLinf offers it (no critic):
 every iteration starts new episodes, the envs of a group reset with the same seed, each episode gets
 one score (success at any step), scores are normalised within the group, every step of an episode
@@ -55,7 +55,7 @@ PROVIDES = {
 }
 
 
-def advantage_inputs(algorithm: Any) -> str:
+def advantage_mode(algorithm: Any) -> str:
     """The ``PROVIDES`` entry that serves ``algorithm`` (``gae`` when it reads values, else
     ``episodes``); a :class:`ConfigError` naming what it reads that neither provides."""
     reads = frozenset(getattr(algorithm, "reads", ()))
@@ -551,10 +551,10 @@ def embodied_workflow(
     train: TrainSpec,
     seed: int,
 ) -> Any:
-    """PPO (an algorithm reading values: GAE) or GRPO over episodes, by :func:`advantage_inputs`."""
+    """PPO (an algorithm reading values: GAE) or GRPO over episodes, by :func:`advantage_mode`."""
     from rlinf_lightning.flow.workflow import Workflow
 
-    ppo = advantage_inputs(algorithm) == "gae"
+    ppo = advantage_mode(algorithm) == "gae"
     advantage = GAEStage(algorithm) if ppo else EpisodeAdvantageStage(algorithm)
     loss = PPOLoss(algorithm) if ppo else EpisodeGRPOLoss(algorithm)
     actor = PPOActorStage(policy, algorithm, loss, train, num_envs * steps, seed)

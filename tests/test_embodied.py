@@ -397,3 +397,17 @@ def test_every_ppo_option_out_of_range_is_refused_with_one_line_naming_it():
             RLTrainer(algorithm=PPO(**{key: value})).validate()
         assert info.value.keys == [f"trainer.algorithm.{key}"], key
         assert str(value) in str(info.value) and len(str(info.value).splitlines()) == 2  # header + 1 line
+
+
+def test_explained_variance_hand_computed():
+    """``1 - Var(R - V) / Var(R)``: returns 1..4 against values (1, 2, 3, 3): 1 - 0.1875 / 1.25."""
+    from rlinf_lightning.flow.metrics import Metrics
+    from rlinf_lightning.flow.stage import StageContext
+    from rlinf_lightning.workflows.embodied import PPOActorStage
+
+    stage = PPOActorStage.__new__(PPOActorStage)  # only its batch statistics, no engine
+    stage.ctx = StageContext("cpu", 0, 1, 1, [0])
+    data = TensorDict({"return": torch.tensor([1.0, 2, 3, 4]), "value": torch.tensor([1.0, 2, 3, 3])}, [4])
+    metrics = Metrics()
+    stage._explained_variance(data, metrics)
+    assert metrics.compute()["explained_variance"] == pytest.approx(1 - 0.1875 / 1.25)

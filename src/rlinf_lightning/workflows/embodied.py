@@ -472,31 +472,32 @@ class PPOActorStage(TrainStage):
         self.buffer.append(batch)
         return None
 
+    def _moments(self, *columns: torch.Tensor) -> tuple[list[tuple[float, float]], float]:
+        """Each column's mean and (population) variance over the whole batch, every replica's
+        samples pooled, and the number of samples."""
+        x = [c.double() for c in columns]
+        sums = [c.sum() for c in x] + [(c**2).sum() for c in x] + [torch.tensor(float(len(x[0])))]
+        totals = torch.stack(sums).to(torch.float64)
+        self.ctx.all_reduce([totals])
+        *moments, count = totals.tolist()
+        k, n = len(x), max(count, 1.0)
+        return [(moments[i] / n, moments[k + i] / n - (moments[i] / n) ** 2) for i in range(k)], count
+
     def _normalize(self, data: TensorDict | None) -> None:
         adv = data["advantage"] if data is not None else torch.zeros(0)
-        moments = torch.tensor([adv.sum(), (adv.double() ** 2).sum(), len(adv)], dtype=torch.float64)
-        self.ctx.all_reduce([moments])
-        total, squares, count = moments.tolist()
-        mean = total / max(count, 1.0)
-        std = max((squares / max(count, 1.0) - mean**2) * count / max(count - 1, 1.0), 0.0) ** 0.5
+        [(mean, var)], count = self._moments(adv)
+        std = max(var * count / max(count - 1, 1.0), 0.0) ** 0.5
         if data is not None:
             data["advantage"] = (adv - mean) / (std + 1e-8)
 
     def _explained_variance(self, data: TensorDict | None, metrics: Metrics) -> None:
         """CleanRL's ``1 - Var(returns - values) / Var(returns)`` of the rollout's values, over
         the whole batch: how much of the returns the critic predicts (1: all; <= 0: nothing)."""
-        if data is None:
-            returns = error = torch.zeros(0, dtype=torch.float64)
-        else:
-            returns = data["return"].double()
-            error = returns - data["value"].double()
-        sums = torch.stack([returns.sum(), (returns**2).sum(), error.sum(), (error**2).sum()])
-        moments = torch.cat([sums, torch.tensor([float(len(returns))], dtype=torch.float64)])
-        self.ctx.all_reduce([moments])
-        r, r2, e, e2, n = moments.tolist()
-        var_returns = r2 / max(n, 1.0) - (r / max(n, 1.0)) ** 2
+        returns = data["return"] if data is not None else torch.zeros(0)
+        error = returns.double() - data["value"].double() if data is not None else torch.zeros(0)
+        [(_, var_returns), (_, var_error)], _ = self._moments(returns, error)
         if var_returns > 0:
-            metrics.mean("explained_variance", 1.0 - (e2 / n - (e / n) ** 2) / var_returns)
+            metrics.mean("explained_variance", 1.0 - var_error / var_returns)
 
     def _kl_exceeded(self, kl_sum: float, count: float) -> bool:
         """Whether the approximate KL of a pass's last minibatch (summed over the replicas) is

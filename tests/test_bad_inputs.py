@@ -268,6 +268,11 @@ EMBODIED = [
         "task.env_kwargs: FetchReachDense-v4",
     ),
     ("policy without a checkpoint", "--policy.init_args.model_path=/nonexistent", "policy.model_path"),
+    (
+        "out-of-range PPO option",
+        "--trainer.algorithm={class_path: rlinf_lightning.algorithms.PPO, init_args: {target_kl: -1}}",
+        "trainer.algorithm.target_kl: must be > 0",
+    ),
 ]
 
 

@@ -1,7 +1,15 @@
-"""Embodied RL (PPO on gymnasium-robotics' FetchReach with the MLP actor-critic): the rollout's
-log-probs equal the actor's, and an iteration is the same update under every plan and launcher."""
+"""Embodied RL (PPO on gymnasium-robotics' FetchReach and on CartPole's discrete actions, with the
+MLP actor-critic): the rollout's log-probs equal the actor's, an iteration is the same update under
+every plan and launcher, what the workflow cannot serve is refused before anything loads, and
+CartPole learns."""
 
 from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,18 +19,21 @@ from tensordict import TensorDict
 from rlinf_lightning import RLTrainer
 from rlinf_lightning.algorithms import PPO
 from rlinf_lightning.envs import make_env
+from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.policies import MLPActorCritic
 from rlinf_lightning.strategies import CollocatedStrategy, HybridStrategy
 from rlinf_lightning.tasks import EmbodiedTask
 
 ENV = "FetchReachDense-v4"
+DISCRETE_ENV = "CartPole-v1"
 
 
-def test_the_rollouts_log_probs_equal_the_actors_recomputed_ones(tmp_path):
-    env = make_env(ENV, 4)
+@pytest.mark.parametrize("env_id", [ENV, DISCRETE_ENV])
+def test_the_rollouts_log_probs_equal_the_actors_recomputed_ones(tmp_path, env_id):
+    env = make_env(env_id, 4)
     obs = env.reset(seed=0)
     policy = MLPActorCritic(hidden_sizes=(32, 32), init_log_std=-0.5)
-    policy.configure_spaces(obs, env.action_shape)
+    policy.configure_spaces(obs, env.action_shape, env.action_choices)
     policy.configure_model()
     gens = [torch.Generator().manual_seed(i) for i in range(4)]
     out = policy.act(obs, generators=gens)
@@ -31,12 +42,28 @@ def test_the_rollouts_log_probs_equal_the_actors_recomputed_ones(tmp_path):
     again = policy.act(obs, generators=[torch.Generator().manual_seed(i) for i in range(4)])
     assert torch.equal(again["action"], out["action"])  # a row's noise is its generator's
     loaded = MLPActorCritic(str(policy.save_pretrained(tmp_path / "mlp")))
-    loaded.configure_spaces(obs, env.action_shape)
+    loaded.configure_spaces(obs, env.action_shape, env.action_choices)
     loaded.configure_model()
     assert torch.equal(
         loaded.act(obs, deterministic=True)["action"], policy.act(obs, deterministic=True)["action"]
     )
     env.close()
+
+
+def test_a_multi_discrete_head_samples_each_entry_within_its_own_choices():
+    """``MultiDiscrete([3, 5])``: one categorical per entry, the narrower one's padded logits never
+    drawn nor counted in the entropy (a near-uniform new head: log 3 + log 5)."""
+    obs = TensorDict({"observation": torch.randn(400, 4)}, [400])
+    policy = MLPActorCritic(hidden_sizes=(16,))
+    policy.configure_spaces(obs[:1], (2,), (3, 5))
+    policy.configure_model()
+    out = policy.act(obs, generators=[torch.Generator().manual_seed(i) for i in range(400)])
+    assert out["action"].dtype == torch.long and out["action"].shape == (400, 2)
+    first, second = out["action"].unbind(-1)
+    assert set(first.tolist()) == {0, 1, 2} and set(second.tolist()) == {0, 1, 2, 3, 4}
+    logprob, entropy, _ = policy.evaluate(TensorDict({"obs": obs, "action": out["action"]}, [400]))
+    assert torch.allclose(logprob, out["logprob"], atol=1e-6)
+    assert entropy.mean().item() == pytest.approx(math.log(3) + math.log(5), abs=1e-3)
 
 
 def test_the_rollout_values_final_observations_only_where_an_episode_was_truncated():
@@ -47,7 +74,7 @@ def test_the_rollout_values_final_observations_only_where_an_episode_was_truncat
     obs = env.reset(seed=0)
     final = env.reset(seed=1)
     policy = MLPActorCritic(hidden_sizes=(32, 32))
-    policy.configure_spaces(obs, env.action_shape)
+    policy.configure_spaces(obs, env.action_shape, env.action_choices)
     env.close()
     stage = EnvRolloutStage(policy)
     stage.setup(StageContext("cpu", 0, 1, 1, [0]))
@@ -66,18 +93,41 @@ def test_the_rollout_values_final_observations_only_where_an_episode_was_truncat
 COMPARED = ("actor/loss", "actor/grad_norm", "env/env_steps_total")  # every iteration reports these
 
 
-def _fit(root, strategy, launcher, devices=2, iterations=3, grpo=False):
-    """``iterations`` iterations queued as configs run them (no checkpoint or evaluation between);
-    returns the trainer, the summary, each iteration's metrics and the final weights. PPO: a 4-step
+def _workload(name):
+    """``(algorithm, task, policy)`` of an equivalence workload. ``ppo`` (FetchReach): a 4-step
     time limit, so every iteration truncates episodes and GAE bootstraps from final values, and
-    episodes run on across iterations (the env state is carried). GRPO over episodes: groups of 4
-    envs sharing reset seeds, new episodes every iteration."""
+    episodes run on across iterations (the env state is carried). ``grpo`` over episodes: groups of
+    4 envs sharing reset seeds, new episodes every iteration. ``discrete``: PPO on CartPole's
+    Discrete(2) actions (an 8-step limit: episodes terminate and truncate), with a ``target_kl``
+    that stops some iterations' passes early (a decision every replica must make alike)."""
     from rlinf_lightning.algorithms import GRPO
+
+    if name == "grpo":
+        task = EmbodiedTask(ENV, num_envs=8, steps=12, group_size=4, eval_episodes=2)
+        return GRPO(), task, MLPActorCritic(hidden_sizes=(32, 32), init_log_std=-0.5, lr=1e-2)
+    if name == "discrete":
+        task = EmbodiedTask(
+            DISCRETE_ENV, env_kwargs={"max_episode_steps": 12}, num_envs=8, steps=16, eval_metric="return"
+        )
+        algorithm = PPO(update_epochs=4, num_minibatches=4, target_kl=DISCRETE_TARGET_KL)
+        return algorithm, task, MLPActorCritic(hidden_sizes=(32, 32), lr=1e-2)
+    task = EmbodiedTask(ENV, env_kwargs={"max_episode_steps": 4}, num_envs=8, steps=10, eval_episodes=2)
+    return PPO(update_epochs=2, num_minibatches=4), task, MLPActorCritic(hidden_sizes=(32, 32))
+
+
+DISCRETE_TARGET_KL = 0.01
+
+
+def _fit(root, strategy, launcher, devices=2, iterations=3, workload="ppo"):
+    """``iterations`` iterations of a workload (:func:`_workload`) queued as configs run them (no
+    checkpoint or evaluation between); returns the trainer, the summary, each iteration's metrics
+    and the final weights."""
     from trainer_defaults import MetricsRecorder
 
     steps = MetricsRecorder()
+    algorithm, task, policy = _workload(workload)
     trainer = RLTrainer(
-        algorithm=GRPO() if grpo else PPO(update_epochs=2, num_minibatches=4),
+        algorithm=algorithm,
         strategy=strategy,
         launcher=launcher,
         precision="32-true",  # plans compute the same update exactly; bf16 only to its rounding
@@ -90,12 +140,6 @@ def _fit(root, strategy, launcher, devices=2, iterations=3, grpo=False):
         callbacks=[steps],
         timeout_s=120,
     )
-    if grpo:
-        task = EmbodiedTask(ENV, num_envs=8, steps=12, group_size=4, eval_episodes=2)
-        policy = MLPActorCritic(hidden_sizes=(32, 32), init_log_std=-0.5, lr=1e-2)
-    else:
-        task = EmbodiedTask(ENV, env_kwargs={"max_episode_steps": 4}, num_envs=8, steps=10, eval_episodes=2)
-        policy = MLPActorCritic(hidden_sizes=(32, 32))
     summary = trainer.fit(policy, task)
     last = (root / "checkpoints" / "last").read_text()
     return trainer, summary, steps.metrics, load_file(str(root / "checkpoints" / last / "model.safetensors"))
@@ -103,18 +147,19 @@ def _fit(root, strategy, launcher, devices=2, iterations=3, grpo=False):
 
 def _assert_same_run(name, launcher, metrics, weights, ref_metrics, ref_weights):
     assert len(metrics) == len(ref_metrics) == 3 and weights.keys() == ref_weights.keys()
+    optional = ("env/return", "advantage/groups_with_signal", "actor/epochs", "actor/explained_variance")
     for it, (m, r) in enumerate(zip(metrics, ref_metrics, strict=True)):
-        # and what only some iterations report: the returns of the episodes that ended in them
-        for key in (*COMPARED, *(k for k in ("env/return", "advantage/groups_with_signal") if k in r)):
+        # and what only some iterations or workloads report (the returns of the episodes that ended)
+        for key in (*COMPARED, *(k for k in optional if k in r)):
             assert m[key] == pytest.approx(r[key], abs=1e-4), (name, launcher, it, key)
     diff = max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights)
     assert diff <= 1e-4, (name, launcher, diff)
 
 
-def _initial_weights(**policy_kw):
-    env = make_env(ENV, 1)
-    initial = MLPActorCritic(hidden_sizes=(32, 32), **policy_kw)
-    initial.configure_spaces(env.reset(seed=0), env.action_shape)
+def _initial_weights(workload):
+    _, task, initial = _workload(workload)
+    env = make_env(task.env, 1)
+    initial.configure_spaces(env.reset(seed=0), env.action_shape, env.action_choices)
     initial.configure_model()
     env.close()
     return initial.model.state_dict()
@@ -130,21 +175,50 @@ PLANS = {
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    _, _, metrics, weights = _fit(tmp_path_factory.mktemp("ref"), PLANS["collocated_1worker"], "inprocess")
-    moved = max(float((weights[k] - v).abs().max()) for k, v in _initial_weights().items())
-    assert moved > 1e-3  # 24 Adam steps moved the weights well past the tolerance below
-    assert len({round(m["env/return"], 6) for m in metrics}) == 3  # episodes end in every iteration
-    return metrics, weights
+    """The one-worker plan's run of a workload (made once per workload): what every other plan
+    must reproduce."""
+    runs = {}
+
+    def run(workload):
+        if workload not in runs:
+            root = tmp_path_factory.mktemp(workload)
+            _, _, metrics, weights = _fit(root, PLANS["collocated_1worker"], "inprocess", workload=workload)
+            moved = max(float((weights[k] - v).abs().max()) for k, v in _initial_weights(workload).items())
+            assert moved > 1e-3  # the Adam steps moved the weights well past the tolerance below
+            assert any(abs(m["actor/loss"]) > 0 for m in metrics)  # it learned
+            if workload != "grpo":
+                assert len({round(m["env/return"], 6) for m in metrics}) == 3  # episodes end every iteration
+            if workload == "discrete":  # target_kl stopped some iteration early, not all at once
+                assert 1 <= min(m["actor/epochs"] for m in metrics) < 4
+                assert "actor/explained_variance" in metrics[0]
+            runs[workload] = metrics, weights
+        return runs[workload]
+
+    return run
 
 
-@pytest.mark.parametrize("launcher", ["inprocess", "processes", "ray"])
-def test_three_iterations_are_the_same_updates_under_every_plan(tmp_path, reference, launcher):
-    """PPO, three queued iterations: loss, grad norm and episode returns per iteration and the
-    final weights equal the one-worker plan's under every plan (the weights synced to the rollout
-    and the envs carried from one iteration to the next included)."""
+# every workload under every launcher, but the discrete one under ray: what it adds (the
+# categorical head, target_kl's shared decision) is the plans' business, which inprocess and
+# processes cover, and ray's transport is the FetchReach workloads' (a quarter of this test's time)
+EQUIVALENCE = [
+    (workload, launcher)
+    for workload in ("ppo", "grpo", "discrete")
+    for launcher in ("inprocess", "processes", "ray")
+    if (workload, launcher) != ("discrete", "ray")
+]
+
+
+@pytest.mark.parametrize(("workload", "launcher"), EQUIVALENCE)
+def test_three_iterations_are_the_same_updates_under_every_plan(tmp_path, reference, workload, launcher):
+    """Three queued iterations: loss, grad norm and episode returns per iteration (and for PPO the
+    explained variance and the passes ``target_kl`` allowed) and the final weights equal the
+    one-worker plan's under every plan and launcher (the weights synced to the rollout and the
+    envs carried from one iteration to the next included). Workloads: PPO on FetchReach, GRPO over
+    episodes, PPO on CartPole's discrete actions."""
+    ref_metrics, ref_weights = reference(workload)
     for name, strategy in PLANS.items():
-        _, _, metrics, weights = _fit(tmp_path / name, strategy, launcher)
-        _assert_same_run(name, launcher, metrics, weights, *reference)
+        _, _, metrics, weights = _fit(tmp_path / name, strategy, launcher, workload=workload)
+        _assert_same_run(name, launcher, metrics, weights, ref_metrics, ref_weights)
 
 
 def test_an_embodied_fit_logs_success_and_writes_the_summary(tmp_path):
@@ -204,24 +278,6 @@ def test_grpo_groups_share_reset_seeds_and_score_whole_episodes():
     assert stage.end_iteration().compute() == {"groups_with_signal": 0.5}
 
 
-@pytest.fixture(scope="module")
-def grpo_reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grpo_ref")
-    _, _, metrics, weights = _fit(root, PLANS["collocated_1worker"], "inprocess", grpo=True)
-    moved = max(float((weights[k] - v).abs().max()) for k, v in _initial_weights(init_log_std=-0.5).items())
-    assert moved > 1e-3 and any(abs(m["actor/loss"]) > 0 for m in metrics)  # it learned
-    return metrics, weights
-
-
-@pytest.mark.parametrize("launcher", ["inprocess", "processes", "ray"])
-def test_grpo_over_episodes_is_the_same_update_under_every_plan(tmp_path, grpo_reference, launcher):
-    """GRPO over episodes, three queued iterations: the same per-iteration metrics and final
-    weights under every plan (hybrid included) and launcher."""
-    for name, strategy in PLANS.items():
-        _, _, metrics, weights = _fit(tmp_path / name, strategy, launcher, grpo=True)
-        _assert_same_run(name, launcher, metrics, weights, *grpo_reference)
-
-
 def test_training_reset_seeds_never_reach_the_evaluation_episodes_seeds():
     from rlinf_lightning.workflows.embodied import EVAL_SEED, EnvStage
 
@@ -255,3 +311,103 @@ def test_episodes_without_a_success_value_are_counted_not_dropped_silently():
     assert "success" not in pendulum and pendulum["env_steps_total"] == 600.0
     fetch = episodes(ENV, 50)
     assert (fetch["episodes_total"], fetch["episodes_without_success"]) == (3.0, 0.0) and "success" in fetch
+
+
+# -- CartPole (discrete actions) from its config ---------------------------------------------------
+
+CARTPOLE = Path(__file__).parents[1] / "configs" / "embodied_ppo_cartpole.yaml"
+
+
+def _fit_cartpole(root: Path, iterations: int, seed: int = 0) -> tuple[dict, list[float]]:
+    """``rlinf fit`` on the CartPole config for ``iterations`` iterations (the learning rate
+    annealed over them): the summary and each iteration's mean training episode return."""
+    from rlinf_lightning.cli import main
+
+    main(["fit", f"--config={CARTPOLE}", f"--trainer.seed={seed}", f"--trainer.default_root_dir={root}",
+          "--trainer.logger=csv", "--trainer.enable_progress_bar=false",
+          f"--trainer.max_iterations={iterations}", f"--trainer.eval_every={iterations}",
+          f"--trainer.ckpt_every={iterations}",
+          f"--policy.init_args.anneal_lr_steps={iterations * 16}"])  # fmt: skip
+    rows = csv.DictReader((root / "logs" / "version_0" / "metrics.csv").open())
+    returns = [float(r["env/return"]) for r in rows if r.get("env/return")]
+    return json.loads((root / "summary.json").read_text()), returns
+
+
+def test_ppo_learns_cartpole_from_its_config(tmp_path):
+    """40 iterations (20k env steps): the training episodes' return rises from ~22 (a random
+    policy) to over 2.5x that, and the deterministic evaluation from ~10 to over 100 (a policy
+    gradient of the wrong sign stays at ~22 and ~10)."""
+    summary, returns = _fit_cartpole(tmp_path / "run", 40)
+    start, end = sum(returns[:3]) / 3, sum(returns[-5:]) / 5
+    assert start < 30 and end > 2.5 * start, (start, end)
+    assert summary["eval_return_before"] < 20 and summary["eval_return_after"] > 100, summary
+    assert math.isnan(summary["eval_success"])  # CartPole has no success: the headline is the return
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ppo_reaches_475_on_cartpole_within_500k_env_steps(tmp_path, seed):
+    """The config as it is (976 iterations, 499 712 env steps): the deterministic evaluation's
+    mean return and the last 50k env steps' training episodes reach 475 (CleanRL: 490 +- 6)."""
+    summary, returns = _fit_cartpole(tmp_path / "run", 976, seed)
+    assert summary["eval_return_after"] >= 475, summary
+    assert sum(returns[-98:]) / 98 >= 475  # the last 98 iterations that ended episodes (>= 50k steps)
+    assert summary["wall_s"] < 600
+
+
+# -- what the embodied workflow cannot serve: refused before anything loads ----------------------
+
+
+def _refusal(algorithm, task, policy) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        RLTrainer(algorithm=algorithm, devices=1, logger=False).validate(policy, task)
+    return info.value
+
+
+def test_an_algorithm_reading_what_the_embodied_workflow_lacks_is_refused_naming_it():
+    from rlinf_lightning.algorithms import GRPO
+
+    task, policy = EmbodiedTask(DISCRETE_ENV, num_envs=8, group_size=4), MLPActorCritic()
+    error = _refusal(GRPO(kl_coef=0.1), task, policy)  # a KL to a reference: no reference here
+    assert error.keys == ["trainer.algorithm"] and "GRPO reads ref_logprobs" in str(error)
+
+    class Custom:  # says nothing of what it reads
+        def compute_advantages(self, *args): ...
+
+    error = _refusal(Custom(), task, policy)
+    assert error.keys == ["trainer.algorithm"] and "Custom declares no `reads`" in str(error)
+
+
+def test_a_policy_that_cannot_serve_the_envs_actions_is_refused_naming_the_env_and_the_space():
+    from rlinf_lightning.policies import TinyVLA
+
+    error = _refusal(PPO(), EmbodiedTask(DISCRETE_ENV), TinyVLA())
+    assert error.keys == ["task.env"], error
+    assert "CartPole-v1 (actions: discrete, choices (2,))" in str(error) and "continuous" in str(error)
+
+
+def test_every_ppo_option_out_of_range_is_refused_with_one_line_naming_it():
+    bad = {"gamma": 1.5, "gae_lambda": -0.1, "clip_eps": 0.0, "clip_eps_high": -0.2, "dual_clip": 1.0,
+           "value_clip": 0.0, "vf_coef": -1.0, "ent_coef": -0.01, "update_epochs": 0, "num_minibatches": 0,
+           "target_kl": 0.0}  # fmt: skip
+    assert set(bad) == {f.name for f in dataclasses.fields(PPO)} - {"norm_adv"}  # every numeric option
+    RLTrainer(algorithm=PPO(**{k: None for k in ("clip_eps_high", "dual_clip", "value_clip")})).validate()
+    for key, value in bad.items():
+        with pytest.raises(ConfigError) as info:
+            RLTrainer(algorithm=PPO(**{key: value})).validate()
+        assert info.value.keys == [f"trainer.algorithm.{key}"], key
+        assert str(value) in str(info.value) and len(str(info.value).splitlines()) == 2  # header + 1 line
+
+
+def test_explained_variance_hand_computed():
+    """``1 - Var(R - V) / Var(R)``: returns 1..4 against values (1, 2, 3, 3): 1 - 0.1875 / 1.25."""
+    from rlinf_lightning.flow.metrics import Metrics
+    from rlinf_lightning.flow.stage import StageContext
+    from rlinf_lightning.workflows.embodied import PPOActorStage
+
+    stage = PPOActorStage.__new__(PPOActorStage)  # only its batch statistics, no engine
+    stage.ctx = StageContext("cpu", 0, 1, 1, [0])
+    data = TensorDict({"return": torch.tensor([1.0, 2, 3, 4]), "value": torch.tensor([1.0, 2, 3, 3])}, [4])
+    metrics = Metrics()
+    stage._explained_variance(data, metrics)
+    assert metrics.compute()["explained_variance"] == pytest.approx(1 - 0.1875 / 1.25)

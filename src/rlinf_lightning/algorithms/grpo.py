@@ -46,6 +46,14 @@ class GRPO:
     def needs_reference(self) -> bool:
         return self.kl_coef > 0
 
+    @property
+    def reads(self) -> frozenset[str]:
+        """What it reads beyond the policy's log-probs (a workflow refuses an algorithm reading what
+        it does not provide): rewards compared within groups, masks, and with a KL term the
+        reference policy's log-probs."""
+        reference = {"ref_logprobs"} if self.needs_reference else set()
+        return frozenset({"rewards", "group_ids", "masks", "old_logprobs", *reference})
+
     def problems(self) -> list[tuple[str, str]]:
         """``(option, problem)`` pairs for options out of range or names not registered."""
         p = [

@@ -6,9 +6,11 @@ One update, as the embodied workflow runs it (``workflows/embodied.py``):
 1. the env and rollout stages collect ``T`` steps of every env (actions, log-probs, values,
    rewards, terminations, truncations with the value of the final observation);
 2. ``AdvantageStage`` -> :meth:`PPO.compute_advantages` (:func:`algorithms.advantages.gae`);
-3. ``PPOActorStage.end_iteration``: advantages normalised over the whole batch, then
-   ``update_epochs`` passes over ``num_minibatches`` minibatches, each an optimizer step on
-   :meth:`PPO.loss` (``policy.evaluate`` gives new log-probs, entropy and values).
+3. ``PPOActorStage.end_iteration``: the critic's explained variance of the returns, advantages
+   normalised over the whole batch, then ``update_epochs`` passes over ``num_minibatches``
+   minibatches, each an optimizer step on :meth:`PPO.loss` (``policy.evaluate`` gives new
+   log-probs, entropy and values); with ``target_kl``, no further pass once the last minibatch's
+   approximate KL exceeds it (CleanRL's early stop).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class PPO:
         update_epochs: passes over the iteration's samples.
         num_minibatches: optimizer steps per pass.
         norm_adv: normalise advantages over the iteration's batch.
+        target_kl: stop the iteration's passes early once the approximate KL of a pass's last
+            minibatch to the rollout policy exceeds this (CleanRL's ``target_kl``; ``None``: all
+            ``update_epochs`` passes).
     """
 
     gamma: float = 0.99
@@ -50,8 +55,40 @@ class PPO:
     update_epochs: int = 4
     num_minibatches: int = 4
     norm_adv: bool = True
+    target_kl: float | None = None
 
     needs_reference = False
+    #: what it reads beyond the policy's log-probs (a workflow refuses an algorithm reading what it
+    #: does not provide): each step's reward, the critic's values and where episodes end
+    reads = frozenset({"rewards", "values", "dones", "old_logprobs"})
+
+    def problems(self) -> list[tuple[str, str]]:
+        """``(option, problem)`` pairs for options out of range."""
+        p = [
+            (key, f"must be in [0, 1], got {getattr(self, key)}")
+            for key in ("gamma", "gae_lambda")
+            if not 0.0 <= getattr(self, key) <= 1.0
+        ]
+        if not self.clip_eps > 0:
+            p.append(("clip_eps", f"must be > 0, got {self.clip_eps}"))
+        p += [
+            (key, f"must be > 0 or null (off), got {getattr(self, key)}")
+            for key in ("clip_eps_high", "value_clip", "target_kl")
+            if getattr(self, key) is not None and not getattr(self, key) > 0
+        ]
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            p.append(("dual_clip", f"must be > 1 or null (no dual clip), got {self.dual_clip}"))
+        p += [
+            (key, f"must be >= 0, got {getattr(self, key)}")
+            for key in ("vf_coef", "ent_coef")
+            if not getattr(self, key) >= 0
+        ]
+        p += [
+            (key, f"must be >= 1, got {getattr(self, key)}")
+            for key in ("update_epochs", "num_minibatches")
+            if getattr(self, key) < 1
+        ]
+        return p
 
     def compute_advantages(
         self,

@@ -52,9 +52,13 @@ class EnvBatch(ABC):
 
     Attributes:
         num_envs: how many environments.
-        action_shape: the shape of one environment's action (continuous, in ``[action_low,
-            action_high]``; discrete action spaces are not supported yet).
-        action_low / action_high: float32 tensors of ``action_shape``.
+        action_shape: the shape of one environment's action, in ``[action_low, action_high]``.
+        action_low / action_high: tensors of ``action_shape``: float32 for continuous actions;
+            int64 ``0`` and ``choices - 1`` for discrete ones.
+        action_choices: ``None`` for continuous actions; for discrete ones, the number of
+            choices of each action entry in row-major order (``Discrete(n)``: ``(n,)`` with
+            ``action_shape`` ``()``), an action entry being an int64 index in ``[0, choices)``
+            (the adapter adds a space's ``start``).
         max_episode_steps: the time limit of an episode, when the env has one.
     """
 
@@ -62,6 +66,7 @@ class EnvBatch(ABC):
     action_shape: tuple[int, ...]
     action_low: torch.Tensor
     action_high: torch.Tensor
+    action_choices: tuple[int, ...] | None = None
     max_episode_steps: int | None = None
 
     @abstractmethod

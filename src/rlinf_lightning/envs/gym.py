@@ -3,7 +3,8 @@
 ``gymnasium.make_vec`` in the same process (``sync``), auto-reset in the same step (gymnasium's
 ``SAME_STEP`` mode: the final observation comes in ``info["final_obs"]``). Ids of
 gymnasium-robotics (``FetchReachDense-v4``, ...) are registered on first use when the package is
-installed. Dict observations become one entry per key; images stay uint8.
+installed. Dict observations become one entry per key; images stay uint8. Actions are a ``Box``
+(continuous) or discrete: ``Discrete``, ``MultiDiscrete``, ``MultiBinary`` (``EnvBatch.action_choices``).
 """
 
 from __future__ import annotations
@@ -65,14 +66,26 @@ class GymEnvBatch(EnvBatch):
             **kwargs,
         )
         space = self.env.single_action_space
-        if not isinstance(space, gym.spaces.Box):
-            raise ValueError(
-                f"env {env_id!r}: only continuous (Box) action spaces are supported, got {space}"
-            )
         self.num_envs = num_envs
-        self.action_shape = tuple(space.shape)
-        self.action_low = torch.as_tensor(space.low, dtype=torch.float32)
-        self.action_high = torch.as_tensor(space.high, dtype=torch.float32)
+        self.action_shape = tuple(space.shape or ())
+        self._start: np.ndarray | None = None  # a discrete space's first value (indexes start at 0)
+        if isinstance(space, gym.spaces.Box):
+            self.action_low = torch.as_tensor(space.low, dtype=torch.float32)
+            self.action_high = torch.as_tensor(space.high, dtype=torch.float32)
+        elif isinstance(space, gym.spaces.Discrete | gym.spaces.MultiDiscrete | gym.spaces.MultiBinary):
+            # choices per entry: Discrete's n, MultiDiscrete's nvec, MultiBinary's 2 (its n is its shape)
+            per_entry = space.n if isinstance(space, gym.spaces.Discrete) else getattr(space, "nvec", 2)
+            choices = np.broadcast_to(per_entry, self.action_shape)
+            self._start = np.asarray(getattr(space, "start", 0), dtype=np.int64)
+            self.action_choices = tuple(int(c) for c in choices.reshape(-1))
+            self.action_low = torch.zeros(self.action_shape, dtype=torch.long)
+            self.action_high = torch.as_tensor(choices - 1, dtype=torch.long)
+        else:
+            self.env.close()
+            raise ValueError(
+                f"env {env_id!r}: action space {space} is not served (Box, Discrete, MultiDiscrete "
+                "or MultiBinary)"
+            )
         spec = self.env.spec
         self.max_episode_steps = spec.max_episode_steps if spec is not None else None
 
@@ -82,7 +95,10 @@ class GymEnvBatch(EnvBatch):
         return to_tensordict(obs, self.num_envs)
 
     def step(self, actions: torch.Tensor) -> Step:
-        obs, reward, terminated, truncated, info = self.env.step(actions.detach().cpu().numpy())
+        actions = actions.detach().cpu().numpy()
+        if self._start is not None:
+            actions = actions.astype(np.int64) + self._start
+        obs, reward, terminated, truncated, info = self.env.step(actions)
         n = self.num_envs
         done = np.logical_or(terminated, truncated)
         success = np.full(n, np.nan, dtype=np.float32)

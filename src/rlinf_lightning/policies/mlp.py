@@ -1,16 +1,20 @@
-"""MLPActorCritic: a Gaussian policy and a value function on state observations (CleanRL's PPO net).
+"""MLPActorCritic: a policy and a value function on state observations (CleanRL's PPO nets).
 
 Two MLPs (tanh, orthogonal initialisation; the policy's last layer at gain 0.01, the value's at
-1) over the concatenated observation entries, and a state-independent log standard deviation.
-Built from sizes (``obs_dim``/``action_dim``, which an embodied task fills in from its env before
-the policy is sent to the workers) with a seeded initialisation, so every replica starts from the
-same weights; or loaded from a directory written by :meth:`save_pretrained`.
+1) over the concatenated observation entries. The policy's head follows the env's action space:
+continuous actions get a Gaussian with a state-independent log standard deviation
+(``ppo_continuous_action.py``), discrete ones a categorical per action entry (``ppo.py``; a
+``MultiDiscrete`` space's entries are independent, their logits padded to the widest entry). Built
+from sizes (``obs_dim``, ``action_dim``, ``action_choices``, which an embodied task fills in from
+its env before the policy is sent to the workers) with a seeded initialisation, so every replica
+starts from the same weights; or loaded from a directory written by :meth:`save_pretrained`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,25 +40,46 @@ def _mlp(n_in: int, hidden: tuple[int, ...], n_out: int, last_gain: float) -> nn
 
 
 class ActorCriticNet(nn.Module):
+    """The actor's output is ``action_dim`` means (with ``log_std``) or, given ``action_choices``,
+    ``action_dim x max(choices)`` logits."""
+
     def __init__(
-        self, obs_dim: int, action_dim: int, hidden_sizes: tuple[int, ...], init_log_std: float
+        self,
+        obs_dim: int,
+        action_dim: int,
+        hidden_sizes: tuple[int, ...],
+        init_log_std: float,
+        action_choices: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
-        self.actor = _mlp(obs_dim, hidden_sizes, action_dim, 0.01)
+        width = action_dim if action_choices is None else action_dim * max(action_choices)
+        self.actor = _mlp(obs_dim, hidden_sizes, width, 0.01)
         self.critic = _mlp(obs_dim, hidden_sizes, 1, 1.0)
-        self.log_std = nn.Parameter(torch.full((action_dim,), float(init_log_std)))
+        if action_choices is None:
+            self.log_std = nn.Parameter(torch.full((action_dim,), float(init_log_std)))
+
+
+def _noise(
+    draw: Callable[..., torch.Tensor], shape: torch.Size, generators: list[torch.Generator] | None
+) -> torch.Tensor:
+    """``draw(shape)`` (``torch.randn``, ``torch.rand``); row ``i`` from ``generators[i]`` when given."""
+    if generators is None:
+        return draw(shape)
+    return torch.stack([draw(shape[1:], generator=g) for g in generators])
 
 
 class MLPActorCritic(RLModule):
-    """A Gaussian actor-critic MLP for state observations.
+    """An actor-critic MLP for state observations, Gaussian or categorical by the env's actions.
 
     Args:
         model_path: a directory written by :meth:`save_pretrained` (sizes and weights); ``None``
             builds a new network from ``hidden_sizes`` and the env's sizes.
         hidden_sizes: hidden layer widths of both MLPs.
         obs_keys: the observation entries to concatenate, in order (``None``: all, sorted by name).
-        init_log_std: initial log standard deviation of the actions.
+        init_log_std: initial log standard deviation of continuous actions.
         lr: Adam learning rate.
+        anneal_lr_steps: decay the learning rate linearly to 0 over this many optimizer steps
+            (CleanRL's ``anneal_lr``: iterations x update epochs x minibatches); ``None`` keeps it.
         max_grad_norm: clip the global gradient norm to this before each step (0 disables).
         seed: seeds the initialisation of a new network (the same on every replica).
     """
@@ -66,6 +91,7 @@ class MLPActorCritic(RLModule):
         obs_keys: list[str] | None = None,
         init_log_std: float = 0.0,
         lr: float = 3e-4,
+        anneal_lr_steps: int | None = None,
         max_grad_norm: float = 0.5,
         seed: int = 0,
     ) -> None:
@@ -75,10 +101,12 @@ class MLPActorCritic(RLModule):
         self.obs_keys = list(obs_keys) if obs_keys is not None else None
         self.init_log_std = init_log_std
         self.lr = lr
+        self.anneal_lr_steps = anneal_lr_steps
         self.max_grad_norm = max_grad_norm
         self.seed = seed
         self.obs_dim: int | None = None
-        self.action_dim: int | None = None
+        self.action_dim: int | None = None  # action entries per policy call
+        self.action_choices: tuple[int, ...] | None = None  # per entry, for discrete actions
         self.model: ActorCriticNet | None = None
 
     def validate_config(self) -> list[tuple[str, str]]:
@@ -90,6 +118,9 @@ class MLPActorCritic(RLModule):
             )
         if self.lr <= 0:
             problems.append(("lr", f"must be > 0, got {self.lr}"))
+        if self.anneal_lr_steps is not None and self.anneal_lr_steps < 1:
+            why = f"must be >= 1 or null (no annealing), got {self.anneal_lr_steps}"
+            problems.append(("anneal_lr_steps", why))
         if not self.hidden_sizes or min(self.hidden_sizes) < 1:
             problems.append(("hidden_sizes", f"must be positive widths, got {list(self.hidden_sizes)}"))
         return problems
@@ -99,22 +130,33 @@ class MLPActorCritic(RLModule):
         self.hidden_sizes = tuple(config["hidden_sizes"])
         self.obs_keys = config["obs_keys"]
         self.obs_dim, self.action_dim = config["obs_dim"], config["action_dim"]
+        choices = config.get("action_choices")
+        self.action_choices = tuple(choices) if choices is not None else None
 
-    def configure_spaces(self, obs: TensorDict, action_shape: tuple[int, ...]) -> None:
-        """Take the network's sizes from an example observation batch and the env's action shape
-        (for a saved network: check that they match)."""
+    def configure_spaces(
+        self, obs: TensorDict, action_shape: tuple[int, ...], action_choices: tuple[int, ...] | None = None
+    ) -> None:
+        """Take the network's sizes from an example observation batch and the env's action shape,
+        and its head from ``action_choices`` (``None``: continuous actions; else the choices of
+        each action entry, see ``EnvBatch``); for a saved network, check that they match."""
         if self.model_path is not None:
             self._load_config()
         if self.obs_keys is None:
             self.obs_keys = sorted(k for k, v in obs.items() if isinstance(v, torch.Tensor))
         obs_dim = int(self.features(obs).shape[-1])
         action_dim = int(math.prod(action_shape))
-        if self.model_path is not None and (obs_dim, action_dim) != (self.obs_dim, self.action_dim):
+        choices = tuple(int(c) for c in action_choices) if action_choices is not None else None
+        if choices is not None and len(choices) != action_dim:
+            raise ValueError(f"{len(choices)} action choices for {action_dim} action entries")
+        if self.model_path is not None and (obs_dim, action_dim, choices) != (
+            self.obs_dim, self.action_dim, self.action_choices
+        ):  # fmt: skip
             raise ValueError(
                 f"{self.model_path}: the network takes {self.obs_dim} observation and {self.action_dim} "
-                f"action dimensions, the env has {obs_dim} and {action_dim}"
+                f"action dimensions (choices {self.action_choices}), the env has {obs_dim} and "
+                f"{action_dim} (choices {choices})"
             )
-        self.obs_dim, self.action_dim = obs_dim, action_dim
+        self.obs_dim, self.action_dim, self.action_choices = obs_dim, action_dim, choices
 
     def features(self, obs: TensorDict) -> torch.Tensor:
         keys = self.obs_keys if self.obs_keys is not None else sorted(obs.keys())
@@ -130,7 +172,9 @@ class MLPActorCritic(RLModule):
             raise ValueError("MLPActorCritic needs its sizes: call configure_spaces(obs, action_shape) first")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            self.model = ActorCriticNet(self.obs_dim, self.action_dim, self.hidden_sizes, self.init_log_std)
+            self.model = ActorCriticNet(
+                self.obs_dim, self.action_dim, self.hidden_sizes, self.init_log_std, self.action_choices
+            )
         if self.model_path is not None:
             from safetensors.torch import load_file
 
@@ -141,30 +185,44 @@ class MLPActorCritic(RLModule):
         weights are not (the generic count would load them)."""
         return count_without_loading(self)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> torch.optim.Optimizer | dict:
         assert self.model is not None, "configure_model() first"
-        return torch.optim.Adam(self.model.parameters(), lr=self.lr, eps=1e-5)
+        optimizer = torch.optim.Adam(self.model.parameters(), lr=self.lr, eps=1e-5)
+        if self.anneal_lr_steps is None:
+            return optimizer
+        decay = torch.optim.lr_scheduler.LambdaLR(optimizer, _LinearDecay(self.anneal_lr_steps))
+        return {"optimizer": optimizer, "lr_scheduler": decay}
 
-    def _dist(self, obs: TensorDict) -> tuple[torch.distributions.Normal, torch.Tensor]:
+    def _dist(self, obs: TensorDict) -> tuple[torch.distributions.Distribution, torch.Tensor]:
+        """The action distribution over ``[B, action_dim]`` entries (independent; ``log_prob``
+        and ``entropy`` per entry) and the features it came from."""
         x = self.features(obs)
-        mean = self.model.actor(x)
-        return torch.distributions.Normal(mean, self.model.log_std.exp().expand_as(mean)), x
+        out = self.model.actor(x)
+        if self.action_choices is None:
+            return torch.distributions.Normal(out, self.model.log_std.exp().expand_as(out)), x
+        choices = torch.tensor(self.action_choices, device=out.device)
+        logits = out.reshape(*out.shape[:-1], len(self.action_choices), -1)
+        padding = torch.arange(logits.shape[-1], device=out.device) >= choices[:, None]
+        return torch.distributions.Categorical(logits=logits.masked_fill(padding, float("-inf"))), x
 
     def act(
         self, obs: TensorDict, deterministic: bool = False, generators: list[torch.Generator] | None = None
     ) -> TensorDict:
-        """Actions (sampled, or the mean), their log-probs and the values of ``obs``. Row ``i``'s
-        noise comes from ``generators[i]`` when given, so a row's action does not depend on which
-        other rows share its batch."""
+        """Actions (sampled, or the most likely), their log-probs and the values of ``obs``. Row
+        ``i``'s noise comes from ``generators[i]`` when given, so a row's action does not depend on
+        which other rows share its batch."""
         dist, x = self._dist(obs)
-        if deterministic:
+        if isinstance(dist, torch.distributions.Categorical):  # Gumbel-max: a sample of the logits
+            logits = dist.logits
+            if deterministic:
+                action = logits.argmax(-1)
+            else:
+                u = _noise(torch.rand, logits.shape, generators).clamp_min(torch.finfo(torch.float32).tiny)
+                action = (logits - torch.log(-torch.log(u)).to(logits.device, logits.dtype)).argmax(-1)
+        elif deterministic:
             action = dist.mean
         else:
-            shape = dist.mean.shape[1:]
-            if generators is not None:
-                noise = torch.stack([torch.randn(shape, generator=g) for g in generators])
-            else:
-                noise = torch.randn(dist.mean.shape)
+            noise = _noise(torch.randn, dist.mean.shape, generators)
             action = dist.mean + dist.stddev * noise.to(dist.mean.device, dist.mean.dtype)
         return TensorDict(
             {
@@ -181,7 +239,7 @@ class MLPActorCritic(RLModule):
     def evaluate(self, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(log-prob of batch["action"], entropy, value)`` under the current parameters."""
         dist, x = self._dist(batch["obs"])
-        action = batch["action"].reshape(dist.mean.shape)
+        action = batch["action"].reshape(dist.batch_shape)
         return dist.log_prob(action).sum(-1), dist.entropy().sum(-1), self.model.critic(x).squeeze(-1)
 
     def save_pretrained(self, path: str | Path) -> Path:
@@ -191,9 +249,20 @@ class MLPActorCritic(RLModule):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         config = {"hidden_sizes": list(self.hidden_sizes), "obs_keys": self.obs_keys, "obs_dim": self.obs_dim,
-                  "action_dim": self.action_dim}  # fmt: skip
+                  "action_dim": self.action_dim, "action_choices": self.action_choices}  # fmt: skip
         (path / "config.json").write_text(json.dumps(config, indent=1))
         save_file(
             {k: v.contiguous() for k, v in self.model.state_dict().items()}, str(path / "model.safetensors")
         )
         return path
+
+
+class _LinearDecay:
+    """The learning-rate factor ``1 - step / steps`` (0 from ``steps`` on); a class, so the
+    scheduler's state (saved with checkpoints) pickles."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def __call__(self, step: int) -> float:
+        return max(0.0, 1.0 - step / self.steps)

@@ -22,7 +22,10 @@ class RLModule(torch.nn.Module):
 
     A language-model policy implements :meth:`forward_logprobs`; an embodied actor-critic
     implements ``act(obs, deterministic, generator) -> TensorDict(action, logprob, value)``,
-    ``value(obs)`` and ``evaluate(batch) -> (logprob, entropy, value)`` (see ``MLPActorCritic``).
+    ``value(obs)`` and ``evaluate(batch) -> (logprob, entropy, value)`` (see ``MLPActorCritic``),
+    and may size itself from the env in ``configure_spaces(obs, action_shape, action_choices)``
+    (``action_choices``: ``None`` for continuous actions, else the choices of each discrete entry;
+    a ``ValueError`` there refuses the env before any worker starts).
     """
 
     def __init__(self) -> None:

@@ -332,10 +332,14 @@ class TinyVLA(RLModule):
         if self.default_instruction is None:
             self.default_instruction = config["default_instruction"]
 
-    def configure_spaces(self, obs: TensorDict, action_shape: tuple[int, ...]) -> None:
+    def configure_spaces(
+        self, obs: TensorDict, action_shape: tuple[int, ...], action_choices: tuple[int, ...] | None = None
+    ) -> None:
         """Take the proprioception size from an example observation batch and ``(chunk,
         action_dim)`` from the action shape (a 1-d shape is one step); for a saved model, check
-        that they match it."""
+        that they match it. Its actions are continuous: discrete ones (``action_choices``) are refused."""
+        if action_choices is not None:
+            raise ValueError("TinyVLA emits continuous actions, not discrete ones")
         if "rgb" not in obs.keys():
             raise ValueError(f"TinyVLA needs an 'rgb' image observation; the env gives {sorted(obs.keys())}")
         state = obs.get("state") if "state" in obs.keys() else None

@@ -12,7 +12,7 @@ from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.tasks.base import RunSpec, Task
-from rlinf_lightning.workflows.embodied import EVAL_SEED, embodied_workflow
+from rlinf_lightning.workflows.embodied import EVAL_SEED, advantage_mode, embodied_workflow
 
 if TYPE_CHECKING:
     from rlinf_lightning.launchers.base import Runtime
@@ -26,19 +26,22 @@ class EmbodiedTask(Task):
     env/policy pipelining of RLinf: while one shard simulates, the policy infers for another).
 
     Args:
-        env: an ``ENVS`` name (plugins: ManiSkill3, LIBERO) or a gymnasium id (``FetchReachDense-v4``).
+        env: an ``ENVS`` name (plugins: ManiSkill3, LIBERO) or a gymnasium id (``FetchReachDense-v4``,
+            ``CartPole-v1``; continuous or discrete actions, as the policy serves them).
         env_kwargs: keyword arguments of the env factory (e.g. ``obs_mode``).
         num_envs: environments stepped in parallel.
         steps: actions per env per iteration.
         chunk: env steps per action (action chunks, executed open-loop).
         eval_episodes: deterministic episodes (one per env) per evaluation.
+        eval_metric: the evaluation's headline, reported before and after training: ``success``
+            (the rate of episodes the env calls a success) or ``return`` (for an env without a
+            notion of success, e.g. CartPole).
         group_size: for GRPO over episodes (``trainer.algorithm: grpo``): envs per group, reset
             with the same seed (at least 2; ``num_envs`` a multiple of it). Each iteration then
             runs new episodes of ``steps`` steps.
     """
 
     input_keys = ("shard", "first_env", "envs")
-    eval_metric = "success"
     headline = {"env/return": "return", "env/success": "success"}
 
     def __init__(
@@ -50,10 +53,11 @@ class EmbodiedTask(Task):
         chunk: int = 1,
         eval_episodes: int = 16,
         group_size: int = 8,
+        eval_metric: str = "success",
     ) -> None:
         self.env, self.env_kwargs = env, dict(env_kwargs or {})
         self.num_envs, self.steps, self.chunk = num_envs, steps, chunk
-        self.eval_episodes, self.group_size = eval_episodes, group_size
+        self.eval_episodes, self.group_size, self.eval_metric = eval_episodes, group_size, eval_metric
 
     def validate_config(self) -> list[tuple[str, str]]:
         problems = []
@@ -64,24 +68,33 @@ class EmbodiedTask(Task):
             problems.append(
                 ("group_size", f"must be >= 2 (GRPO compares a group's episodes), got {self.group_size}")
             )
+        if self.eval_metric not in ("success", "return"):
+            problems.append(("eval_metric", f"must be success or return, got {self.eval_metric!r}"))
         if why := check_env(self.env):
             problems.append(("env", f"{why}; registered: {', '.join(ENVS)}"))
         return problems
 
     @staticmethod
     def _episodic(run: RunSpec) -> bool:
-        """GRPO over episodes (an algorithm without a critic's GAE) groups envs."""
-        return not hasattr(run.algorithm, "gae_lambda")
+        """GRPO over episodes (an algorithm reading no values) groups envs; an algorithm the
+        workflow cannot serve is a ``ConfigError``."""
+        return advantage_mode(run.algorithm) == "episodes"
 
-    def _spaces(self, seed: int) -> tuple[TensorDict, tuple[int, ...]]:
-        """One env's observation and the action shape of a policy call (``chunk`` steps), from a
-        probe env made once per task (the policy sizes itself from them)."""
+    def _spaces(self, seed: int) -> tuple[TensorDict, tuple[int, ...], tuple[int, ...] | None]:
+        """One env's observation, the action shape of a policy call (``chunk`` steps) and, for
+        discrete actions, the choices of each of its entries: from a probe env made once per task
+        (the policy sizes itself and picks its head from them)."""
         if not hasattr(self, "_probed"):
             from rlinf_lightning.envs import make_env
 
             probe = make_env(self.env, 1, **self.env_kwargs)
             try:
-                self._probed = (probe.reset(seed), (self.chunk, *probe.action_shape))
+                choices = probe.action_choices
+                self._probed = (
+                    probe.reset(seed),
+                    (self.chunk, *probe.action_shape),
+                    None if choices is None else tuple(choices) * self.chunk,
+                )
             finally:
                 probe.close()
         return self._probed
@@ -100,11 +113,18 @@ class EmbodiedTask(Task):
             raise ConfigError([("task.group_size", why)])
 
         try:  # one env made here, before any worker: a bad keyword is one line, not a worker's traceback
-            spaces = self._spaces(run.seed)
+            obs, shape, choices = self._spaces(run.seed)
         except TypeError as exc:
             raise ConfigError([("task.env_kwargs", f"{self.env}: {exc}")]) from exc
+        except ValueError as exc:  # an action space no policy here serves
+            raise ConfigError([("task.env", str(exc))]) from exc
         if hasattr(policy, "configure_spaces"):
-            policy.configure_spaces(*spaces)
+            try:
+                policy.configure_spaces(obs, shape, action_choices=choices)
+            except ValueError as exc:
+                space = f"continuous {shape[1:]}" if choices is None else f"discrete, choices {choices}"
+                why = f"{self.env} (actions: {space}) does not suit {type(policy).__name__}: {exc}"
+                raise ConfigError([("task.env", why)]) from exc
         return embodied_workflow(
             policy=policy,
             algorithm=run.algorithm,
@@ -134,7 +154,8 @@ class EmbodiedTask(Task):
         ]
 
     def evaluate(self, runtime: Runtime) -> dict[str, float]:
-        """Success rate and return of deterministic episodes with the current weights."""
+        """Success rate and return of deterministic episodes with the current weights (``eval_metric``
+        names the headline)."""
         return runtime.call(
             runtime.workflow.roles["evaluate"],
             "evaluate",

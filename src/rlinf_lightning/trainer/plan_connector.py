@@ -67,16 +67,16 @@ class PlanConnector:
     def problems(self, policy: Any, task: Any, run: RunSpec) -> list[tuple[str, str]]:
         """Builds the plan and returns what is wrong with it: the requested micro-batch against the
         task's batch, a stage the placement cannot serve, or more memory than the devices have."""
-        mbs, shape = run.micro_batch_size, task.batch_shape(run)
-        if mbs and (mbs % shape.group_size or shape.rollout_batch_size % mbs):
-            return [
-                (
-                    "trainer.micro_batch_size",
-                    f"{mbs} must be a multiple of the task's unit of {shape.group_size} samples "
-                    f"that divides its {shape.rollout_batch_size} samples per iteration",
-                )
-            ]
         try:
+            mbs, shape = run.micro_batch_size, task.batch_shape(run)
+            if mbs and (mbs % shape.group_size or shape.rollout_batch_size % mbs):
+                return [
+                    (
+                        "trainer.micro_batch_size",
+                        f"{mbs} must be a multiple of the task's unit of {shape.group_size} samples "
+                        f"that divides its {shape.rollout_batch_size} samples per iteration",
+                    )
+                ]
             workflow, plan = self.build(policy, task, run)
         except ConfigError as exc:  # the task found a setting its workflow cannot serve
             return exc.problems

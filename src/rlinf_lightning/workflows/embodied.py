@@ -11,11 +11,13 @@ downstream. Episodes run on across iterations. The rollout draws each env's acti
 generator seeded by ``(seed, env id, global step)``, so the trajectories do not depend on how the
 plan cut the envs into shards or placed them.
 
-Two algorithms: PPO (a critic; GAE over the steps) and GRPO over episodes as RLinf offers it (no
-critic): every iteration starts new episodes, the envs of a group reset with the same seed, each
-episode gets one score (success at any step), scores are normalised within the group, every step of
-an episode until its first end carries its score's advantage, and groups whose episodes all
-succeeded or all failed are dropped (they carry no signal).
+Two ways to advantages, chosen by what the algorithm ``reads`` (:func:`advantage_mode`): GAE
+over the steps with the critic's values (PPO), or GRPO over episodes as RLinf offers it (no critic):
+every iteration starts new episodes, the envs of a group reset with the same seed, each episode gets
+one score (success at any step), scores are normalised within the group, every step of an episode
+until its first end carries its score's advantage, and groups whose episodes all succeeded or all
+failed are dropped (they carry no signal). An algorithm reading anything else is refused before
+anything loads.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tensordict import TensorDict
 from rlinf_lightning.algorithms.advantages import groups_with_signal
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.envs import EnvBatch, make_env
+from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.flow.memory import weights_part
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
@@ -44,6 +47,27 @@ EVAL_SEED = 2**31
 #: evaluation's cap on an episode when the env declares no time limit: a policy that never ends an
 #: episode costs bounded time instead of hanging the run
 EVAL_MAX_STEPS = 10_000
+#: what the workflow gives an algorithm, by the way it computes advantages: GAE over each step's
+#: reward with the critic's values, or one score per episode compared within a group of envs
+PROVIDES = {
+    "gae": frozenset({"rewards", "values", "dones", "old_logprobs"}),
+    "episodes": frozenset({"rewards", "group_ids", "masks", "old_logprobs"}),
+}
+
+
+def advantage_mode(algorithm: Any) -> str:
+    """The ``PROVIDES`` entry that serves ``algorithm`` (``gae`` when it reads values, else
+    ``episodes``); a :class:`ConfigError` naming what it reads that neither provides."""
+    reads = frozenset(getattr(algorithm, "reads", ()))
+    name = type(algorithm).__name__
+    if not reads:
+        raise ConfigError([("trainer.algorithm", f"{name} declares no `reads` (the inputs it needs)")])
+    mode = "gae" if "values" in reads else "episodes"
+    if missing := sorted(reads - PROVIDES[mode]):
+        why = (f"{name} reads {', '.join(missing)}, which the embodied workflow does not provide "
+               f"(it gives {', '.join(sorted(PROVIDES[mode]))})")  # fmt: skip
+        raise ConfigError([("trainer.algorithm", why)])
+    return mode
 
 
 @dataclass
@@ -416,10 +440,11 @@ class PPOLoss:
 
 class PPOActorStage(TrainStage):
     """Keeps the iteration's samples; at its end, ``update_epochs`` passes of ``num_minibatches``
-    optimizer steps on ``loss`` (PPO's, or GRPO's over episodes). Minibatches are cut by a
-    permutation of the *global* sample ids (seeded by iteration and epoch), and advantages
-    normalised over the whole batch, so replicas of a data-parallel group together take exactly
-    the steps one replica would."""
+    optimizer steps on ``loss`` (PPO's, or GRPO's over episodes), fewer passes when the
+    algorithm's ``target_kl`` stops them. Minibatches are cut by a permutation of the *global*
+    sample ids (seeded by iteration and epoch), and advantages normalised (and the explained
+    variance and early-stop KL measured) over the whole batch, so replicas of a data-parallel group
+    together take exactly the steps one replica would."""
 
     name = "actor"
 
@@ -438,6 +463,7 @@ class PPOActorStage(TrainStage):
         self.update_epochs = getattr(algorithm, "update_epochs", 1)
         self.num_minibatches = getattr(algorithm, "num_minibatches", 1)
         self.norm_adv = getattr(algorithm, "norm_adv", False)
+        self.target_kl = getattr(algorithm, "target_kl", None)
 
     def begin_iteration(self, iteration: int) -> None:
         self.iteration, self.buffer = iteration, []
@@ -446,21 +472,48 @@ class PPOActorStage(TrainStage):
         self.buffer.append(batch)
         return None
 
+    def _moments(self, *columns: torch.Tensor) -> tuple[list[tuple[float, float]], float]:
+        """Each column's mean and (population) variance over the whole batch, every replica's
+        samples pooled, and the number of samples."""
+        x = [c.double() for c in columns]
+        sums = [c.sum() for c in x] + [(c**2).sum() for c in x] + [torch.tensor(float(len(x[0])))]
+        totals = torch.stack(sums).to(torch.float64)
+        self.ctx.all_reduce([totals])
+        *moments, count = totals.tolist()
+        k, n = len(x), max(count, 1.0)
+        return [(moments[i] / n, moments[k + i] / n - (moments[i] / n) ** 2) for i in range(k)], count
+
     def _normalize(self, data: TensorDict | None) -> None:
         adv = data["advantage"] if data is not None else torch.zeros(0)
-        moments = torch.tensor([adv.sum(), (adv.double() ** 2).sum(), len(adv)], dtype=torch.float64)
-        self.ctx.all_reduce([moments])
-        total, squares, count = moments.tolist()
-        mean = total / max(count, 1.0)
-        std = max((squares / max(count, 1.0) - mean**2) * count / max(count - 1, 1.0), 0.0) ** 0.5
+        [(mean, var)], count = self._moments(adv)
+        std = max(var * count / max(count - 1, 1.0), 0.0) ** 0.5
         if data is not None:
             data["advantage"] = (adv - mean) / (std + 1e-8)
 
+    def _explained_variance(self, data: TensorDict | None, metrics: Metrics) -> None:
+        """CleanRL's ``1 - Var(returns - values) / Var(returns)`` of the rollout's values, over
+        the whole batch: how much of the returns the critic predicts (1: all; <= 0: nothing)."""
+        returns = data["return"] if data is not None else torch.zeros(0)
+        error = returns.double() - data["value"].double() if data is not None else torch.zeros(0)
+        [(_, var_returns), (_, var_error)], _ = self._moments(returns, error)
+        if var_returns > 0:
+            metrics.mean("explained_variance", 1.0 - var_error / var_returns)
+
+    def _kl_exceeded(self, kl_sum: float, count: float) -> bool:
+        """Whether the approximate KL of a pass's last minibatch (summed over the replicas) is
+        above ``target_kl``: every replica decides alike."""
+        totals = torch.tensor([kl_sum, count], dtype=torch.float64)
+        self.ctx.all_reduce([totals])
+        return bool(totals[1] > 0) and float(totals[0] / totals[1]) > self.target_kl
+
     def end_iteration(self) -> Metrics:
         data = torch.cat(self.buffer) if self.buffer else None
+        metrics = Metrics()
+        if "return" in self.loss.in_keys:
+            self._explained_variance(data, metrics)
         if self.norm_adv:
             self._normalize(data)
-        metrics = Metrics()
+        epochs = 0
         for epoch in range(self.update_epochs):
             g = torch.Generator().manual_seed(row_seed(self.seed, self.iteration, epoch))
             position = torch.empty(self.total_samples, dtype=torch.long)
@@ -471,11 +524,18 @@ class PPOActorStage(TrainStage):
                 else None
             )
             for m in range(self.num_minibatches):
+                kl_sum, count = 0.0, 0.0
                 if data is not None and bool((minibatch == m).any()):
                     mb = data[minibatch == m]
-                    for k, v in self.engine.accumulate(mb, self.loss).items():
+                    stats = self.engine.accumulate(mb, self.loss)
+                    for k, v in stats.items():
                         metrics.mean(k, v, len(mb))
+                    kl_sum, count = stats.get("approx_kl", 0.0) * len(mb), float(len(mb))
                 metrics.merge(self.engine.step())
+            epochs += 1
+            if self.target_kl is not None and self._kl_exceeded(kl_sum, count):
+                break
+        metrics.mean("epochs", epochs)
         return metrics
 
 
@@ -492,10 +552,10 @@ def embodied_workflow(
     train: TrainSpec,
     seed: int,
 ) -> Any:
-    """PPO (an algorithm with a critic: ``compute_advantages`` over values) or GRPO over episodes."""
+    """PPO (an algorithm reading values: GAE) or GRPO over episodes, by :func:`advantage_mode`."""
     from rlinf_lightning.flow.workflow import Workflow
 
-    ppo = hasattr(algorithm, "gae_lambda")
+    ppo = advantage_mode(algorithm) == "gae"
     advantage = GAEStage(algorithm) if ppo else EpisodeAdvantageStage(algorithm)
     loss = PPOLoss(algorithm) if ppo else EpisodeGRPOLoss(algorithm)
     actor = PPOActorStage(policy, algorithm, loss, train, num_envs * steps, seed)

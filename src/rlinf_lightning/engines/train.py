@@ -10,7 +10,7 @@ into micro-batches and over replicas, so every plan computes the same update.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ from rlinf_lightning.engines.offload import Offloader
 from rlinf_lightning.engines.precision import autocast, param_dtype
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import StageContext
+from rlinf_lightning.policies.lora import attach_lora, load_trainable_state, lora_of, trainable_state
 from rlinf_lightning.policies.module import RLModule
 from rlinf_lightning.registry import Registry
 
@@ -66,8 +67,9 @@ class TrainEngine:
     def offload(self) -> None:
         """Move weights and optimizer state off the device while other stages run."""
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (unsharded) weights, one tensor at a time (a collective where sharded: every rank)."""
+    def named_weights(self, names: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (unsharded) weights, one tensor at a time (a collective where sharded: every rank);
+        only those in ``names`` when given (a LoRA actor's sync skips the frozen base)."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -132,6 +134,7 @@ class SingleTrainEngine(TrainEngine):
     def setup(self, policy: RLModule, ctx: StageContext, precision: str = "32-true") -> None:
         self.policy, self.ctx, self.precision = policy, ctx, precision
         policy.configure_model()
+        attach_lora(policy)
         policy.to(ctx.device, dtype=param_dtype(precision))
         policy.train()
         self._make_optimizer()
@@ -202,16 +205,23 @@ class SingleTrainEngine(TrainEngine):
         metrics.mean("lr", lr)
         return metrics
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(self, names: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.policy.model.named_parameters():
-            yield name, p.detach()
+            if names is None or name in names:
+                yield name, p.detach()
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"model": self.policy.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-        return self._with_scheduler(state)
+        """Weights (a LoRA policy's trainable tensors only: adapters and fully trained modules),
+        optimizer and scheduler state."""
+        model = self.policy.model
+        weights = trainable_state(model) if lora_of(self.policy) else model.state_dict()
+        return self._with_scheduler({"model": weights, "optimizer": self.optimizer.state_dict()})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.policy.model.load_state_dict(state["model"])
+        if lora_of(self.policy):
+            load_trainable_state(self.policy.model, state["model"])
+        else:
+            self.policy.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self._load_scheduler(state)
 

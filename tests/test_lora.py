@@ -1,0 +1,76 @@
+"""LoRA (peft) on the actor: only adapters train, the rollout gets merged weights, checkpoints hold
+the adapters and their base, exports load with ``from_pretrained`` / ``PeftModel``."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from rlinf_lightning.algorithms import GRPO
+from rlinf_lightning.engines import HFRolloutEngine, SamplingParams
+from rlinf_lightning.engines.train import TrainSpec
+from rlinf_lightning.flow.stage import StageContext
+from rlinf_lightning.policies import LMPolicy
+from rlinf_lightning.policies.lora import LoRA
+from rlinf_lightning.workflows.reasoning import ActorStage, pack_samples
+
+PROMPTS = ["What is 1+2?=", "What is 33+44?=", "What is 7+40?=", "What is 25+25?="]
+# the HF engine's KV-cached log-probs against the actor's full forward; full fine-tuning's gap is
+# float32 rounding (~1e-6), and the merged weights add rounding of the same order
+LOGPROB_TOLERANCE = 3e-5
+
+
+def _rollout(engine: HFRolloutEngine, tok, temperature: float = 0.8, seed: int = 0) -> TensorDict:
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in PROMPTS]
+    outs = engine.generate(ids, list(range(len(ids))), 4, SamplingParams(temperature, max_new_tokens=6), seed, 2)
+    batch = TensorDict(pack_samples(ids, outs, tok.pad_token_id), batch_size=[4 * len(PROMPTS)])
+    batch["advantage"] = torch.randn(len(batch), generator=torch.Generator().manual_seed(seed))
+    return batch
+
+
+def _actor(path, lora: LoRA | None, lr: float = 1e-2) -> ActorStage:
+    stage = ActorStage(LMPolicy(str(path), lr=lr, lora=lora), GRPO(), TrainSpec("single"), 0.8, None)
+    stage.setup(StageContext())
+    return stage
+
+
+def _gap(actor: ActorStage, batch: TensorDict) -> float:
+    with torch.no_grad():
+        recomputed = actor.engine.policy.forward_logprobs(batch, temperature=0.8)
+    mask = batch["response_mask"].bool()
+    return float((recomputed - batch["rollout_logprobs"])[mask].abs().max())
+
+
+def test_only_adapters_train_and_the_rollout_matches_the_actor_after_a_sync(assets):
+    tok = LMPolicy(str(assets["sft"])).load_tokenizer()
+    engine = HFRolloutEngine(str(assets["sft"]))
+    actor = _actor(assets["sft"], LoRA(rank=4, alpha=8))
+    before = {n: p.detach().clone() for n, p in actor.engine.policy.model.named_parameters()}
+    for seed in range(2):
+        actor.process(_rollout(engine, tok, seed=seed))
+        actor.end_iteration()
+    after = dict(actor.engine.policy.model.named_parameters())
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    adapters = {n for n in before if ".lora_A." in n or ".lora_B." in n}
+    assert changed == adapters, sorted(changed ^ adapters)[:5]
+    optimized = {id(p) for group in actor.engine.optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(after[n]) for n in adapters}  # no optimizer state for the frozen base
+
+    batch = _rollout(engine, tok, seed=5)
+    assert _gap(actor, batch) > 100 * LOGPROB_TOLERANCE  # the engine still has the base
+    state = actor.sync_state()
+    assert ".base_layer." not in "".join(state.keys()) and "model.embed_tokens.weight" not in state.keys()
+    engine.update_weights(state.items(), partial=True)
+    assert _gap(actor, _rollout(engine, tok, seed=6)) < LOGPROB_TOLERANCE
+
+
+def test_the_memory_estimate_counts_optimizer_state_for_adapters_only(assets):
+    full = ActorStage(LMPolicy(str(assets["sft"])), GRPO(), TrainSpec("single"), 1.0, None)
+    lora = ActorStage(LMPolicy(str(assets["sft"]), lora=LoRA(rank=8)), GRPO(), TrainSpec("single"), 1.0, None)
+    n = full.policy.parameter_count()
+    trainable = lora.policy.trainable_parameter_count()
+    actor = _actor(assets["sft"], LoRA(rank=8))
+    assert trainable == sum(p.numel() for p in actor.engine.policy.model.parameters() if p.requires_grad)
+    assert 0 < trainable < n
+    assert sum(p.nbytes for p in full.memory("cpu", 1, 8)) == 16 * n
+    assert sum(p.nbytes for p in lora.memory("cpu", 1, 8)) == 4 * n + 12 * trainable

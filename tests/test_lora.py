@@ -3,16 +3,27 @@ the adapters and their base, exports load with ``from_pretrained`` / ``PeftModel
 
 from __future__ import annotations
 
-import torch
-from tensordict import TensorDict
+import json
 
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from tensordict import TensorDict
+from transformers import AutoModelForCausalLM
+
+from rlinf_lightning import RLTrainer
 from rlinf_lightning.algorithms import GRPO
+from rlinf_lightning.checkpoint import load_checkpoint
 from rlinf_lightning.engines import HFRolloutEngine, SamplingParams
 from rlinf_lightning.engines.train import TrainSpec
+from rlinf_lightning.errors import CheckpointError
+from rlinf_lightning.evaluation import greedy_accuracy
 from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.policies import LMPolicy
-from rlinf_lightning.policies.lora import LoRA
+from rlinf_lightning.policies.lora import LoRA, save_adapters, save_merged
 from rlinf_lightning.workflows.reasoning import ActorStage, pack_samples
+from trainer_defaults import logged_metrics, tiny_task, tiny_trainer_kwargs
 
 PROMPTS = ["What is 1+2?=", "What is 33+44?=", "What is 7+40?=", "What is 25+25?="]
 # the HF engine's KV-cached log-probs against the actor's full forward; full fine-tuning's gap is
@@ -22,7 +33,9 @@ LOGPROB_TOLERANCE = 3e-5
 
 def _rollout(engine: HFRolloutEngine, tok, temperature: float = 0.8, seed: int = 0) -> TensorDict:
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in PROMPTS]
-    outs = engine.generate(ids, list(range(len(ids))), 4, SamplingParams(temperature, max_new_tokens=6), seed, 2)
+    outs = engine.generate(
+        ids, list(range(len(ids))), 4, SamplingParams(temperature, max_new_tokens=6), seed, 2
+    )
     batch = TensorDict(pack_samples(ids, outs, tok.pad_token_id), batch_size=[4 * len(PROMPTS)])
     batch["advantage"] = torch.randn(len(batch), generator=torch.Generator().manual_seed(seed))
     return batch
@@ -74,3 +87,45 @@ def test_the_memory_estimate_counts_optimizer_state_for_adapters_only(assets):
     assert 0 < trainable < n
     assert sum(p.nbytes for p in full.memory("cpu", 1, 8)) == 16 * n
     assert sum(p.nbytes for p in lora.memory("cpu", 1, 8)) == 4 * n + 12 * trainable
+
+
+def _fit(assets, tmp_path, model=None, ckpt_path=None, **over):
+    task = tiny_task(assets, eval_size=16)
+    policy = LMPolicy(str(model or assets["sft"]), lr=1e-3, lora=LoRA(rank=4, alpha=8))
+    summary = RLTrainer(**tiny_trainer_kwargs(tmp_path, **over)).fit(policy, task, ckpt_path=ckpt_path)
+    return policy, task, summary
+
+
+def test_lora_checkpoints_resume_exactly_and_export_adapters_or_a_merged_model(assets, tmp_path):
+    policy, task, full = _fit(assets, tmp_path / "full", max_iterations=4, logger=True)
+    _fit(assets, tmp_path / "split", max_iterations=2, logger=True)
+    _, _, resumed = _fit(assets, tmp_path / "split", ckpt_path="last", max_iterations=4, logger=True)
+    a, b = logged_metrics(tmp_path / "full" / "run"), logged_metrics(tmp_path / "split" / "run", version=1)
+    for it in (3, 4):
+        for key in ("reward/reward", "rollout/response_length", "actor/loss", "actor/grad_norm"):
+            assert a[it][key] == b[it][key], (it, key)
+    assert full["eval_accuracy_after"] == resumed["eval_accuracy_after"]
+
+    ckpt = tmp_path / "full" / "run" / "checkpoints" / "iter-000004"
+    saved = load_file(str(ckpt / "model.safetensors"))
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)  # adapters, not the base
+    record = json.loads((ckpt / "lora.json").read_text())
+    assert record["base"]["path"] == str(assets["sft"]) and len(record["base"]["sha256"]) == 64
+    with pytest.raises(CheckpointError, match=r"trained on base .* sha256 .* resume with the same base"):
+        _fit(assets, tmp_path / "full", model=assets["base"], ckpt_path="last", max_iterations=5)
+
+    trained = load_checkpoint(ckpt)[0]["model"]
+    merged = save_merged(policy, trained, tmp_path / "merged")
+    tok = policy.load_tokenizer()
+    prompts, answers = [p.prompt for p in task.test], [p.answer for p in task.test]
+    engine = HFRolloutEngine(str(merged))  # from_pretrained of the exported directory
+    accuracy = greedy_accuracy(engine, tok, prompts, answers, task.reward, task.sampling.max_new_tokens)
+    assert accuracy == full["eval_accuracy_after"]
+    adapters = save_adapters(policy, trained, tmp_path / "adapters")
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(assets["sft"])), adapters)
+    plain = AutoModelForCausalLM.from_pretrained(str(merged))
+    ids = torch.tensor([tok("What is 12+30?=", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(ids).logits, plain(ids).logits, atol=1e-5, rtol=0)
+        with peft_model.disable_adapter():  # the adapters changed the model
+            assert not torch.allclose(peft_model(ids).logits, plain(ids).logits, atol=1e-3)

@@ -21,6 +21,7 @@ Checkpoints hold the trainable tensors only, with the base's identity (:func:`ba
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
@@ -233,43 +234,50 @@ def lora_record(policy: Any) -> dict[str, Any]:
 
 
 # -- export ----------------------------------------------------------------------------------------
+# ``trained`` below is a LoRA checkpoint's weights: ``load_checkpoint(path)[0]["model"]``.
 
 
-def save_adapters(model: nn.Module, lora: LoRA, path: str | Path, base_path: str | None) -> Path:
+def _base_copy(policy: Any) -> Any:
+    """The policy's base network, built as ``configure_model`` builds it (no adapters)."""
+    plain = copy.deepcopy(policy)
+    plain.lora = None
+    plain.configure_model()
+    return plain
+
+
+def save_adapters(policy: Any, trained: dict[str, torch.Tensor], path: str | Path) -> Path:
     """peft's ``save_pretrained`` layout under ``path``: ``adapter_config.json`` and
     ``adapter_model.safetensors`` (keys ``base_model.model.<module>.lora_A.weight``), loadable with
-    ``peft.PeftModel.from_pretrained(base, path)``. Fully trained modules are saved beside the
-    adapters as ``modules_to_save``."""
+    ``peft.PeftModel.from_pretrained(base, path)``. Fully trained modules are its
+    ``modules_to_save``."""
     from peft import LoraConfig, get_peft_model_state_dict
     from safetensors.torch import save_file
 
+    lora, net = lora_of(policy), _base_copy(policy)
+    net.lora = lora
+    attach_lora(net)
+    load_trainable_state(net.model, trained)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    trained = [n for n, p in model.named_parameters() if p.requires_grad and not is_adapter(n)]
-    modules = sorted({n.rpartition(".")[0] for n in trained})
+    full = sorted({n.rpartition(".")[0] for n in trained if not is_adapter(n)})
     config = LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules), base_model_name_or_path=base_path,
-        modules_to_save=modules or None,
+        target_modules=list(lora.target_modules), base_model_name_or_path=getattr(policy, "model_path", None),
+        modules_to_save=full or None,
     )  # fmt: skip
     config.save_pretrained(str(path))
-    state = get_peft_model_state_dict(model, adapter_name=ADAPTER)
-    state.update({n: p.detach() for n, p in model.named_parameters() if n in trained})
+    state = get_peft_model_state_dict(net.model, adapter_name=ADAPTER)
+    state.update({n: t for n, t in trained.items() if not is_adapter(n)})
     tensors = {f"base_model.model.{k}": v.detach().cpu().clone().contiguous() for k, v in state.items()}
     save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
     return path
 
 
 def save_merged(policy: Any, trained: dict[str, torch.Tensor], path: str | Path) -> Path:
-    """A plain ``from_pretrained`` directory under ``path``: the policy's base (built as the policy
-    builds it) with the LoRA checkpoint state ``trained`` merged in, via the policy's own
-    ``save_pretrained`` (``LMPolicy``: weights, config and tokenizer)."""
-    import copy
-
-    lora = lora_of(policy)
-    plain = copy.deepcopy(policy)
-    plain.lora = None
-    plain.configure_model()
+    """A plain model directory under ``path`` (the policy's ``save_pretrained``; ``LMPolicy``:
+    weights, config and tokenizer, loadable with ``from_pretrained``): the base with the adapters
+    merged in (:func:`merged_weights`) and the fully trained modules' weights."""
+    lora, plain = lora_of(policy), _base_copy(policy)
     base = dict(plain.model.named_parameters())
     adapted = {n: t for n, t in trained.items() if is_adapter(n)}
     for name in {n[: -len(LORA_A)] for n in adapted if n.endswith(LORA_A)}:

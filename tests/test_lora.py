@@ -22,6 +22,7 @@ from rlinf_lightning.evaluation import greedy_accuracy
 from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.policies import LMPolicy
 from rlinf_lightning.policies.lora import LoRA, save_adapters, save_merged
+from rlinf_lightning.policies.vla import TinyVLA
 from rlinf_lightning.workflows.reasoning import ActorStage, pack_samples
 from trainer_defaults import logged_metrics, tiny_task, tiny_trainer_kwargs
 
@@ -129,3 +130,60 @@ def test_lora_checkpoints_resume_exactly_and_export_adapters_or_a_merged_model(a
         torch.testing.assert_close(peft_model(ids).logits, plain(ids).logits, atol=1e-5, rtol=0)
         with peft_model.disable_adapter():  # the adapters changed the model
             assert not torch.allclose(peft_model(ids).logits, plain(ids).logits, atol=1e-3)
+
+
+class _PolicyGradient:
+    def __call__(self, policy, batch):
+        logprob, _, value = policy.evaluate(batch)
+        return -(logprob * batch["advantage"]).sum() + (value**2).sum(), len(batch), {}
+
+
+def test_a_vla_trains_adapters_and_its_heads_and_the_rollout_acts_as_the_actor_after_a_sync():
+    from rlinf_lightning.workflows.embodied import EnvRolloutStage
+    from rlinf_lightning.workflows.training import TrainStage
+    from test_vla import ACTION_DIM, CHUNK, _gens, _obs
+
+    obs = _obs(4)
+    policy = TinyVLA(lr=1e-2, lora=LoRA(rank=4, alpha=8))
+    policy.configure_spaces(obs, (CHUNK, ACTION_DIM))
+    actor = TrainStage(policy, TrainSpec("single"))
+    actor.setup(StageContext())
+    rollout = EnvRolloutStage(policy)
+    rollout.setup(StageContext())
+    model = actor.engine.policy.model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = rollout.net.act(obs, generators=_gens([0, 1, 2, 3]))
+    batch = TensorDict({"obs": obs, "action": batch["action"], "advantage": torch.randn(4)}, batch_size=[4])
+    for _ in range(2):
+        actor.engine.accumulate(batch, _PolicyGradient())
+        actor.engine.step()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
+    assert changed and all(
+        ".lora_" in n or n.split(".")[0] in ("vision", "value_head", "state_proj") for n in changed
+    )
+    assert any(n.startswith("value_head.") for n in changed) and any(".lora_B." in n for n in changed)
+    assert not any(n.startswith("lm.") and ".lora_" not in n for n in changed)  # the LM's base is frozen
+
+    with torch.no_grad():
+        value = actor.engine.policy.value(obs)
+    assert not torch.allclose(rollout.net.value(obs), value, atol=1e-3)  # the rollout has the old weights
+    rollout.apply_sync("actor", actor.sync_state())
+    got = rollout.net.act(obs, generators=_gens([0, 1, 2, 3]))
+    actions = TensorDict({"obs": obs, "action": got["action"]}, batch_size=[4])
+    with torch.no_grad():
+        want, _, value = actor.engine.policy.evaluate(actions)
+    torch.testing.assert_close(got["logprob"], want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got["value"], value, atol=1e-5, rtol=0)
+
+
+def test_bad_lora_settings_are_named_before_any_worker_starts(assets, tmp_path):
+    import subprocess
+
+    from trainer_defaults import cli_fit_args
+
+    bad = "--policy.init_args.lora={rank: 0, alpha: 8, target_modules: [qproj]}"
+    res = subprocess.run(cli_fit_args(assets, tmp_path, bad), capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0
+    assert "policy.lora.rank: must be a positive integer, got 0" in res.stderr
+    assert "policy.lora.target_modules: ['qproj'] match no nn.Linear of Qwen2ForCausalLM" in res.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.policies.lora import LoRA
+from rlinf_lightning.policies.lora import LoRA, lora_problems
 from rlinf_lightning.policies.module import DTYPES, RLModule
 
 if TYPE_CHECKING:
@@ -180,8 +180,7 @@ class LMPolicy(RLModule):
             problems.append(("lr", f"must be > 0, got {self.lr}"))
         if self.dtype not in DTYPES:
             problems.append(("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}"))
-        if self.lora is not None:
-            problems += self.lora.problems()
+        problems += lora_problems(self)
         return problems
 
 

@@ -88,6 +88,37 @@ def lora_of(policy: Any) -> LoRA | None:
     return LoRA(**lora) if isinstance(lora, dict) else lora
 
 
+def lora_problems(policy: Any) -> list[tuple[str, str]]:
+    """``(key, problem)`` pairs of the policy's ``lora`` (under the policy's keys): its values, and
+    target modules that match no ``nn.Linear`` of the network (built on the meta device, nothing
+    loaded; skipped while the network cannot be built yet)."""
+    lora = lora_of(policy)
+    if lora is None:
+        return []
+    problems = lora.problems()
+    probe = copy.deepcopy(policy)
+    probe.lora = None
+    try:
+        with torch.device("meta"):
+            probe.meta_model()
+    except Exception:  # noqa: BLE001 (not buildable yet: the run reports why)
+        return problems
+    if unknown := _unknown_targets(probe.model, lora):
+        problems.append(unknown)
+    return problems
+
+
+def _unknown_targets(model: nn.Module, lora: LoRA) -> tuple[str, str] | None:
+    names = {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if unknown := sorted(set(lora.target_modules) - names):
+        return (
+            "lora.target_modules",
+            f"{unknown} match no nn.Linear of {type(model).__name__} "
+            f"(its linear modules: {', '.join(sorted(names))})",
+        )
+    return None
+
+
 def attach_lora(policy: Any) -> None:
     """Put the policy's adapters on ``policy.model`` (in place), freeze the base and unfreeze its
     ``train_modules``; nothing when the policy has no ``lora``. Raises naming the config key when a
@@ -98,12 +129,8 @@ def attach_lora(policy: Any) -> None:
     from peft import LoraConfig, inject_adapter_in_model
 
     model = policy.model
-    names = {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    if unknown := sorted(set(lora.target_modules) - names):
-        raise ValueError(
-            f"policy.lora.target_modules: {unknown} match no nn.Linear of {type(model).__name__} "
-            f"(its linear modules: {', '.join(sorted(names))})"
-        )
+    if unknown := _unknown_targets(model, lora):
+        raise ValueError(f"policy.{unknown[0]}: {unknown[1]}")
     targets = list(lora.target_modules)
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
     inject_adapter_in_model(config, model, adapter_name=ADAPTER)  # freezes every other parameter

@@ -42,7 +42,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from rlinf_lightning.policies.lm import enable_gradient_checkpointing
-from rlinf_lightning.policies.lora import LoRA
+from rlinf_lightning.policies.lora import LoRA, lora_problems
 from rlinf_lightning.policies.module import RLModule, count_without_loading
 
 #: Action bins per dimension; they are the top ``NUM_BINS`` ids of the vocabulary.
@@ -332,8 +332,7 @@ class TinyVLA(RLModule):
             problems.append(
                 ("hidden_size", f"{self.hidden_size} / num_heads {self.num_heads} must be an even head size")
             )
-        if self.lora is not None:
-            problems += self.lora.problems()
+        problems += lora_problems(self)
         return problems
 
     def _load_config(self) -> None:

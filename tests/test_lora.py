@@ -187,3 +187,42 @@ def test_bad_lora_settings_are_named_before_any_worker_starts(assets, tmp_path):
     assert "policy.lora.rank: must be a positive integer, got 0" in res.stderr
     assert "policy.lora.target_modules: ['qproj'] match no nn.Linear of Qwen2ForCausalLM" in res.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _launch_actor(assets, engine: str, replicas: int):
+    from rlinf_lightning.flow import BatchShape, Workflow
+    from rlinf_lightning.launchers import LAUNCHERS
+    from rlinf_lightning.strategies import STRATEGIES, Resources
+
+    policy = LMPolicy(str(assets["sft"]), lr=1e-2, lora=LoRA(rank=4, alpha=8))
+    actor = ActorStage(policy, GRPO(), TrainSpec(engine), 0.8, None)
+    wf = Workflow("train").chain(actor).role("train", "actor")
+    plan = STRATEGIES.resolve("collocated").plan(
+        wf, Resources(replicas, threads_per_slot=1), BatchShape(16, 8)
+    )
+    plan.validate(wf, replicas)
+    return LAUNCHERS.get("processes" if replicas > 1 else "inprocess")().launch(wf, plan, timeout_s=300)
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_lora_trains_the_same_adapters_on_two_data_parallel_ranks(assets, engine):
+    tok = LMPolicy(str(assets["sft"])).load_tokenizer()
+    rollout = HFRolloutEngine(str(assets["sft"]))
+    batches = [_rollout(rollout, tok, seed=s) for s in range(2)]
+    results = {}
+    for name, replicas in (("single", 1), (engine, 2)):
+        rt = _launch_actor(assets, name, replicas)
+        try:
+            for it, batch in enumerate(batches):
+                rt.run_iteration(it + 1, [batch[:8], batch[8:]])
+            results[name] = (
+                rt.call("actor", "state_dict", replicas="all")[0]["model"],
+                rt.call("actor", "sync_state", replicas="all")[0],
+            )
+        finally:
+            rt.shutdown()
+    (weights, synced), (other, other_synced) = results["single"], results[engine]
+    assert weights.keys() == other.keys() and all(".lora_" in k for k in weights)
+    for key in weights:
+        torch.testing.assert_close(other[key], weights[key], atol=1e-4, rtol=1e-4)
+    assert set(synced.keys()) == set(other_synced.keys())

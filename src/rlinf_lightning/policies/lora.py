@@ -120,8 +120,9 @@ def _unknown_targets(model: nn.Module, lora: LoRA) -> tuple[str, str] | None:
 
 
 def attach_lora(policy: Any) -> None:
-    """Put the policy's adapters on ``policy.model`` (in place), freeze the base and unfreeze its
-    ``train_modules``; nothing when the policy has no ``lora``. Raises naming the config key when a
+    """Put the policy's adapters on ``policy.model`` (in place; ``A`` drawn under a fixed seed, so
+    every replica starts alike), freeze the base and unfreeze its ``train_modules``; nothing when
+    the policy has no ``lora``. Raises naming the config key when a
     target matches no module or a train module does not exist."""
     lora = lora_of(policy)
     if lora is None:
@@ -133,7 +134,9 @@ def attach_lora(policy: Any) -> None:
         raise ValueError(f"policy.{unknown[0]}: {unknown[1]}")
     targets = list(lora.target_modules)
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
-    inject_adapter_in_model(config, model, adapter_name=ADAPTER)  # freezes every other parameter
+    with torch.random.fork_rng(devices=[]):  # A's random start, the same on every replica and run
+        torch.manual_seed(0)
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)  # freezes every other parameter
     trained = lora.train_modules if lora.train_modules is not None else policy.lora_train_modules()
     for name in trained:
         try:

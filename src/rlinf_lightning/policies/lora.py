@@ -246,7 +246,7 @@ def checkpoint_mismatch(policy: Any, saved: dict[str, Any] | None) -> str | None
         return None if lora is None else "it holds full weights, not adapters; resume without policy.lora"
     if lora is None:
         return "it holds LoRA adapters; resume with the policy.lora that wrote them"
-    if saved["config"] != asdict(lora) | {"train_modules": saved["config"]["train_modules"]}:
+    if saved["config"] != asdict(lora):
         return f"its adapters were made with policy.lora {saved['config']}, not {asdict(lora)}"
     now = base_fingerprint(policy)
     was = saved["base"]

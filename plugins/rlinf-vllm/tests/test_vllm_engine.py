@@ -121,7 +121,8 @@ def test_a_lora_actors_merged_weights_sync_partially_and_match(assets, engine):
     from rlinf_lightning.workflows.reasoning import ActorStage
 
     lora = LoRA(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
-    actor = ActorStage(LMPolicy(str(assets["sft"]), lr=1e-2, lora=lora), GRPO(), TrainSpec("single"), 0.8, None)
+    policy = LMPolicy(str(assets["sft"]), lr=1e-2, lora=lora)
+    actor = ActorStage(policy, GRPO(), TrainSpec("single"), 0.8, None)
     actor.setup(StageContext())
     tok = actor.policy.load_tokenizer()
     ids = _ids(tok)

@@ -32,11 +32,12 @@ LossFn = Callable[[RLModule, TensorDict], tuple]
 @dataclass(frozen=True)
 class TrainSpec:
     """How a learning stage trains: the trainer's ``train_engine`` (an engine name),
-    ``train_engine_options`` and ``precision`` (see ``engines.precision``)."""
+    ``train_engine_options``, ``precision`` (see ``engines.precision``) and ``compile``."""
 
     engine: str = "auto"
     options: dict[str, Any] = field(default_factory=dict)
     precision: str = "32-true"
+    compile: bool = False
 
 
 class TrainEngine:
@@ -61,6 +62,15 @@ class TrainEngine:
     def shutdown(self) -> None:
         """Release what ``setup`` acquired; safe to call twice."""
 
+    def compile(self) -> None:
+        """Run the model's forward (and with it, through AOTAutograd, its backward) under
+        ``torch.compile``. The bound ``forward`` is replaced, not the module, so parameter names
+        (checkpoints, weight sync) stay as they are; the compile itself happens at the first
+        micro-batch of each new shape and is reported per step as ``compile_s``."""
+        model = self.policy.model
+        model.forward = torch.compile(model.forward)
+        self._compile_mark = compile_seconds()
+
     def onload(self) -> None:
         """Bring weights and optimizer state back onto the device (collocated context switch)."""
 
@@ -81,6 +91,18 @@ class TrainEngine:
 
 
 TRAIN_ENGINES: Registry[type[TrainEngine]] = Registry("train engine")
+
+
+def compile_seconds() -> float:
+    """Seconds ``torch.compile`` has spent in this process so far: Dynamo's frame compiles (the
+    forward graphs, lowered by Inductor inside them) plus the backward graphs compiled lazily at
+    the first backward (``torch._dynamo.utils.compilation_time_metrics``; torch has no public
+    counter of this)."""
+    from torch._dynamo.utils import compilation_time_metrics as spent
+
+    return sum(spent.get("_compile.compile_inner", [])) + sum(
+        spent.get("compile_fx.<locals>.bw_compiler", [])
+    )
 
 
 def split_optimizers(configured: Any) -> tuple[torch.optim.Optimizer, Any]:
@@ -200,6 +222,10 @@ class SingleTrainEngine(TrainEngine):
         self._count, self._loss_sum = 0.0, 0.0
         metrics = Metrics.of_means(self.policy.pop_logged(), 1.0)
         self._record_flops(metrics)
+        if hasattr(self, "_compile_mark"):  # seconds torch.compile spent in this step's passes
+            now = compile_seconds()
+            metrics.sum("compile_s", now - self._compile_mark)
+            self._compile_mark = now
         metrics.mean("grad_norm", float(grad_norm))
         metrics.mean("loss", loss_sum / max(count, 1.0))
         metrics.mean("lr", lr)

@@ -40,7 +40,7 @@ class TrainStage(Stage):
     def __init__(self, policy: RLModule, train: TrainSpec | None = None) -> None:
         train = train or TrainSpec()
         self.policy, self.train_engine, self.precision = policy, train.engine, train.precision
-        self.train_engine_options = dict(train.options)
+        self.train_engine_options, self.compile = dict(train.options), train.compile
 
     def check_placement(self, replicas: int, own_process: bool) -> list[tuple[str, str]]:
         name = resolve_train_engine(self.train_engine, replicas)
@@ -100,6 +100,8 @@ class TrainStage(Stage):
         self.ctx = ctx
         self.engine = build_train_engine(self.train_engine, ctx.replicas, self.train_engine_options)
         self.engine.setup(copy.deepcopy(self.policy), ctx, resolve_precision(self.precision, ctx.device))
+        if self.compile:
+            self.engine.compile()
 
     def engine_info(self) -> dict[str, Any]:
         """Which engine trains here, in which precision, and this replica's rank among how many."""

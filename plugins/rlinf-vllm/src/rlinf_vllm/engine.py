@@ -112,7 +112,6 @@ def _quiet():
             lg.setLevel(level)
 
 
-
 def sampled_logprobs(output) -> list[float]:
     """The sampled tokens' log-probs of one vLLM ``CompletionOutput``; raises when vLLM returned
     none for some token (a silent 0.0 would make that token's importance ratio wrong)."""

@@ -1,7 +1,8 @@
 """Atomic checkpoints: write into a temporary directory, then rename it into place.
 
 A checkpoint directory holds ``model.safetensors`` (policy weights), ``optimizer.pt`` (and
-``lr_scheduler.pt`` when the policy configures a scheduler), ``rng.pt``
+``lr_scheduler.pt`` when the policy configures a scheduler; with LoRA, ``model.safetensors`` holds the
+trainable tensors only and ``lora.json`` the adapters' config and their base's path and hash), ``rng.pt``
 (torch / Python / NumPy generator states) and ``state.json`` (iteration, data position, ...).
 Sharded train engines (``ddp``, ``fsdp``) add ``sharded/``: ``torch.distributed.checkpoint`` shards
 of weights and optimizer state, loadable on any number of ranks (then there is no optimizer.pt).
@@ -107,6 +108,8 @@ def save_checkpoint(
                 torch.save(actor_state["optimizer"], tmp / "optimizer.pt")
             if actor_state.get("lr_scheduler") is not None:
                 torch.save(actor_state["lr_scheduler"], tmp / "lr_scheduler.pt")
+            if actor_state.get("lora") is not None:
+                (tmp / "lora.json").write_text(json.dumps(actor_state["lora"], indent=1))
         if write_extra is not None:
             write_extra(tmp)
         with _write_errors(final):
@@ -198,7 +201,8 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], d
     optimizer = _load_pt(path / "optimizer.pt") if (path / "optimizer.pt").is_file() else None
     scheduler = _load_pt(path / "lr_scheduler.pt") if (path / "lr_scheduler.pt").is_file() else None
     state = json.loads((path / "state.json").read_text())
-    actor = {"model": model, "optimizer": optimizer, "lr_scheduler": scheduler}
+    lora = json.loads((path / "lora.json").read_text()) if (path / "lora.json").is_file() else None
+    actor = {"model": model, "optimizer": optimizer, "lr_scheduler": scheduler, "lora": lora}
     return actor, state, _load_pt(path / "rng.pt")
 
 

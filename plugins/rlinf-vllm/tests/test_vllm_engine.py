@@ -75,6 +75,42 @@ def test_greedy_tokens_equal_hf_and_sampling_ignores_batch_composition(assets, e
     assert all(c.token_ids[-1] == tok.eos_token_id or len(c.token_ids) == 6 for cs in together for c in cs)
 
 
+def test_a_lora_actors_merged_weights_sync_partially_and_match(assets, engine):
+    """A LoRA actor (adapters on q, v and up only: vLLM's fused qkv and gate_up layers need their
+    other parts from the base checkpoint) trains; its merged weights reach vLLM, log-probs agree.
+    (Before the test that starts a second engine: its teardown ends vLLM's parallel state, which
+    the session's engine needs to generate.)"""
+    from tensordict import TensorDict
+
+    from rlinf_lightning.algorithms import GRPO
+    from rlinf_lightning.engines.train import TrainSpec
+    from rlinf_lightning.flow.stage import StageContext
+    from rlinf_lightning.policies.lora import LoRA
+    from rlinf_lightning.workflows.reasoning import ActorStage
+
+    lora = LoRA(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    policy = LMPolicy(str(assets["sft"]), lr=1e-2, lora=lora)
+    actor = ActorStage(policy, GRPO(), TrainSpec("single"), 0.8, None)
+    actor.setup(StageContext())
+    tok = actor.policy.load_tokenizer()
+    ids = _ids(tok)
+    for seed in range(2):
+        outs = engine.generate(ids, [0, 1, 2, 3], 4, SamplingParams(0.8, max_new_tokens=6), seed, 2)
+        batch = TensorDict(pack_samples(ids, outs, tok.pad_token_id), batch_size=[16])
+        batch["advantage"] = torch.randn(16, generator=torch.Generator().manual_seed(seed))
+        actor.process(batch)
+        actor.end_iteration()
+    trained = actor.engine.policy
+    assert _max_logprob_gap(engine, trained, tok) > 100 * LOGPROB_TOLERANCE  # vLLM still has the base
+    state = actor.sync_state()
+    assert "model.layers.0.self_attn.k_proj.weight" not in state.keys()  # only what changed is sent
+    engine.update_weights(state.items(), partial=True)
+    assert _max_logprob_gap(engine, trained, tok) < LOGPROB_TOLERANCE
+    policy = LMPolicy(str(assets["sft"]))
+    policy.configure_model()
+    engine.update_weights(policy.model.named_parameters())  # back to the base for the other tests
+
+
 def test_engine_start_leaves_the_trainers_rng_and_threads_alone(assets):
     """vLLM's in-process CPU worker seeds global RNGs and replaces torch.set_num_threads."""
     import random

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import platform
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from rlinf_lightning.engines.precision import autocast
 from rlinf_lightning.engines.train import TRAIN_ENGINES, LossFn, SingleTrainEngine
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import StageContext
+from rlinf_lightning.policies.lora import attach_lora, lora_of
 from rlinf_lightning.policies.module import RLModule
 
 
@@ -139,6 +140,7 @@ class FSDPTrainEngine(DDPTrainEngine):
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             self._own_world = True
         policy.configure_model()
+        attach_lora(policy)
         policy.train()
         if cuda and torch.device(ctx.device).index is not None:
             torch.cuda.set_device(torch.device(ctx.device))
@@ -208,8 +210,10 @@ class FSDPTrainEngine(DDPTrainEngine):
     def step(self) -> Metrics:
         return self._lockstep().merge(super().step())
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(self, names: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.policy.model.named_parameters():
+            if names is not None and name not in names:
+                continue
             t = p.detach()
             if hasattr(t, "full_tensor"):
                 t = t.full_tensor()  # every rank takes part in the all-gather of this one tensor
@@ -220,6 +224,9 @@ class FSDPTrainEngine(DDPTrainEngine):
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model, optim = get_state_dict(self.policy.model, self.optimizer, options=opts)
+        if lora_of(self.policy):  # the frozen base is not part of the training state
+            trainable = {n for n, p in self.policy.model.named_parameters() if p.requires_grad}
+            model = {k: v for k, v in model.items() if k in trainable}
         return self._with_scheduler({"model": model, "optimizer": optim})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -230,7 +237,9 @@ class FSDPTrainEngine(DDPTrainEngine):
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            options=StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True, strict=not lora_of(self.policy)
+            ),
         )
         self._load_scheduler(state)
 
@@ -269,14 +278,14 @@ class FSDPTrainEngine(DDPTrainEngine):
         def local(t: torch.Tensor) -> torch.Tensor:
             return t.to_local() if hasattr(t, "to_local") else t
 
-        params = sum(local(p).numel() * local(p).element_size() for p in self.policy.parameters())
-        optim = sum(
-            local(v).numel() * local(v).element_size()
-            for st in self.optimizer.state.values()
-            for v in st.values()
-            if torch.is_tensor(v) and v.dim()
-        )
-        return 2 * params + optim  # parameters, their gradients (held from backward to step), Adam state
+        def nbytes(tensors) -> int:
+            return sum(local(t).numel() * local(t).element_size() for t in tensors)
+
+        params = nbytes(self.policy.parameters())
+        grads = nbytes(p for p in self.policy.parameters() if p.requires_grad)  # held from backward to step
+        moments = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        optim = nbytes(v for v in moments if v.dim())
+        return params + grads + optim
 
     def shutdown(self) -> None:
         import torch.distributed as dist

@@ -80,8 +80,12 @@ class RolloutEngine(ABC):
         """
 
     @abstractmethod
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new weights (HF parameter names) into the running engine, in place."""
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, partial: bool = False
+    ) -> None:
+        """Load new weights (HF parameter names) into the running engine, in place. Every weight,
+        or with ``partial`` only those that changed (a LoRA actor's merged layers: the others keep
+        the base's values the engine loaded from ``model_path``)."""
 
     def onload(self) -> None:
         """Re-acquire device memory (weights, cache) before generating."""
@@ -206,7 +210,7 @@ class HFRolloutEngine(RolloutEngine):
             past, logits = res.past_key_values, res.logits[:, -1]
         return torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()
 
-    def update_weights(self, named_tensors):
+    def update_weights(self, named_tensors, *, partial=False):
         params = dict(self.model.named_parameters())  # a tied lm_head is the embedding, listed once
         updated = set()
         with torch.no_grad():
@@ -216,7 +220,7 @@ class HFRolloutEngine(RolloutEngine):
                     updated.add(name)
                 elif not name.endswith("lm_head.weight"):  # tied to the embedding in small models
                     raise KeyError(f"rollout engine has no parameter {name!r}")
-        if missing := sorted(set(params) - updated):
+        if not partial and (missing := sorted(set(params) - updated)):
             raise RuntimeError(
                 f"weight sync left {len(missing)} rollout parameter(s) with their old values: "
                 f"{', '.join(missing[:5])}; the actor's state dict must name every parameter"

@@ -10,7 +10,7 @@ into micro-batches and over replicas, so every plan computes the same update.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ from rlinf_lightning.engines.offload import Offloader
 from rlinf_lightning.engines.precision import autocast, param_dtype
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import StageContext
+from rlinf_lightning.policies.lora import attach_lora, load_trainable_state, lora_of, trainable_state
 from rlinf_lightning.policies.module import RLModule
 from rlinf_lightning.registry import Registry
 
@@ -31,11 +32,12 @@ LossFn = Callable[[RLModule, TensorDict], tuple]
 @dataclass(frozen=True)
 class TrainSpec:
     """How a learning stage trains: the trainer's ``train_engine`` (an engine name),
-    ``train_engine_options`` and ``precision`` (see ``engines.precision``)."""
+    ``train_engine_options``, ``precision`` (see ``engines.precision``) and ``compile``."""
 
     engine: str = "auto"
     options: dict[str, Any] = field(default_factory=dict)
     precision: str = "32-true"
+    compile: bool = False
 
 
 class TrainEngine:
@@ -60,14 +62,24 @@ class TrainEngine:
     def shutdown(self) -> None:
         """Release what ``setup`` acquired; safe to call twice."""
 
+    def compile(self) -> None:
+        """Run the model's forward (and with it, through AOTAutograd, its backward) under
+        ``torch.compile``. The bound ``forward`` is replaced, not the module, so parameter names
+        (checkpoints, weight sync) stay as they are; the compile itself happens at the first
+        micro-batch of each new shape and is reported per step as ``compile_s``."""
+        model = self.policy.model
+        model.forward = torch.compile(model.forward)
+        self._compile_mark = compile_seconds()
+
     def onload(self) -> None:
         """Bring weights and optimizer state back onto the device (collocated context switch)."""
 
     def offload(self) -> None:
         """Move weights and optimizer state off the device while other stages run."""
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (unsharded) weights, one tensor at a time (a collective where sharded: every rank)."""
+    def named_weights(self, names: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (unsharded) weights, one tensor at a time (a collective where sharded: every rank);
+        only those in ``names`` when given (a LoRA actor's sync skips the frozen base)."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -79,6 +91,18 @@ class TrainEngine:
 
 
 TRAIN_ENGINES: Registry[type[TrainEngine]] = Registry("train engine")
+
+
+def compile_seconds() -> float:
+    """Seconds ``torch.compile`` has spent in this process so far: Dynamo's frame compiles (the
+    forward graphs, lowered by Inductor inside them) plus the backward graphs compiled lazily at
+    the first backward (``torch._dynamo.utils.compilation_time_metrics``; torch has no public
+    counter of this)."""
+    from torch._dynamo.utils import compilation_time_metrics as spent
+
+    return sum(spent.get("_compile.compile_inner", [])) + sum(
+        spent.get("compile_fx.<locals>.bw_compiler", [])
+    )
 
 
 def split_optimizers(configured: Any) -> tuple[torch.optim.Optimizer, Any]:
@@ -132,6 +156,7 @@ class SingleTrainEngine(TrainEngine):
     def setup(self, policy: RLModule, ctx: StageContext, precision: str = "32-true") -> None:
         self.policy, self.ctx, self.precision = policy, ctx, precision
         policy.configure_model()
+        attach_lora(policy)
         policy.to(ctx.device, dtype=param_dtype(precision))
         policy.train()
         self._make_optimizer()
@@ -198,21 +223,32 @@ class SingleTrainEngine(TrainEngine):
         self._count, self._loss_sum = 0.0, 0.0
         metrics = Metrics.of_means(self.policy.pop_logged(), 1.0)
         self._record_flops(metrics)
+        if hasattr(self, "_compile_mark"):  # seconds torch.compile spent in this step's passes
+            now = compile_seconds()
+            metrics.sum("compile_s", now - self._compile_mark)
+            self._compile_mark = now
         metrics.mean("grad_norm", float(grad_norm))
         metrics.mean("loss", loss_sum / max(count, 1.0))
         metrics.mean("lr", lr)
         return metrics
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(self, names: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.policy.model.named_parameters():
-            yield name, p.detach()
+            if names is None or name in names:
+                yield name, p.detach()
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"model": self.policy.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-        return self._with_scheduler(state)
+        """Weights (a LoRA policy's trainable tensors only: adapters and fully trained modules),
+        optimizer and scheduler state."""
+        model = self.policy.model
+        weights = trainable_state(model) if lora_of(self.policy) else model.state_dict()
+        return self._with_scheduler({"model": weights, "optimizer": self.optimizer.state_dict()})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.policy.model.load_state_dict(state["model"])
+        if lora_of(self.policy):
+            load_trainable_state(self.policy.model, state["model"])
+        else:
+            self.policy.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self._load_scheduler(state)
 

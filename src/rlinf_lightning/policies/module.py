@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import copy
 from abc import abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDict
+
+if TYPE_CHECKING:
+    from rlinf_lightning.policies.lora import LoRA
 
 #: parameter dtypes a policy (``LMPolicy.dtype``) or a rollout engine (``task.rollout_dtype``) takes
 DTYPES = ("float32", "bfloat16", "float16")
@@ -28,9 +32,48 @@ class RLModule(torch.nn.Module):
     a ``ValueError`` there refuses the env before any worker starts).
     """
 
+    #: low-rank adapters instead of full fine-tuning (see ``policies.lora``); a subclass opts in by
+    #: taking a ``LoRA`` as an argument and storing it here. ``None``: every weight trains.
+    lora: LoRA | None = None
+
     def __init__(self) -> None:
         super().__init__()
         self._logged: dict[str, tuple[float, int]] = {}
+
+    def lora_train_modules(self) -> list[str]:
+        """Modules of ``self.model`` trained in full beside LoRA adapters when ``lora.train_modules``
+        is not given (e.g. a value head, which has no pre-trained weights to adapt)."""
+        return []
+
+    def trainable_parameter_count(self) -> int | None:
+        """Parameters that get gradients and optimizer state: all of them, or with ``lora`` the
+        adapters and fully trained modules, counted on a meta-device copy with adapters attached."""
+        from rlinf_lightning.policies.lora import attach_lora, lora_of
+
+        if lora_of(self) is None:
+            return self.parameter_count()
+        key = ("trainable", *((k, repr(v)) for k, v in sorted(vars(self).items()) if not k.startswith("_")))
+        cached = self.__dict__.get("_trainable_count")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        probe = copy.deepcopy(self)
+        probe.lora = None
+        try:
+            with torch.device("meta"):
+                probe.meta_model()
+            probe.lora = lora_of(self)
+            attach_lora(probe)
+        except Exception:  # noqa: BLE001 (cannot be built yet; the run itself reports why)
+            return None
+        count = sum(p.numel() for p in probe.model.parameters() if p.requires_grad)
+        self.__dict__["_trainable_count"] = (key, count)
+        return count
+
+    def meta_model(self) -> None:
+        """Build ``self.model`` with the architecture ``configure_model`` builds, under the meta
+        device the caller sets, without reading weight files (the default calls ``configure_model``;
+        a policy that loads weights there overrides this)."""
+        self.configure_model()
 
     @abstractmethod
     def configure_model(self) -> None:

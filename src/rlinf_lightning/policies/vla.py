@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 
+from rlinf_lightning.policies.lm import enable_gradient_checkpointing
+from rlinf_lightning.policies.lora import LoRA, lora_problems
 from rlinf_lightning.policies.module import RLModule, count_without_loading
 
 #: Action bins per dimension; they are the top ``NUM_BINS`` ids of the vocabulary.
@@ -248,6 +250,11 @@ class TinyVLA(RLModule):
         max_instruction_len: characters of the instruction the model reads (longer ones are cut);
             the text segment always has this length, so batch shapes never depend on the text.
         vision_grid: visual tokens per side (``vision_grid ** 2`` tokens).
+        lora: LoRA adapters on the LM instead of training every weight (see
+            :class:`~rlinf_lightning.policies.lora.LoRA`); the vision encoder, state projection and
+            value head train in full unless ``lora.train_modules`` says otherwise (add
+            ``lm.lm_head`` to train the action head, the tied embedding, in full too).
+        gradient_checkpointing: recompute the LM's decoder layers in the backward (less memory).
     """
 
     def __init__(
@@ -266,6 +273,8 @@ class TinyVLA(RLModule):
         default_instruction: str | None = None,
         max_instruction_len: int = 64,
         vision_grid: int = 4,
+        lora: LoRA | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.model_path = model_path
@@ -282,6 +291,8 @@ class TinyVLA(RLModule):
         self.default_instruction = default_instruction
         self.max_instruction_len = max_instruction_len
         self.vision_grid = vision_grid
+        self.lora = lora
+        self.gradient_checkpointing = gradient_checkpointing
         # from the env (configure_spaces) or the saved config; obs_dim (the proprioception size,
         # 0 without one) doubles as "the spaces are set" for EmbodiedTask
         self.obs_dim: int | None = None
@@ -321,6 +332,7 @@ class TinyVLA(RLModule):
             problems.append(
                 ("hidden_size", f"{self.hidden_size} / num_heads {self.num_heads} must be an even head size")
             )
+        problems += lora_problems(self)
         return problems
 
     def _load_config(self) -> None:
@@ -407,6 +419,8 @@ class TinyVLA(RLModule):
             raise ValueError(
                 f"the tokenizer ({len(self.tokenizer)} ids) does not put <bin_0> at {vocab} - 256"
             )
+        if self.gradient_checkpointing:
+            enable_gradient_checkpointing(lm)
         self.model = model.eval()  # no dropout anywhere: train and eval modes compute the same
         self._ids = {
             name: self.tokenizer.convert_tokens_to_ids(tok)
@@ -419,9 +433,21 @@ class TinyVLA(RLModule):
         weights are not (the generic count would load them)."""
         return count_without_loading(self)
 
+    def meta_model(self) -> None:
+        """The saved model's architecture from its config.json, built (not loaded)."""
+        if self.model_path is not None:
+            self._load_config()
+            self.model_path = None
+        self.configure_model()
+
+    def lora_train_modules(self) -> list[str]:
+        """Trained in full beside the LM's adapters: the parts with no pre-trained weights."""
+        return ["vision", "value_head"] + (["state_proj"] if self.obs_dim else [])
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         assert self.model is not None, "configure_model() first"
-        return torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.0, fused=True)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: adapters and heads
+        return torch.optim.AdamW(trainable, lr=self.lr, weight_decay=0.0, fused=True)
 
     # -- observations ---------------------------------------------------------------------------
 

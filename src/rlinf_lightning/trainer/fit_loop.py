@@ -18,6 +18,7 @@ from rlinf_lightning.errors import CheckpointError
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.trace import write_chrome_trace
 from rlinf_lightning.launchers import LAUNCHERS
+from rlinf_lightning.policies.lora import checkpoint_mismatch
 from rlinf_lightning.strategies import Replan, RunInfo
 from rlinf_lightning.trainer.logger_connector import hyperparameters
 
@@ -77,8 +78,12 @@ class FitLoop:
             return None
         path = resolve_checkpoint(ckpt_path, self.trainer.ckpt_dir)
         train_state, state, rng = load_checkpoint(path)
-        if hasattr(self.policy, "check_state_dict") and (
-            why := self.policy.check_state_dict(train_state["model"])
+        if why := checkpoint_mismatch(self.policy, train_state["lora"]):
+            raise CheckpointError(f"{path}: {why}")
+        if (
+            not train_state["lora"]
+            and hasattr(self.policy, "check_state_dict")
+            and (why := self.policy.check_state_dict(train_state["model"]))
         ):
             raise CheckpointError(f"{path}: {why}; resume with the policy that wrote it")
         return path, train_state, state, rng

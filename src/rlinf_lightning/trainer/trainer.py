@@ -55,6 +55,9 @@ class RLTrainer:
             log-probs and losses in float32), ``bf16-true``, or ``auto`` (``bf16-mixed`` where the
             device computes bf16 natively: a GPU with bf16, a CPU with AVX512-BF16 or AMX; else
             ``32-true``).
+        compile: run the actor's forward and backward under ``torch.compile`` (off by default: the
+            first micro-batch of each shape compiles, which a long run repays and a short one does
+            not); the compile seconds are the actor's ``compile_s`` metric.
         accelerator: what a device slot is: ``cpu``, ``cuda``, or ``auto`` (``cuda`` when available).
         devices: device slots per node (GPUs, or shares of the cores on CPU).
         num_nodes: number of machines.
@@ -85,6 +88,7 @@ class RLTrainer:
         train_engine: str = "auto",
         train_engine_options: dict[str, Any] | None = None,
         precision: str = "auto",
+        compile: bool = False,
         accelerator: str = "auto",
         devices: int = 1,
         num_nodes: int = 1,
@@ -103,7 +107,7 @@ class RLTrainer:
     ) -> None:
         self.algorithm, self.strategy, self.launcher = algorithm, strategy, launcher
         self.train_engine, self.train_engine_options = train_engine, dict(train_engine_options or {})
-        self.precision, self.accelerator = precision, accelerator
+        self.precision, self.accelerator, self.compile = precision, accelerator, compile
         self.devices, self.num_nodes = devices, num_nodes
         self.max_iterations, self.micro_batch_size = max_iterations, micro_batch_size
         self.eval_every, self.ckpt_every = eval_every, ckpt_every
@@ -124,7 +128,7 @@ class RLTrainer:
         """What the task is told about the run."""
         return RunSpec(
             algorithm=ALGORITHMS.resolve(self.algorithm),
-            train=TrainSpec(self.train_engine, self.train_engine_options, self.precision),
+            train=TrainSpec(self.train_engine, self.train_engine_options, self.precision, self.compile),
             seed=self.seed,
             micro_batch_size=self.micro_batch_size,
         )

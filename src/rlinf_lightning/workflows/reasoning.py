@@ -28,6 +28,7 @@ from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.policies.lm import LMPolicy
+from rlinf_lightning.policies.lora import lora_of
 from rlinf_lightning.prompts import PromptFormat
 from rlinf_lightning.rewards import RewardInput, close_judges, load_reward, score
 from rlinf_lightning.workflows.padding import micro_batches
@@ -181,7 +182,8 @@ class RolloutStage(Stage):
         return self.metrics.take()
 
     def apply_sync(self, source: str, state: TensorDict) -> None:
-        self.engine.update_weights(state.items())
+        # a LoRA actor sends only the merged layers that changed (see policies.lora)
+        self.engine.update_weights(state.items(), partial=lora_of(self.policy) is not None)
 
     def evaluate(self, prompts: list[str], answers: list[str], reward: str) -> float:
         """Greedy held-out accuracy with the live rollout engine (current weights)."""

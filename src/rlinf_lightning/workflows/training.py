@@ -24,6 +24,7 @@ from rlinf_lightning.engines.train import (
 )
 from rlinf_lightning.flow.memory import count_text, dtype_bytes
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
+from rlinf_lightning.policies.lora import lora_of, lora_record, merged_weights, sync_names
 from rlinf_lightning.policies.module import RLModule
 
 
@@ -39,7 +40,7 @@ class TrainStage(Stage):
     def __init__(self, policy: RLModule, train: TrainSpec | None = None) -> None:
         train = train or TrainSpec()
         self.policy, self.train_engine, self.precision = policy, train.engine, train.precision
-        self.train_engine_options = dict(train.options)
+        self.train_engine_options, self.compile = dict(train.options), train.compile
 
     def check_placement(self, replicas: int, own_process: bool) -> list[tuple[str, str]]:
         name = resolve_train_engine(self.train_engine, replicas)
@@ -66,29 +67,41 @@ class TrainStage(Stage):
         parameter in the weights' dtype (the policy's ``dtype``, float32 unless it says otherwise;
         bfloat16 under ``bf16-true``): 16 bytes per parameter in float32, 8 in bfloat16. Under
         ``bf16-mixed`` add 2: the bfloat16 copies of the weights autocast keeps from the forward for
-        the backward. An ``fsdp`` engine holds 1/replicas of it on each replica.
+        the backward. An ``fsdp`` engine holds 1/replicas of it on each replica. With LoRA only the
+        trainable parameters (:meth:`RLModule.trainable_parameter_count`) have gradients and Adam
+        moments: the frozen base costs its weights (and autocast copies) alone.
 
         Not counted: activations (they depend on the sequence lengths, the attention kernel and
         recomputation), an optimizer outside Adam's family; so this is a floor."""
-        n = self.policy.parameter_count()
-        if n is None:
+        n, trained = self.policy.parameter_count(), self.policy.trainable_parameter_count()
+        if n is None or trained is None:
             return None
         precision = resolve_precision(self.precision, device)
         dtype = "bfloat16" if precision == "bf16-true" else policy_dtype(self.policy)
         size = dtype_bytes(dtype)
-        per = 4 * size + (2 if precision == "bf16-mixed" and size > 2 else 0)
+        weights = size + (2 if precision == "bf16-mixed" and size > 2 else 0)
+        per = weights + 3 * size
         shards = replicas if resolve_train_engine(self.train_engine, replicas) == "fsdp" else 1
         sharded = f" / {shards} fsdp shards" if shards > 1 else ""
-        what = f"{count_text(n)} parameters x {per} bytes{sharded}"
-        what += f" ({dtype} weights, gradients, 2 Adam moments"
-        what += "; bfloat16 weight copies for autocast)" if per > 4 * size else ")"
+        copies = "; bfloat16 weight copies for autocast" if weights > size else ""
         fix = f"trainer.precision=bf16-true (8 bytes per parameter instead of {per})" if size > 2 else None
-        return [MemoryPart(-(-n * per // shards), what, fix)]
+        if trained == n:
+            what = f"{count_text(n)} parameters x {per} bytes{sharded}"
+            what += f" ({dtype} weights, gradients, 2 Adam moments{copies})"
+            return [MemoryPart(-(-n * per // shards), what, fix)]
+        frozen = f"{count_text(n)} parameters x {weights} bytes{sharded} ({dtype} weights{copies})"
+        state = f"LoRA: {count_text(trained)} trainable parameters x {3 * size} bytes{sharded}"
+        return [
+            MemoryPart(-(-n * weights // shards), frozen, fix),
+            MemoryPart(-(-trained * 3 * size // shards), f"{state} (gradients, 2 Adam moments)"),
+        ]
 
     def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
         self.engine = build_train_engine(self.train_engine, ctx.replicas, self.train_engine_options)
         self.engine.setup(copy.deepcopy(self.policy), ctx, resolve_precision(self.precision, ctx.device))
+        if self.compile:
+            self.engine.compile()
 
     def engine_info(self) -> dict[str, Any]:
         """Which engine trains here, in which precision, and this replica's rank among how many."""
@@ -101,7 +114,13 @@ class TrainStage(Stage):
         }
 
     def sync_state(self) -> TensorDict:
-        return TensorDict(dict(self.engine.named_weights()), batch_size=[])
+        """Every weight; with LoRA the merged weights that differ from the base (see
+        ``policies.lora``: the frozen base is neither gathered nor sent)."""
+        lora = lora_of(self.policy)
+        if lora is None:
+            return TensorDict(dict(self.engine.named_weights()), batch_size=[])
+        named = self.engine.named_weights(sync_names(self.engine.policy.model))
+        return TensorDict(dict(merged_weights(named, lora.scaling)), batch_size=[])
 
     def onload(self) -> None:
         self.engine.onload()
@@ -120,9 +139,15 @@ class TrainStage(Stage):
     def state_dict(self) -> dict[str, Any]:
         """The full state on replica 0 (the others return ``{}``, or join the gather if sharded)."""
         if self.sharded:  # full weights for export (a collective); the optimizer lives in the shards
-            weights = dict(self.engine.named_weights())
-            return {"model": weights, "optimizer": None} if self.ctx.replica == 0 else {}
-        return self.engine.state_dict() if self.ctx.replica == 0 else {}
+            model = self.engine.policy.model
+            lora = lora_of(self.policy)
+            names = {n for n, p in model.named_parameters() if p.requires_grad} if lora else None
+            state = {"model": dict(self.engine.named_weights(names)), "optimizer": None}
+        else:
+            state = self.engine.state_dict()
+        if self.ctx.replica != 0:
+            return {}
+        return {**state, "lora": lora_record(self.policy)} if lora_of(self.policy) else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.engine.load_state_dict(state)

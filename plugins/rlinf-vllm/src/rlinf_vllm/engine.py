@@ -6,7 +6,11 @@
 * Each prompt is its own request with seed ``row_seed(seed, group, 0)``, so its samples do not
   depend on which other prompts share the batch (the same property the ``hf`` engine has).
 * ``update_weights`` streams the actor's tensors (HF names) into the running engine through the
-  worker's ``reload_weights`` path; vLLM fuses q/k/v and gate/up itself. No engine restart.
+  worker's ``reload_weights`` path; vLLM fuses q/k/v and gate/up itself. No engine restart. A
+  ``partial`` update (a LoRA actor's merged layers) reloads only the layers it touches; vLLM
+  rebuilds a fused layer from all its parts, so the parts the actor did not send (e.g. ``k_proj``
+  beside adapted ``q_proj`` and ``v_proj``, or a frozen bias) are read from the base checkpoint in
+  ``model_path``, which is what the rollout holds for them. Layers not touched keep their tensors.
 * ``offload``/``onload`` are vLLM's ``sleep``/``wake_up`` on CUDA; the CPU backend has no sleep
   mode, so there they do nothing (its KV cache is a fixed reservation).
 
@@ -18,9 +22,12 @@ to start on small machines) and ``tensor_parallel_size``. CPU knob (environment)
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from collections.abc import Iterable
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 
@@ -32,12 +39,17 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one line per event in the fit log, not pages
 
 
-def _reload(named_tensors: list[tuple[str, torch.Tensor]]):
+def _reload(named_tensors: list[tuple[str, torch.Tensor]], base: str | None = None):
     """Runs in the vLLM worker: reload in place and return the names of the engine's parameters
-    that received no tensor (vLLM itself only logs a warning about them)."""
+    that received no tensor (vLLM itself only logs a warning about them). With ``base`` (a partial
+    update) the fused layers' missing parts come from the checkpoint there, and only the touched
+    layers' parameters are expected."""
 
     def fn(worker) -> list[str]:
         model = worker.model_runner.get_model()
+        tensors = named_tensors
+        if base is not None:
+            tensors = tensors + _fused_partners(tensors, getattr(model, "packed_modules_mapping", {}), base)
         expected = {n for n, _ in model.named_parameters()}
         loaded: set[str] = set()
         load = model.load_weights
@@ -49,12 +61,55 @@ def _reload(named_tensors: list[tuple[str, torch.Tensor]]):
 
         model.load_weights = recording
         try:
-            worker.model_runner.reload_weights(weights_iterator=iter(named_tensors))
+            with _quiet() if base is not None else nullcontext():
+                worker.model_runner.reload_weights(weights_iterator=iter(tensors))
         finally:
             del model.load_weights
+        if base is not None:  # the layers of the parameters loaded must be complete
+            touched = {n.rpartition(".")[0] for n in loaded}
+            expected = {n for n in expected if n.rpartition(".")[0] in touched}
         return sorted(expected - loaded)
 
     return fn
+
+
+def _fused_partners(
+    named_tensors: list[tuple[str, torch.Tensor]], packed: dict[str, list[str]], base: str
+) -> list[tuple[str, torch.Tensor]]:
+    """The base checkpoint's tensors of every module fused (``packed``: vLLM's ``qkv_proj`` ->
+    ``q_proj, k_proj, v_proj``) with a module of ``named_tensors``, and of those modules
+    themselves (a bias beside a sent weight), that ``named_tensors`` lacks."""
+    from safetensors import safe_open
+
+    sent = {n for n, _ in named_tensors}
+    modules = set()
+    for name in sent:
+        parent, _, short = name.rpartition(".")[0].rpartition(".")
+        group = next((members for members in packed.values() if short in members), [short])
+        modules |= {f"{parent}.{m}." for m in group}
+    out = []
+    for path in sorted(Path(base).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if key not in sent and any(key.startswith(m) for m in modules):
+                    out.append((key, f.get_tensor(key)))
+    return out
+
+
+@contextmanager
+def _quiet():
+    """vLLM warns about every layer a reload leaves as it was, which a partial update means to."""
+    loggers = [
+        logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}") for m in ("layerwise", "inplace")
+    ]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def sampled_logprobs(output) -> list[float]:
@@ -165,13 +220,16 @@ class VLLMRolloutEngine(RolloutEngine):
             result.append(comps)
         return result
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, partial: bool = False
+    ) -> None:
         tensors = [(n, t.detach()) for n, t in named_tensors]
         tied = getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False)
         if tied and not any(n == "lm_head.weight" for n, _ in tensors):
             # the CPU backend repacks lm_head into its own buffer: a tied embedding must be sent twice
             tensors += [("lm_head.weight", t) for n, t in tensors if n == "model.embed_tokens.weight"]
-        missing = sorted({n for names in self.llm.collective_rpc(_reload(tensors)) for n in names})
+        base = self.model_path if partial else None
+        missing = sorted({n for names in self.llm.collective_rpc(_reload(tensors, base)) for n in names})
         if missing:
             raise RuntimeError(
                 f"weight sync left {len(missing)} vLLM parameter(s) with their old values: "

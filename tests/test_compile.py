@@ -1,0 +1,46 @@
+"""``trainer.compile``: the actor's forward and backward under ``torch.compile`` train as eager
+does (within float32 tolerance), and the compile seconds are reported. Slow: compiling takes
+tens of seconds on a CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlinf_lightning.algorithms import GRPO
+from rlinf_lightning.engines import HFRolloutEngine
+from rlinf_lightning.engines.train import TrainSpec
+from rlinf_lightning.flow.stage import StageContext
+from rlinf_lightning.policies import LMPolicy
+from rlinf_lightning.workflows.reasoning import ActorStage
+from test_lora import _rollout
+
+
+@pytest.mark.slow
+def test_a_compiled_actor_trains_as_eager_and_reports_compile_seconds(assets):
+    """Gradients of the first iteration within float32 tolerance, then loss and gradient norm of
+    each step (the weights themselves are not compared: Adam divides each gradient by its own
+    magnitude, so a rounding difference in a near-zero gradient moves that weight by up to 2 x lr)."""
+    tok = LMPolicy(str(assets["sft"])).load_tokenizer()
+    engine = HFRolloutEngine(str(assets["sft"]))
+    batches = [_rollout(engine, tok, seed=s) for s in range(2)]
+    results = {}
+    for compiled in (False, True):
+        spec = TrainSpec("single", compile=compiled)
+        actor = ActorStage(LMPolicy(str(assets["sft"]), lr=1e-3), GRPO(), spec, 0.8, None)
+        actor.setup(StageContext())
+        metrics, grads = [], None
+        for batch in batches:
+            actor.process(batch[:8])
+            actor.process(batch[8:])
+            if grads is None:
+                grads = {n: p.grad.clone() for n, p in actor.engine.policy.model.named_parameters()}
+            metrics.append(actor.end_iteration().compute())
+        results[compiled] = metrics, grads
+    (eager, eager_grads), (comp, comp_grads) = results[False], results[True]
+    for name, g in eager_grads.items():
+        torch.testing.assert_close(comp_grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
+    for a, b in zip(eager, comp):
+        for key in ("loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert comp[0]["compile_s"] > 1.0 and "compile_s" not in eager[0]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -22,15 +21,14 @@ def _fit(tmp_path: Path, assets: dict, *overrides: str) -> subprocess.CompletedP
 
 
 def test_a_bad_config_exits_2_with_one_message_from_the_console_script(tmp_path, assets):
-    """Through a real subprocess (tests/test_bad_inputs.py covers the cases in-process)."""
-    t0 = time.perf_counter()
+    """Through a real subprocess (tests/test_bad_inputs.py covers the cases in-process). Refused
+    before anything starts: nothing but the message is printed and no run directory is made (no
+    wall-clock bound: on a loaded machine importing the CLI alone took 10 s)."""
     res = _fit(tmp_path, assets, "--task.rollout_batch_size=100")
-    assert time.perf_counter() - t0 < 10
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
         "rlinf fit: invalid configuration:",
-        "  task.rollout_batch_size: 100 is not divisible by task.group_size=8; use a multiple such "
-        "as 96",
+        "  task.rollout_batch_size: 100 is not divisible by task.group_size=8; use a multiple such as 96",
     ]
     assert not (tmp_path / "run").exists()
 

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from rlinf_lightning.algorithms.advantages import gae
+from rlinf_lightning.algorithms.contract import Algorithm
 from rlinf_lightning.algorithms.losses import clipped_value_loss, ppo_clip_per_token
 
 
 @dataclass
-class PPO:
+class PPO(Algorithm):
     """Proximal Policy Optimization with a learned value function.
 
     Args:
@@ -52,6 +53,7 @@ class PPO:
     norm_adv: bool = True
 
     needs_reference = False
+    reads = frozenset({"rewards", "values", "old_logprobs"})  # a critic's values: GAE needs them
 
     def compute_advantages(
         self,

@@ -24,19 +24,35 @@ def response_logits(logits: torch.Tensor, response_len: int, temperature: float)
     return logits[:, -response_len - 1 : -1].float() / temperature
 
 
+#: rows of a micro-batch whose vocabulary-wide log-softmax is held at once: the entropy's
+#: temporaries (probabilities, their product with the log-probs) exist for this many rows only
+ENTROPY_CHUNK_ROWS = 8
+
+
 def response_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, response_len: int, temperature: float
-) -> torch.Tensor:
-    """Log-prob of each of the last ``response_len`` tokens given everything before it."""
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    response_len: int,
+    temperature: float,
+    entropy: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each of the last ``response_len`` tokens given everything before it, and, from
+    the same log-softmax, the entropy of each position's distribution: ``entropy="grad"`` with its
+    gradient (an entropy bonus), ``"value"`` without (for the log), ``None`` not at all.
+
+    Computed ``ENTROPY_CHUNK_ROWS`` rows at a time, so the entropy's vocabulary-sized temporaries
+    stay the size of a chunk however large the micro-batch (autograd still keeps each chunk's
+    log-softmax for the backward, as it would unchunked)."""
     logits = response_logits(logits, response_len, temperature)
     targets = input_ids[:, -response_len:]
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-@torch.no_grad()
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of ``softmax(logits)`` per position: ``logsumexp(l) - sum(softmax(l) * l)``."""
-    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+    logps, entropies = [], []
+    for rows in range(0, logits.shape[0], ENTROPY_CHUNK_ROWS):
+        chunk = torch.log_softmax(logits[rows : rows + ENTROPY_CHUNK_ROWS], dim=-1)
+        logps.append(chunk.gather(-1, targets[rows : rows + ENTROPY_CHUNK_ROWS].unsqueeze(-1)).squeeze(-1))
+        if entropy is not None:
+            lsm = chunk if entropy == "grad" else chunk.detach()
+            entropies.append(-(lsm.exp() * lsm).sum(-1))
+    return torch.cat(logps), (torch.cat(entropies) if entropy is not None else None)
 
 
 class LMPolicy(RLModule):
@@ -99,18 +115,23 @@ class LMPolicy(RLModule):
 
         return AutoTokenizer.from_pretrained(self.model_path)
 
-    def forward_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
+    def forward_logprobs(
+        self, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of the response tokens. In a training forward (autograd on) it also logs
         ``entropy``: the mean per-token entropy of the sampling distribution over the response
-        (exact, from the full logits; no gradient), which RL dashboards watch for collapse."""
+        (exact, from the log-softmax the log-probs come from), which RL dashboards watch for
+        collapse. ``with_entropy``: also return the per-token entropy with its gradient (for an
+        entropy bonus)."""
         ids, mask, response = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         with self.training_attention(ids):
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        if torch.is_grad_enabled():
-            entropy = token_entropy(response_logits(logits.detach(), response.shape[-1], temperature))
-            self.log("entropy", (entropy * response).sum() / response.sum().clamp_min(1.0))
-        return response_logprobs(logits, ids, response.shape[-1], temperature)
+        want = "grad" if with_entropy else "value" if torch.is_grad_enabled() else None
+        logp, entropy = response_logprobs(logits, ids, response.shape[-1], temperature, want)
+        if entropy is not None:
+            self.log("entropy", (entropy.detach() * response).sum() / response.sum().clamp_min(1.0))
+        return (logp, entropy) if with_entropy else logp
 
     def training_attention(self, ids: torch.Tensor) -> contextlib.AbstractContextManager:
         """The attention kernel of a forward over ``ids``: PyTorch's default (flash attention),

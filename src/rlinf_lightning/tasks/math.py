@@ -234,6 +234,7 @@ class MathTask(Task):
             train=run.train,
             sampling=self.sampling,
             group_size=self.group_size,
+            prompts_per_iteration=self.rollout_batch_size // self.group_size,
             train_micro_batch_size=self.train_micro_batch_size,
             train_max_tokens_per_micro_batch=self.train_max_tokens_per_micro_batch,
             reward=self.reward,

@@ -360,7 +360,7 @@ class EpisodeAdvantageStage(Stage):
         self.metrics = Metrics()
 
     def process(self, traj: TensorDict) -> TensorDict:
-        adv = self.algorithm.compute_advantages(traj["score"], traj["group_id"])
+        adv = self.algorithm.compute_advantages({"rewards": traj["score"], "group_ids": traj["group_id"]})
         signal = groups_with_signal(adv, traj["group_id"], self.metrics)
         n, steps = traj["mask"].shape
         samples = TensorDict(

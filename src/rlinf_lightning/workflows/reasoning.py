@@ -19,9 +19,13 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.algorithms.advantages import groups_with_signal
+from rlinf_lightning.algorithms.contract import unserved
+from rlinf_lightning.algorithms.losses import kl_penalty
+from rlinf_lightning.algorithms.policy_gradient import adapt_kl_coef
 from rlinf_lightning.engines.offload import Offloader
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, Completion, SamplingParams
 from rlinf_lightning.engines.train import TrainSpec
+from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.evaluation import EVAL_BATCH_SIZE, greedy_accuracy
 from rlinf_lightning.flow.memory import dtype_bytes, weights_part
 from rlinf_lightning.flow.metrics import Metrics
@@ -30,6 +34,7 @@ from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.prompts import PromptFormat
 from rlinf_lightning.rewards import RewardInput, close_judges, load_reward, score
+from rlinf_lightning.seeds import row_seed
 from rlinf_lightning.workflows.padding import micro_batches
 from rlinf_lightning.workflows.training import TrainStage
 
@@ -247,29 +252,74 @@ class RewardStage(Stage):
 
 
 class AdvantageStage(Stage):
-    """Turns rewards into advantages with the algorithm's estimator (group-normalised for GRPO)."""
+    """Turns rewards into advantages with the algorithm's estimator, on micro-batches of whole
+    groups: adds DAPO's overlong penalty to the rewards and, when the KL is in the reward, a
+    per-token KL penalty (then it runs after the inference stage, which computes the reference
+    log-probs). Emits one advantage per response token."""
 
     name = "advantage"
     cost_hint = 0.01
-    in_keys = ("reward", "group_id")
     out_keys = ("advantage",)
 
-    def __init__(self, algorithm: Any) -> None:
-        self.algorithm = algorithm
+    def __init__(self, algorithm: Any, horizon: int) -> None:
+        self.algorithm, self.horizon = algorithm, horizon
+        self.kl_in_reward = algorithm.needs_reference and getattr(algorithm, "kl_in_reward", False)
+        self.in_keys = ("reward", "group_id", "response_mask") + (
+            ("rollout_logprobs", "ref_logprobs") if self.kl_in_reward else ()
+        )
 
     def setup(self, ctx: StageContext) -> None:
-        self.metrics = Metrics()
+        self.ctx, self.metrics = ctx, Metrics()
+        self.kl_coef = getattr(self.algorithm, "kl_coef", 0.0)
+        self.kl_seen = torch.zeros(2, dtype=torch.float64)  # sum of per-token KL, tokens
 
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
         return []  # a few numbers per sample
 
     def process(self, batch: TensorDict) -> TensorDict:
-        batch["advantage"] = self.algorithm.compute_advantages(batch["reward"], batch["group_id"])
+        alg, mask = self.algorithm, batch["response_mask"]
+        rewards = batch["reward"]
+        if getattr(alg, "overlong_buffer", 0.0) > 0:
+            penalty = alg.overlong_penalty_of(mask.sum(-1), self.horizon)
+            rewards = rewards + penalty
+            self.metrics.mean("overlong_penalty", float(penalty.mean()), len(penalty))
+        kl = None
+        if self.kl_in_reward:
+            kl = kl_penalty(batch["rollout_logprobs"], batch["ref_logprobs"], alg.kl_estimator) * mask
+            self.kl_seen += torch.tensor([float(kl.sum()), float(mask.sum())], dtype=torch.float64)
+        token_rewards = alg.token_rewards(rewards, mask, kl, self.kl_coef)
+        inputs = {
+            "rewards": token_rewards.sum(-1) if kl is not None else rewards,
+            "group_ids": batch["group_id"],
+            "response_mask": mask,
+            "token_rewards": token_rewards,
+        }
+        adv = alg.compute_advantages(inputs)
+        adv = adv[:, None].expand(mask.shape) if adv.dim() == 1 else adv
+        batch["advantage"] = (adv * mask).float()
         groups_with_signal(batch["advantage"], batch["group_id"], self.metrics)
         return batch
 
     def end_iteration(self) -> Metrics:
+        if self.kl_in_reward:
+            self.kl_coef = adapted_kl_coef(self.ctx, self.algorithm, self.kl_coef, self.kl_seen)
+            self.metrics.mean("kl_coef", self.kl_coef)
+            self.kl_seen.zero_()
         return self.metrics.take()
+
+
+def adapted_kl_coef(ctx: StageContext, algorithm: Any, coef: float, seen: torch.Tensor) -> float:
+    """The KL coefficient for the next iteration: ``coef`` unless ``kl_target`` is set, then
+    adapted to the mean per-token KL ``seen`` (``[sum, tokens]``, summed over the replicas so every
+    replica, and every plan, gets the same coefficient)."""
+    if getattr(algorithm, "kl_target", None) is None:
+        return coef
+    total = seen.clone()
+    ctx.all_reduce([total])
+    kl_sum, tokens = total.tolist()
+    if tokens == 0:
+        return coef
+    return adapt_kl_coef(coef, kl_sum / tokens, algorithm.kl_target, algorithm.kl_horizon, int(tokens))
 
 
 class InferenceStage(Stage):
@@ -316,27 +366,64 @@ class InferenceStage(Stage):
 
 class PolicyLoss:
     """``(policy, micro_batch) -> (loss_sum, count, metrics)``; picklable, so every rank of a
-    distributed train engine can run it on its shard."""
+    distributed train engine can run it on its shard.
 
-    def __init__(self, algorithm: Any, temperature: float) -> None:
-        self.algorithm, self.temperature = algorithm, temperature
+    The ratio's denominator is the behaviour policy's log-probs: ``old_logprobs`` when the actor
+    took them before its first step (several updates per batch, or ``tis_cap``), else the
+    rollout's. ``kl_coef`` is the KL coefficient of this iteration (adaptive ones change)."""
+
+    def __init__(self, algorithm: Any, temperature: float, horizon: int | None = None) -> None:
+        self.algorithm, self.temperature, self.horizon = algorithm, temperature, horizon
+        self.kl_coef = getattr(algorithm, "kl_coef", 0.0)
 
     def __call__(self, policy: LMPolicy, mb: TensorDict):
-        logp = policy.forward_logprobs(mb, self.temperature)
+        entropy = None
+        if getattr(self.algorithm, "entropy_coef", 0.0) > 0:  # an entropy bonus: with its gradient
+            logp, entropy = policy.forward_logprobs(mb, self.temperature, with_entropy=True)
+        else:
+            logp = policy.forward_logprobs(mb, self.temperature)
+        if "old_logprobs" in mb.keys():
+            old = mb["old_logprobs"]
+        elif getattr(self.algorithm, "tis_cap", None) is not None:
+            old = logp.detach()  # one step per batch: the actor's log-probs before it
+        else:
+            old = mb["rollout_logprobs"]
         return self.algorithm.loss(
-            logp, mb["rollout_logprobs"], mb["advantage"], mb["response_mask"], mb.get("ref_logprobs", None)
+            logp,
+            old,
+            mb["advantage"],
+            mb["response_mask"],
+            mb.get("ref_logprobs", None),
+            rollout_logprobs=mb["rollout_logprobs"],
+            entropy=entropy,
+            kl_coef=self.kl_coef,
+            horizon=self.horizon,
         )
 
 
+def behaviour_logprobs(policy: LMPolicy, mb: TensorDict, temperature: float) -> torch.Tensor:
+    """The actor's log-probs of a micro-batch's responses, no gradient (before its first step)."""
+    return policy.forward_logprobs(mb, temperature)
+
+
 class ActorStage(TrainStage):
-    """Accumulates the policy-loss gradient over micro-batches; one optimizer step per iteration.
+    """Trains the policy on each rollout batch.
+
+    One update per batch (``ppo_epochs = num_mini_batches = 1``, no whitening): the gradient is
+    accumulated over micro-batches as they arrive and the optimizer steps once at the end of the
+    iteration. Otherwise the batch is kept; at its end the advantages are whitened over all of it
+    (``norm_adv``), the behaviour log-probs are taken before the first step, and ``ppo_epochs``
+    passes of ``num_mini_batches`` optimizer steps run. A mini-batch is a set of whole prompt
+    groups drawn by a permutation of the iteration's group positions seeded by iteration and
+    epoch, and each step divides by its own mini-batch's count over every replica, so replicas of
+    a data-parallel group take exactly the steps one replica would.
 
     Every replica of the group hosting it is a rank of its train engine (``train.engine``).
     """
 
     name = "actor"
     cost_hint = 1.0
-    in_keys = ("input_ids", "attention_mask", "response_mask", "rollout_logprobs", "advantage")
+    in_keys = ("input_ids", "attention_mask", "response_mask", "rollout_logprobs", "advantage", "group_id")
 
     def __init__(
         self,
@@ -346,24 +433,112 @@ class ActorStage(TrainStage):
         temperature: float,
         train_micro_batch_size: int | None,
         train_max_tokens: int | None = None,
+        horizon: int = 1,
+        prompts_per_iteration: int = 1,
+        seed: int = 0,
     ) -> None:
         super().__init__(policy, train)
         self.algorithm, self.temperature = algorithm, temperature
         self.train_micro_batch_size, self.train_max_tokens = train_micro_batch_size, train_max_tokens
+        self.horizon, self.prompts_per_iteration, self.seed = horizon, prompts_per_iteration, seed
+        self.updates = getattr(algorithm, "updates_per_batch", 1)
+        self.keeps_batch = self.updates > 1 or getattr(algorithm, "norm_adv", False)
+        self.adaptive_kl = (
+            algorithm.needs_reference
+            and not getattr(algorithm, "kl_in_reward", False)
+            and getattr(algorithm, "kl_target", None) is not None
+        )
+        if algorithm.needs_reference:
+            self.in_keys = (*self.in_keys, "ref_logprobs")
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
-        self.loss = PolicyLoss(self.algorithm, self.temperature)
+        self.loss = PolicyLoss(self.algorithm, self.temperature, self.horizon)
         self.metrics = Metrics()
+        self.kl_seen = torch.zeros(2, dtype=torch.float64)  # KL x samples, samples (adaptive KL)
+
+    def begin_iteration(self, iteration: int) -> None:
+        self.iteration, self.buffer = iteration, []
 
     def process(self, batch: TensorDict) -> None:
-        for chunk in micro_batches(batch, self.train_micro_batch_size, self.train_max_tokens):
-            for k, v in self.engine.accumulate(chunk, self.loss).items():
-                self.metrics.mean(k, v, len(chunk))
+        if self.adaptive_kl:  # KL(rollout policy || reference) per token, what the controller steers
+            alg, mask = self.algorithm, batch["response_mask"]
+            kl = kl_penalty(batch["rollout_logprobs"], batch["ref_logprobs"], alg.kl_estimator) * mask
+            self.kl_seen += torch.tensor([float(kl.sum()), float(mask.sum())], dtype=torch.float64)
+        if self.keeps_batch:
+            self.buffer.append(batch)
+            return None
+        self._train_on(batch, self.metrics)
         return None
 
+    def _train_on(self, batch: TensorDict, metrics: Metrics) -> None:
+        for chunk in micro_batches(batch, self.train_micro_batch_size, self.train_max_tokens):
+            for k, v in self.engine.accumulate(chunk, self.loss).items():
+                metrics.mean(k, v, len(chunk))
+
     def end_iteration(self) -> Metrics:
-        return self.metrics.take().merge(self.engine.step())
+        metrics = self.metrics.take()
+        if self.keeps_batch:
+            self._update_on_kept_batch(metrics)
+        else:
+            metrics.merge(self.engine.step())
+        self._adapt_kl(metrics)
+        return metrics
+
+    def _adapt_kl(self, metrics: Metrics) -> None:
+        if not self.adaptive_kl:
+            return
+        self.loss.kl_coef = adapted_kl_coef(self.ctx, self.algorithm, self.loss.kl_coef, self.kl_seen)
+        metrics.mean("kl_coef", self.loss.kl_coef)
+        self.kl_seen.zero_()
+
+    def _whiten(self) -> None:
+        """Advantages to zero mean and unit std over every response token of the rollout batch
+        (the moments summed over the replicas)."""
+        moments = torch.zeros(3, dtype=torch.float64)
+        for b in self.buffer:
+            adv, mask = b["advantage"].double(), b["response_mask"].double()
+            moments += torch.stack([(adv * mask).sum(), (adv**2 * mask).sum(), mask.sum()])
+        self.ctx.all_reduce([moments])
+        total, squares, count = moments.tolist()
+        mean = total / max(count, 1.0)
+        std = max((squares / max(count, 1.0) - mean**2) * count / max(count - 1.0, 1.0), 0.0) ** 0.5
+        for b in self.buffer:
+            b["advantage"] = ((b["advantage"] - mean) / (std + 1e-8)) * b["response_mask"]
+
+    def _update_on_kept_batch(self, metrics: Metrics) -> None:
+        if getattr(self.algorithm, "norm_adv", False):
+            self._whiten()
+        if self.updates > 1 or getattr(self.algorithm, "tis_cap", None) is not None:
+            for b in self.buffer:  # the behaviour policy: the actor before its first step
+                b["row"] = torch.arange(len(b))
+                chunks = micro_batches(b, self.train_micro_batch_size, self.train_max_tokens)
+                b["old_logprobs"] = torch.zeros_like(b["rollout_logprobs"])
+                for chunk, lp in zip(chunks, self.engine.forward_all(chunks, self._behaviour)):
+                    b["old_logprobs"][chunk["row"], : lp.shape[-1]] = lp.to(b["old_logprobs"].device)
+        per_pass = getattr(self.algorithm, "num_mini_batches", 1)
+        first = (self.iteration - 1) * self.prompts_per_iteration
+        for epoch in range(getattr(self.algorithm, "ppo_epochs", 1)):
+            g = torch.Generator().manual_seed(row_seed(self.seed, self.iteration, epoch))
+            position = torch.empty(self.prompts_per_iteration, dtype=torch.long)
+            position[torch.randperm(self.prompts_per_iteration, generator=g)] = torch.arange(
+                self.prompts_per_iteration
+            )
+            for m in range(per_pass):
+                for b in self.buffer:
+                    chosen = position[b["group_id"] - first] * per_pass // self.prompts_per_iteration == m
+                    if bool(chosen.any()):
+                        self._train_on(b[chosen], metrics)
+                metrics.merge(self.engine.step())
+
+    def _behaviour(self, policy: LMPolicy, mb: TensorDict) -> torch.Tensor:
+        return behaviour_logprobs(policy, mb, self.temperature)
+
+
+#: what the reasoning workflow gives an algorithm (``algorithms.contract``): no critic, so no values
+PROVIDES = frozenset(
+    {"rewards", "group_ids", "response_mask", "token_rewards", "old_logprobs", "ref_logprobs"}
+)
 
 
 def reasoning_workflow(
@@ -376,6 +551,7 @@ def reasoning_workflow(
     train: TrainSpec,
     sampling: SamplingParams,
     group_size: int,
+    prompts_per_iteration: int,
     train_micro_batch_size: int | None,
     train_max_tokens_per_micro_batch: int | None = None,
     reward: str,
@@ -386,7 +562,24 @@ def reasoning_workflow(
     max_prompt_tokens: int | None = None,
     eval_prompts: int = 0,
 ) -> Workflow:
+    """The stages for ``algorithm``; raises :class:`ConfigError` when the algorithm reads an input
+    this workflow does not provide (a critic's values) or cuts mini-batches the batch cannot give."""
+    problems = unserved(algorithm, type(algorithm).__name__, PROVIDES, "reasoning", " (it has no critic)")
+    mini = getattr(algorithm, "num_mini_batches", 1)
+    if prompts_per_iteration % mini:
+        problems.append(
+            (
+                "trainer.algorithm.num_mini_batches",
+                f"{mini} does not divide the {prompts_per_iteration} prompt groups of an iteration "
+                "(task.rollout_batch_size / task.group_size); a mini-batch is whole groups",
+            )
+        )
+    if problems:
+        raise ConfigError(problems)
     temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+    horizon = sampling.max_new_tokens
+    advantage = AdvantageStage(algorithm, horizon)
+    inference = InferenceStage(policy, algorithm, temperature)
     return (
         Workflow("reasoning")
         .chain(
@@ -403,8 +596,8 @@ def reasoning_workflow(
                 rollout_engine_options,
             ),
             RewardStage(reward, format_reward, format_weight),
-            AdvantageStage(algorithm),
-            InferenceStage(policy, algorithm, temperature),
+            # a KL in the reward needs the reference log-probs before the advantages
+            *((inference, advantage) if advantage.kl_in_reward else (advantage, inference)),
             ActorStage(
                 policy,
                 algorithm,
@@ -412,6 +605,9 @@ def reasoning_workflow(
                 temperature,
                 train_micro_batch_size,
                 train_max_tokens_per_micro_batch,
+                horizon,
+                prompts_per_iteration,
+                seed,
             ),
         )
         .sync("actor", "rollout", "weights")

@@ -244,6 +244,9 @@ class MathTask(Task):
             prompt_format=self.prompt_format,
             max_prompt_tokens=self.longest_prompt_tokens(policy),
             eval_prompts=len(self.test),
+            train_problems=[(p.prompt, p.answer) for p in self.train]
+            if getattr(run.algorithm, "max_sampling_rounds", 0)
+            else None,
         )
 
     def _check_token_budget(self, policy: Any) -> None:

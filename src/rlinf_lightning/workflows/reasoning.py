@@ -13,6 +13,7 @@ group took it. The actor trains and is checkpointed (role ``train``); the rollou
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,9 +62,31 @@ def pack_samples(
     return {"input_ids": ids, "attention_mask": attn, "response_mask": resp_mask, "rollout_logprobs": logps}
 
 
+@dataclass
+class DynamicSampling:
+    """DAPO's dynamic sampling, done per prompt slot so that every plan samples the same batch: a
+    slot whose group's rewards (``scorer``'s) are all equal gets the next prompt of its own reserve
+    stream (``problems``, drawn by a hash of the seed, the slot and the round) and a fresh group,
+    up to ``rounds`` times; a slot still without signal then is kept (counted as unfilled)."""
+
+    rounds: int
+    scorer: RewardStage
+    problems: list[tuple[str, str]]  # (prompt, answer) of the training set
+
+    def reserve(self, seed: int, slot: int, round_: int) -> tuple[str, str]:
+        return self.problems[row_seed(seed + RESERVE_SEED, slot, round_) % len(self.problems)]
+
+
+#: mixed into the seed of the reserve prompts and their samples (kept apart from the main stream)
+RESERVE_SEED = 104729
+#: the group id a slot's ``k``-th replacement is sampled under: ``slot + (k + 1) * RESERVE_GROUP_STRIDE``
+RESERVE_GROUP_STRIDE = 1 << 32
+
+
 class RolloutStage(Stage):
     """Generates ``group_size`` completions per prompt with the chosen rollout engine; prompts are
-    laid out by the task's :class:`PromptFormat` (template, then the chat template if any).
+    laid out by the task's :class:`PromptFormat` (template, then the chat template if any). With
+    ``dynamic_sampling``, groups without signal are replaced (:class:`DynamicSampling`).
 
     ``max_prompt_tokens`` (the task's longest prompt) and ``eval_prompts`` (how many it evaluates
     on) only size the memory estimate.
@@ -95,8 +118,10 @@ class RolloutStage(Stage):
         max_prompt_tokens: int | None = None,
         eval_prompts: int = 0,
         engine_options: dict[str, Any] | None = None,
+        dynamic_sampling: DynamicSampling | None = None,
     ) -> None:
         self.policy, self.engine_name, self.sampling = policy, engine, sampling
+        self.dynamic_sampling = dynamic_sampling
         self.engine_options = dict(engine_options or {})
         self.group_size, self.seed = group_size, seed
         self.prompt_format = prompt_format or PromptFormat()
@@ -133,6 +158,8 @@ class RolloutStage(Stage):
             self.policy.model_path, device=ctx.device, dtype=self.dtype, **self.engine_options
         )
         self.metrics = Metrics()
+        if self.dynamic_sampling is not None:
+            self.dynamic_sampling.scorer.setup(ctx)
 
     def onload(self) -> None:
         self.engine.onload()
@@ -147,23 +174,53 @@ class RolloutStage(Stage):
         )
         return prompt_ids, completions
 
-    def process(self, batch: TensorDict) -> TensorDict:
-        groups = batch["group_id"].tolist()
-        prompt_ids, completions = self._generate(
-            list(batch["prompt"]), groups, self.group_size, self.sampling
-        )
-        tensors = pack_samples(prompt_ids, completions, self.tokenizer.pad_token_id)
-        n = self.group_size
-        texts = [
+    def _texts(self, completions: list[list[Completion]]) -> list[str]:
+        return [
             self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for cs in completions for c in cs
         ]
+
+    def _resample(
+        self, prompts: list[str], answers: list[str], groups: list[int], prompt_ids: list, completions: list
+    ) -> None:
+        """Replace, in place, the slots whose group's rewards are all equal (dynamic sampling)."""
+        ds, n = self.dynamic_sampling, self.group_size
+        for round_ in range(ds.rounds + 1):
+            reward, _ = ds.scorer.score(
+                RewardInput(self._texts(completions), [a for a in answers for _ in range(n)])
+            )
+            flat = reward.view(len(prompts), n)
+            todo = [i for i in range(len(prompts)) if bool((flat[i] == flat[i, 0]).all())]
+            if not todo or round_ == ds.rounds:
+                self.metrics.sum("unfilled_groups", len(todo))
+                return
+            self.metrics.sum("resampled_groups", len(todo))
+            for i in todo:
+                prompts[i], answers[i] = ds.reserve(self.seed, groups[i], round_)
+            ids, comps = self._generate(
+                [prompts[i] for i in todo],
+                [groups[i] + (round_ + 1) * RESERVE_GROUP_STRIDE for i in todo],
+                n,
+                self.sampling,
+            )
+            for j, i in enumerate(todo):
+                prompt_ids[i], completions[i] = ids[j], comps[j]
+
+    def process(self, batch: TensorDict) -> TensorDict:
+        groups = batch["group_id"].tolist()
+        prompts, answers = list(batch["prompt"]), list(batch["answer"])
+        prompt_ids, completions = self._generate(prompts, groups, self.group_size, self.sampling)
+        if self.dynamic_sampling is not None:
+            self._resample(prompts, answers, groups, prompt_ids, completions)
+        tensors = pack_samples(prompt_ids, completions, self.tokenizer.pad_token_id)
+        n = self.group_size
+        texts = self._texts(completions)
         out = TensorDict(
             {
                 **tensors,
                 "group_id": torch.tensor(groups).repeat_interleave(n),
                 "completion": texts,
-                "answer": [a for a in batch["answer"] for _ in range(n)],
-                "prompt": [p for p in batch["prompt"] for _ in range(n)],
+                "answer": [a for a in answers for _ in range(n)],
+                "prompt": [p for p in prompts for _ in range(n)],
             },
             batch_size=[len(texts)],
         )
@@ -227,6 +284,16 @@ class RewardStage(Stage):
     def teardown(self) -> None:
         close_judges()
 
+    def score(self, inputs: RewardInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(reward, correct)`` per completion of ``inputs``."""
+        correct = score(self.correct_fn, inputs)
+        reward = correct.clone()
+        if self.format_fn is not None:
+            fmt = score(self.format_fn, inputs)
+            reward += self.format_weight * fmt
+            inputs.metrics.mean("format", float(fmt.mean()), len(fmt))
+        return reward, correct
+
     def process(self, batch: TensorDict) -> TensorDict:
         inputs = RewardInput(
             list(batch["completion"]),
@@ -235,12 +302,7 @@ class RewardStage(Stage):
             batch["response_mask"].sum(-1),
             self.metrics,
         )
-        correct = score(self.correct_fn, inputs)
-        reward = correct.clone()
-        if self.format_fn is not None:
-            fmt = score(self.format_fn, inputs)
-            reward += self.format_weight * fmt
-            self.metrics.mean("format", float(fmt.mean()), len(fmt))
+        reward, correct = self.score(inputs)
         batch["reward"] = reward
         batch["correct"] = correct
         self.metrics.distribution("reward", reward)
@@ -561,9 +623,11 @@ def reasoning_workflow(
     prompt_format: PromptFormat | None = None,
     max_prompt_tokens: int | None = None,
     eval_prompts: int = 0,
+    train_problems: list[tuple[str, str]] | None = None,
 ) -> Workflow:
-    """The stages for ``algorithm``; raises :class:`ConfigError` when the algorithm reads an input
-    this workflow does not provide (a critic's values) or cuts mini-batches the batch cannot give."""
+    """The stages for ``algorithm`` (``train_problems``: the reserve prompts of DAPO's dynamic
+    sampling); raises :class:`ConfigError` when the algorithm reads an input this workflow does not
+    provide (a critic's values) or cuts mini-batches the batch cannot give."""
     problems = unserved(algorithm, type(algorithm).__name__, PROVIDES, "reasoning", " (it has no critic)")
     mini = getattr(algorithm, "num_mini_batches", 1)
     if prompts_per_iteration % mini:
@@ -580,6 +644,10 @@ def reasoning_workflow(
     horizon = sampling.max_new_tokens
     advantage = AdvantageStage(algorithm, horizon)
     inference = InferenceStage(policy, algorithm, temperature)
+    rounds = getattr(algorithm, "max_sampling_rounds", 0)
+    dynamic = None
+    if rounds and train_problems:
+        dynamic = DynamicSampling(rounds, RewardStage(reward, format_reward, format_weight), train_problems)
     return (
         Workflow("reasoning")
         .chain(
@@ -594,6 +662,7 @@ def reasoning_workflow(
                 max_prompt_tokens,
                 eval_prompts,
                 rollout_engine_options,
+                dynamic,
             ),
             RewardStage(reward, format_reward, format_weight),
             # a KL in the reward needs the reference log-probs before the advantages

@@ -228,13 +228,17 @@ def _config_file_problem(argv: list[str]) -> str | None:
 def _key_path(message: str) -> str:
     """One line for jsonargparse's nested message about a subclass key (``Parser key "task":
     Problem with given class_path ...: Parser key "group_size": Expected ...``): the dotted key and
-    the innermost problem, ``task.group_size: Expected ...``."""
+    the innermost problem, ``task.group_size: Expected ...``. An option of an algorithm given by
+    name is also tried as the name (``str``): that alternative's complaint is dropped."""
     import re
 
     keys = re.findall(r'Parser key "([^"]+)"', message)
     if len(keys) < 2:
         return message
     problem = message.rsplit(f'Parser key "{keys[-1]}":', 1)[1].strip()
+    problem = re.sub(
+        r"\s*- Expected a <class 'str'>\s+Given value type: .*NestedArg.*", "", problem, flags=re.S
+    )
     return f"{'.'.join(keys)}: {' '.join(problem.split())}"
 
 

@@ -22,8 +22,6 @@ from rlinf_lightning.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from rlinf_lightning.algorithms.contract import Algorithm, reads_of
 from rlinf_lightning.algorithms.losses import (
     POLICY_LOSSES,
-    KLEstimator,
-    LossAgg,
     aggregate,
     kl_k3,
     kl_penalty,
@@ -46,7 +44,8 @@ class PolicyGradient(Algorithm):
         advantage_estimator: the ``ADVANTAGE_ESTIMATORS`` entry (``grpo``, ``rloo``,
             ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``; plugins add more).
         policy_loss: the ``POLICY_LOSSES`` entry (``ppo_clip``, ``gspo``, ``cispo``; plugins add more).
-        loss_agg: how per-token losses become one number (``algorithms.losses.aggregate``).
+        loss_agg: how per-token losses become one number: ``token-mean``, ``seq-mean-token-mean``,
+            ``seq-mean-token-sum`` or ``seq-mean-token-sum-norm`` (``algorithms.losses.aggregate``).
         clip_eps: the ratio's clip range below 1.
         clip_eps_high: the clip range above 1; ``None``: ``clip_eps`` (DAPO's clip-higher sets it larger).
         dual_clip: cap the loss of a negative advantage at ``-dual_clip * A`` (> 1; ``None``: no cap).
@@ -79,7 +78,7 @@ class PolicyGradient(Algorithm):
 
     advantage_estimator: str = "grpo"
     policy_loss: str = "ppo_clip"
-    loss_agg: LossAgg = "token-mean"
+    loss_agg: str = "token-mean"  # a LossAgg; checked by algorithms.options with the other ranges
     clip_eps: float = 0.2
     clip_eps_high: float | None = None
     dual_clip: float | None = None
@@ -87,7 +86,7 @@ class PolicyGradient(Algorithm):
     norm_adv: bool = False
     gamma: float = 1.0
     kl_coef: float = 0.0
-    kl_estimator: KLEstimator = "k3"
+    kl_estimator: str = "k3"
     kl_in_reward: bool = False
     kl_target: float | None = None
     kl_horizon: int = 10000
@@ -127,7 +126,7 @@ class PolicyGradient(Algorithm):
             )
             if getattr(self, key) not in registry
         ]
-        if self.kl_target is not None and self.kl_coef <= 0:
+        if self.kl_target is not None and self.kl_target > 0 and self.kl_coef <= 0:  # (else its range says)
             p.append(
                 ("kl_target", "adapts kl_coef, which is 0 (no KL term); set trainer.algorithm.kl_coef > 0")
             )

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlinf_lightning.algorithms.losses import KLEstimator, LossAgg
 from rlinf_lightning.algorithms.policy_gradient import PolicyGradient
 
 
@@ -25,7 +24,7 @@ class DrGRPO(PolicyGradient):
     the same constant, the longest response allowed)."""
 
     scale_std: bool = False
-    loss_agg: LossAgg = "seq-mean-token-sum-norm"
+    loss_agg: str = "seq-mean-token-sum-norm"
 
 
 @dataclass
@@ -36,7 +35,7 @@ class DAPO(PolicyGradient):
     the rounds at 10)."""
 
     clip_eps_high: float | None = 0.28
-    loss_agg: LossAgg = "token-mean"
+    loss_agg: str = "token-mean"
     overlong_buffer: float = 0.2
     overlong_penalty: float = 1.0
     max_sampling_rounds: int = 10
@@ -50,7 +49,7 @@ class GSPO(PolicyGradient):
     policy_loss: str = "gspo"
     clip_eps: float = 3e-4
     clip_eps_high: float | None = 4e-4
-    loss_agg: LossAgg = "seq-mean-token-mean"
+    loss_agg: str = "seq-mean-token-mean"
 
 
 @dataclass
@@ -59,9 +58,9 @@ class RLOO(PolicyGradient):
     the whole response one action (token sums), a k1 KL of 0.05 in the reward."""
 
     advantage_estimator: str = "rloo"
-    loss_agg: LossAgg = "seq-mean-token-sum"
+    loss_agg: str = "seq-mean-token-sum"
     kl_coef: float = 0.05
-    kl_estimator: KLEstimator = "k1"
+    kl_estimator: str = "k1"
     kl_in_reward: bool = True
 
 
@@ -73,7 +72,7 @@ class ReinforcePlusPlus(PolicyGradient):
     advantage_estimator: str = "reinforce_plus_plus"
     norm_adv: bool = True
     kl_coef: float = 0.01
-    kl_estimator: KLEstimator = "k1"
+    kl_estimator: str = "k1"
     kl_in_reward: bool = True
 
 
@@ -85,7 +84,7 @@ class ReinforcePlusPlusBaseline(PolicyGradient):
     advantage_estimator: str = "reinforce_plus_plus_baseline"
     norm_adv: bool = True
     kl_coef: float = 0.01
-    kl_estimator: KLEstimator = "k2"
+    kl_estimator: str = "k2"
 
 
 @dataclass
@@ -96,7 +95,7 @@ class CISPO(PolicyGradient):
     policy_loss: str = "cispo"
     clip_eps: float = 1.0
     clip_eps_high: float | None = 0.28
-    loss_agg: LossAgg = "token-mean"
+    loss_agg: str = "token-mean"
 
 
 #: name -> preset, in the order the docs list them

@@ -50,9 +50,9 @@ def group_normalized_advantages(
     sums, n = _group_sums(rewards, group_ids)
     centred = rewards.to(torch.float64) - sums / n
     squares, _ = _group_sums(centred**2, group_ids)
-    std = (squares / (n - 1).clamp_min(1.0)).sqrt()
+    std = (squares / (n - 1).clamp_min(1.0)).sqrt()  # a group of one: centred (so adv) is 0 anyway
     adv = centred / (std + eps) if scale_std else centred
-    return torch.where(n > 1, adv, 0.0).to(rewards.dtype)
+    return adv.to(rewards.dtype)
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")

@@ -5,6 +5,7 @@ built-ins; what each entry reads is declared (``algorithms.contract``) and check
 the task's workflow provides before anything loads."""
 
 from rlinf_lightning.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from rlinf_lightning.algorithms.contract import Algorithm
 from rlinf_lightning.algorithms.losses import POLICY_LOSSES
 from rlinf_lightning.algorithms.policy_gradient import PolicyGradient
 from rlinf_lightning.algorithms.ppo import PPO
@@ -29,6 +30,7 @@ ALGORITHMS.register("ppo", PPO)
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "ALGORITHMS",
+    "Algorithm",
     "CISPO",
     "DAPO",
     "GRPO",

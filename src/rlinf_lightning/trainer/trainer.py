@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from rlinf_lightning.algorithms import ALGORITHMS
-from rlinf_lightning.algorithms.contract import Algorithm
+from rlinf_lightning.algorithms import ALGORITHMS, Algorithm
 from rlinf_lightning.algorithms.options import option_problems
 from rlinf_lightning.engines.precision import PRECISIONS
 from rlinf_lightning.engines.train import TRAIN_ENGINES, TrainSpec, resolve_train_engine

@@ -190,9 +190,10 @@ class PolicyGradient(Algorithm):
             weight = torch.exp(old_logprobs - rollout_logprobs).clamp(max=self.tis_cap)
             pg = pg * weight
             metrics["tis_weight"] = masked_mean(weight, mask)
-        # KL(behaviour || actor), k3 on the behaviour's samples: how far the steps moved the actor
-        # (with one step per batch against the rollout's log-probs: the rollout engine's mismatch)
-        metrics["approx_kl"] = masked_mean(kl_k3(old_logprobs, logprobs.detach()), mask)
+        # KL(rollout policy || actor), k3 on the rollout's samples: the rollout engine's numeric
+        # mismatch, plus, after the first of several steps per batch, how far the steps moved the actor
+        sampler = old_logprobs if rollout_logprobs is None else rollout_logprobs
+        metrics["approx_kl"] = masked_mean(kl_k3(sampler, logprobs.detach()), mask)
         per_token = pg
         if self.needs_reference and not self.kl_in_reward:
             if ref_logprobs is None:

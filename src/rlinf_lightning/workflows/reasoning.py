@@ -167,6 +167,10 @@ class RolloutStage(Stage):
     def offload(self) -> None:
         self.engine.offload()
 
+    def teardown(self) -> None:
+        if self.dynamic_sampling is not None:  # its scorer's judge process, if any
+            self.dynamic_sampling.scorer.teardown()
+
     def _generate(self, prompts: list[str], groups: list[int], n: int, params: SamplingParams):
         prompt_ids = self.prompt_format.encode(self.tokenizer, prompts)
         completions = self.engine.generate(

@@ -292,7 +292,7 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens_through_the_detached_weight(
     # weights clip(2.0, 0.8, 1.28) = 1.28, clip(0.5) = 0.8, 1.1 ; loss = -sum(w * A * logp)
     w = torch.tensor([1.28, 0.8, 1.1])
     expected = -(w * adv[0] * logp.detach()[0]).sum()
-    assert float(loss) == pytest.approx(float(expected)) and float(count) == 3
+    assert float(loss.detach()) == pytest.approx(float(expected)) and float(count) == 3
     (grad,) = torch.autograd.grad(loss, logp)
     torch.testing.assert_close(grad[0], -w * adv[0])  # every token keeps a gradient, PPO's would be 0
     assert float(metrics["clip_frac"]) == pytest.approx(2 / 3)
@@ -361,9 +361,9 @@ def test_masked_tokens_change_no_loss_and_no_gradient():
         kw = dict(rollout_logprobs=old, horizon=4)
         a, _, _ = algo.loss(clean, old, torch.tensor([[1.0, 1.0, 0.0, 0.0]]), mask, ref, **kw)
         b, _, _ = algo.loss(noisy, old, torch.tensor([[1.0, 1.0, 5.0, -5.0]]), mask, ref, **kw)
-        assert float(a) == pytest.approx(float(b)), name
+        assert float(a.detach()) == pytest.approx(float(b.detach())), name
         (ga,), (gb,) = torch.autograd.grad(a, clean), torch.autograd.grad(b, noisy)
-        torch.testing.assert_close(ga[:, :2], gb[:, :2]), name
+        torch.testing.assert_close(ga[:, :2], gb[:, :2], msg=name)
         assert gb[:, 2:].abs().sum() == 0, name
 
 

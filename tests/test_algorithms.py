@@ -5,6 +5,7 @@ import torch
 
 from rlinf_lightning.algorithms import ALGORITHMS, GRPO
 from rlinf_lightning.algorithms.advantages import group_normalized_advantages
+from rlinf_lightning.algorithms.contract import reads
 from rlinf_lightning.algorithms.losses import aggregate, kl_k3, ppo_clip_per_token
 
 
@@ -20,11 +21,12 @@ def test_group_advantages_hand_computed():
     torch.testing.assert_close(centred, torch.tensor([2 / 3, -1 / 3, -1 / 3, -2 / 3, 1 / 3, 1 / 3]))
 
 
-def test_equal_rewards_give_zero_advantage_and_singletons_are_rejected():
-    adv = group_normalized_advantages(torch.ones(4), torch.tensor([0, 0, 1, 1]))
-    assert torch.equal(adv, torch.zeros(4))
-    with pytest.raises(ValueError, match="at least 2"):
-        group_normalized_advantages(torch.ones(3), torch.tensor([0, 0, 1]))
+def test_equal_rewards_and_groups_of_one_give_zero_advantage():
+    adv = group_normalized_advantages(torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]))
+    assert adv[:2].tolist() == [0.0, 0.0] and adv[2] < 0 < adv[3]
+    # a group of one has no baseline: no signal (not r / eps, not NaN)
+    alone = group_normalized_advantages(torch.tensor([0.0, 1.0, 5.0]), torch.tensor([0, 0, 1]))
+    assert alone[2] == 0.0 and alone[0] < 0 < alone[1]
 
 
 def test_ppo_clip_hand_computed():
@@ -147,20 +149,22 @@ def test_truncated_importance_sampling_weights_tokens_by_the_capped_mismatch():
     logp = torch.log_softmax(logits, -1)
     rollout = logp.detach() + torch.tensor([[0.0, 0.5, -0.5, -2.0, 0.1], [0.0, 0.0, 0.0, 0.0, 0.0]])
     adv, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 5)
-    loss, count, metrics = GRPO(tis_cap=2.0).loss(logp, rollout, adv, mask)
+    loss, count, metrics = GRPO(tis_cap=2.0).loss(logp, logp.detach(), adv, mask, rollout_logprobs=rollout)
     weight = torch.exp(logp.detach() - rollout).clamp(max=2.0)
     expected = (-(torch.exp(logp - logp.detach()) * adv[:, None]) * weight).sum()
     assert torch.allclose(loss, expected) and count == 10
     assert metrics["tis_weight"] == pytest.approx(float(weight.mean()))
     assert weight.max() == 2.0 and weight.min() < 1.0  # capped above, and below 1 where pi_rollout > pi
-    same = GRPO(tis_cap=2.0).loss(logp, logp.detach(), adv, mask)[0]
+    same = GRPO(tis_cap=2.0).loss(logp, logp.detach(), adv, mask, rollout_logprobs=logp.detach())[0]
     assert torch.allclose(same, GRPO().loss(logp, logp.detach(), adv, mask)[0])
 
 
 def test_an_estimator_and_a_loss_registered_by_name_are_what_grpo_computes():
     from rlinf_lightning.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
-    def leave_one_out(rewards, group_ids, config):
+    @reads("rewards", "group_ids")
+    def leave_one_out(inputs, config):
+        rewards, group_ids = inputs["rewards"], inputs["group_ids"]
         _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
         sums = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, rewards)
         n = counts[inverse].to(rewards.dtype)
@@ -172,7 +176,9 @@ def test_an_estimator_and_a_loss_registered_by_name_are_what_grpo_computes():
     ADVANTAGE_ESTIMATORS.register("test_rloo", leave_one_out)
     POLICY_LOSSES.register("test_plain_pg", plain_pg)
     alg = GRPO(advantage_estimator="test_rloo", policy_loss="test_plain_pg")
-    adv = alg.compute_advantages(torch.tensor([1.0, 0.0, 0.0, 2.0]), torch.tensor([7, 7, 7, 9]))
+    adv = alg.compute_advantages(
+        {"rewards": torch.tensor([1.0, 0.0, 0.0, 2.0]), "group_ids": torch.tensor([7, 7, 7, 9])}
+    )
     # group 7: 1 - 0, 0 - 0.5, 0 - 0.5 (by hand); group 9 has one sample and no baseline: 2 - 0/0
     assert adv[:3].tolist() == [1.0, -0.5, -0.5]
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
@@ -189,3 +195,199 @@ def test_out_of_range_or_unknown_algorithm_options_are_refused_before_anything_l
         RLTrainer(algorithm=GRPO(tis_cap=-1.0, advantage_estimator="nope")).validate()
     assert set(info.value.keys) == {"trainer.algorithm.tis_cap", "trainer.algorithm.advantage_estimator"}
     assert "unknown advantage estimator 'nope'" in str(info.value)
+
+
+# -- the estimators of the presets, by hand ----------------------------------------------------------
+
+
+def _estimate(name, config=None, **inputs):
+    from rlinf_lightning.algorithms import ADVANTAGE_ESTIMATORS
+
+    return ADVANTAGE_ESTIMATORS.get(name)(inputs, config or GRPO())
+
+
+def test_rloo_leaves_each_sample_out_of_its_baseline():
+    r, g = torch.tensor([1.0, 0.0, 0.0, 3.0, 2.0, 2.0, 7.0]), torch.tensor([4, 4, 4, 1, 1, 9, 2])
+    adv = _estimate("rloo", rewards=r, group_ids=g)
+    # group 4: 1 - (0+0)/2, 0 - (1+0)/2, 0 - (1+0)/2 ; group 1: 3 - 2, 2 - 3 ; group 9 and 2: alone -> 0
+    assert adv.tolist() == [1.0, -0.5, -0.5, 1.0, -1.0, 0.0, 0.0]
+    assert _estimate("rloo", rewards=torch.ones(3), group_ids=torch.zeros(3)).tolist() == [0.0] * 3
+
+
+def test_reinforce_plus_plus_returns_to_go_over_response_tokens():
+    from rlinf_lightning.algorithms import ReinforcePlusPlus
+
+    tr = torch.tensor([[-0.1, -0.2, 1.0, 5.0], [0.5, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])  # the 5.0 is padding
+    adv = _estimate("reinforce_plus_plus", ReinforcePlusPlus(gamma=0.5), token_rewards=tr, response_mask=mask)
+    # row 0: G2 = 1, G1 = -0.2 + 0.5 * 1 = 0.3, G0 = -0.1 + 0.5 * 0.3 = 0.05 ; row 1: 0.5
+    torch.testing.assert_close(adv, torch.tensor([[0.05, 0.3, 1.0, 0.0], [0.5, 0.0, 0.0, 0.0]]))
+
+
+def test_reinforce_plus_plus_baseline_centres_without_the_std():
+    adv = _estimate(
+        "reinforce_plus_plus_baseline",
+        rewards=torch.tensor([1.0, 0.0, 0.0, 4.0]),
+        group_ids=torch.tensor([0, 0, 0, 1]),
+    )
+    torch.testing.assert_close(adv, torch.tensor([2 / 3, -1 / 3, -1 / 3, 0.0]))
+
+
+def test_token_rewards_put_the_outcome_on_the_last_token_and_the_kl_on_every_token():
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.4, 9.0, 9.0]])
+    out = GRPO().token_rewards(torch.tensor([1.0, 2.0]), mask, kl, 0.5)
+    torch.testing.assert_close(out, torch.tensor([[-0.05, -0.1, 1.0 - 0.15], [2.0 - 0.2, 0.0, 0.0]]))
+
+
+def test_dapo_overlong_penalty_falls_linearly_over_the_buffer():
+    from rlinf_lightning.algorithms import DAPO
+
+    dapo = DAPO(overlong_buffer=0.25, overlong_penalty=2.0)  # horizon 20: buffer of the last 5 tokens
+    pen = dapo.overlong_penalty_of(torch.tensor([10, 15, 17, 20]), 20)
+    torch.testing.assert_close(pen, torch.tensor([0.0, 0.0, -2.0 * 2 / 5, -2.0]))
+    assert GRPO().overlong_penalty_of(torch.tensor([20]), 20).tolist() == [0.0]  # off by default
+
+
+# -- the policy losses of the presets, by hand -------------------------------------------------------
+
+
+def test_ppo_clip_loss_applies_the_dual_clip_option():
+    logp = torch.log(torch.tensor([[5.0, 0.5]]))
+    adv = torch.tensor([[-1.0, -1.0]])
+    loss, _, _ = GRPO(dual_clip=3.0).loss(logp, torch.zeros(1, 2), adv, torch.ones(1, 2))
+    assert float(loss) == pytest.approx(3.0 + 0.8)  # 5 capped at 3; 0.5 -> clip 0.8
+    loss, _, _ = GRPO().loss(logp, torch.zeros(1, 2), adv, torch.ones(1, 2))
+    assert float(loss) == pytest.approx(5.0 + 0.8)
+
+
+def test_gspo_clips_one_length_normalised_ratio_per_sequence():
+    from rlinf_lightning.algorithms import GSPO
+
+    old = torch.zeros(2, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    # row 0: log-ratios 0.2, 0.0 (+ a masked 9.0): s = exp(0.1) ; row 1: all 0.01 -> s = exp(0.01)
+    logp = torch.tensor([[0.2, 0.0, 9.0], [0.01, 0.01, 0.01]], requires_grad=True)
+    adv = torch.tensor([1.0, 1.0])
+    algo = GSPO(clip_eps=0.05, clip_eps_high=0.05)
+    loss, count, metrics = algo.loss(logp, old, adv, mask)
+    # row 0: s = 1.105 > 1.05 with A > 0 -> clipped to 1.05, no gradient ; row 1: s = 1.01, unclipped
+    s1 = math.exp(0.01)
+    assert float(loss.detach()) == pytest.approx(-1.05 - s1, rel=1e-5) and float(count) == 2
+    assert float(metrics["clip_frac"]) == pytest.approx(2 / 5)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert grad[0].abs().sum() == 0  # the clipped sequence gives nothing, masked token included
+    # d/dlogp_t of -s over its 3 tokens (seq-mean-token-mean: mean over tokens of the same -s) = -s / 3
+    torch.testing.assert_close(grad[1], torch.full((3,), -s1 / 3))
+
+
+def test_cispo_keeps_the_gradient_of_clipped_tokens_through_the_detached_weight():
+    from rlinf_lightning.algorithms import CISPO
+
+    logp = torch.log(torch.tensor([[2.0, 0.5, 1.1]])).requires_grad_(True)
+    adv = torch.tensor([[1.0, -1.0, 2.0]])
+    loss, count, metrics = CISPO(clip_eps=0.2, clip_eps_high=0.28).loss(
+        logp, torch.zeros(1, 3), adv, torch.ones(1, 3)
+    )
+    # weights clip(2.0, 0.8, 1.28) = 1.28, clip(0.5) = 0.8, 1.1 ; loss = -sum(w * A * logp)
+    w = torch.tensor([1.28, 0.8, 1.1])
+    expected = -(w * adv[0] * logp.detach()[0]).sum()
+    assert float(loss.detach()) == pytest.approx(float(expected)) and float(count) == 3
+    (grad,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(grad[0], -w * adv[0])  # every token keeps a gradient, PPO's would be 0
+    assert float(metrics["clip_frac"]) == pytest.approx(2 / 3)
+
+
+def test_kl_estimators_k1_k2_k3_by_hand():
+    from rlinf_lightning.algorithms.losses import kl_penalty
+
+    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0])
+    assert kl_penalty(logp, ref, "k1").tolist() == [1.0, -1.0]
+    assert kl_penalty(logp, ref, "k2").tolist() == [0.5, 0.5]
+    torch.testing.assert_close(
+        kl_penalty(logp, ref, "k3"), torch.tensor([math.exp(-1) + 1 - 1, math.exp(1) - 1 - 1])
+    )
+
+
+def test_kl_in_the_loss_with_each_estimator_and_a_coefficient_override():
+    logp, old, ref = torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([[-1.0, 0.0]])
+    mask = torch.ones(1, 2)
+    adv = torch.zeros(1)  # only the KL term is left
+    for est, per_token in (("k1", [1.0, 0.0]), ("k2", [0.5, 0.0]), ("k3", [math.exp(-1) - (-1) - 1, 0.0])):
+        loss, count, m = GRPO(kl_coef=0.1, kl_estimator=est).loss(logp, old, adv, mask, ref)
+        assert float(loss) == pytest.approx(0.1 * sum(per_token)), est
+        loss, _, _ = GRPO(kl_coef=0.1, kl_estimator=est).loss(logp, old, adv, mask, ref, kl_coef=0.3)
+        assert float(loss) == pytest.approx(0.3 * sum(per_token)), est
+    loss, _, m = GRPO(kl_coef=0.1, kl_in_reward=True).loss(logp, old, adv, mask, ref)
+    assert float(loss) == 0.0 and "kl" not in m  # in the reward, not in the loss
+
+
+def test_adaptive_kl_coefficient_moves_towards_the_target_by_at_most_20_percent():
+    from rlinf_lightning.algorithms.policy_gradient import adapt_kl_coef
+
+    assert adapt_kl_coef(0.1, 0.2, 0.1, 100, 50) == pytest.approx(0.1 * (1 + 0.2 * 0.5))  # error capped
+    assert adapt_kl_coef(0.1, 0.09, 0.1, 100, 100) == pytest.approx(0.1 * (1 - 0.1))
+
+
+def test_entropy_bonus_subtracts_the_weighted_entropy():
+    logp, mask = torch.zeros(1, 2), torch.tensor([[1.0, 0.0]])
+    entropy = torch.tensor([[2.0, 50.0]])  # the masked 50 must not count
+    loss, count, _ = GRPO(entropy_coef=0.1).loss(logp, logp, torch.zeros(1), mask, entropy=entropy)
+    assert float(loss) == pytest.approx(-0.2) and float(count) == 1.0
+    with pytest.raises(ValueError, match="entropy"):
+        GRPO(entropy_coef=0.1).loss(logp, logp, torch.zeros(1), mask)
+
+
+def test_dr_grpo_sums_tokens_over_the_constant_horizon():
+    v = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 9.0]])
+    m = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    s, c = aggregate(v, m, "seq-mean-token-sum-norm", horizon=10)
+    assert (float(s), float(c)) == pytest.approx((0.6 + 0.4, 2.0))
+    with pytest.raises(ValueError, match="horizon"):
+        aggregate(v, m, "seq-mean-token-sum-norm")
+
+
+def test_masked_tokens_change_no_loss_and_no_gradient():
+    """Garbage in the padding (log-probs, advantages) must not reach the loss of any preset."""
+    from rlinf_lightning.algorithms import PRESETS
+
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    for name, preset in PRESETS.items():
+        algo = preset()
+        clean = torch.tensor([[-0.5, -0.7, 0.0, 0.0]], requires_grad=True)
+        noisy = torch.tensor([[-0.5, -0.7, -9.0, 3.0]], requires_grad=True)
+        old = torch.tensor([[-0.4, -0.8, 0.0, 0.0]])
+        ref = torch.tensor([[-0.6, -0.6, 0.0, 0.0]])
+        kw = dict(rollout_logprobs=old, horizon=4)
+        a, _, _ = algo.loss(clean, old, torch.tensor([[1.0, 1.0, 0.0, 0.0]]), mask, ref, **kw)
+        b, _, _ = algo.loss(noisy, old, torch.tensor([[1.0, 1.0, 5.0, -5.0]]), mask, ref, **kw)
+        assert float(a.detach()) == pytest.approx(float(b.detach())), name
+        (ga,), (gb,) = torch.autograd.grad(a, clean), torch.autograd.grad(b, noisy)
+        torch.testing.assert_close(ga[:, :2], gb[:, :2], msg=name)
+        assert gb[:, 2:].abs().sum() == 0, name
+
+
+# -- presets, options and the contract ---------------------------------------------------------------
+
+
+def test_every_preset_is_registered_with_its_papers_defaults():
+    from rlinf_lightning.algorithms import PRESETS
+
+    assert set(PRESETS) <= set(ALGORITHMS)
+    dapo, dr, gspo = ALGORITHMS.resolve("dapo"), ALGORITHMS.resolve("dr_grpo"), ALGORITHMS.resolve("gspo")
+    assert (dapo.clip_eps, dapo.clip_eps_high, dapo.loss_agg) == (0.2, 0.28, "token-mean")
+    assert dapo.overlong_buffer > 0 and dapo.max_sampling_rounds > 0
+    assert (dr.scale_std, dr.loss_agg) == (False, "seq-mean-token-sum-norm")
+    assert (gspo.policy_loss, gspo.clip_eps, gspo.clip_eps_high) == ("gspo", 3e-4, 4e-4)
+    assert ALGORITHMS.resolve("rloo").advantage_estimator == "rloo"
+    assert ALGORITHMS.resolve("reinforce_plus_plus").norm_adv
+    assert ALGORITHMS.resolve("cispo").policy_loss == "cispo"
+
+
+def test_what_each_algorithm_reads_is_the_union_of_its_parts():
+    from rlinf_lightning.algorithms import PPO
+
+    assert GRPO().reads == {"rewards", "group_ids", "old_logprobs", "response_mask"}
+    assert "ref_logprobs" in GRPO(kl_coef=0.1).reads
+    assert "token_rewards" in ALGORITHMS.resolve("reinforce_plus_plus").reads
+    assert "values" in PPO().reads and "values" not in GRPO().reads

@@ -116,6 +116,22 @@ CASES: list[tuple[str, object, str]] = [
         ["--trainer.algorithm={class_path: rlinf_lightning.algorithms.GRPO, init_args: {tis_cap: -1}}"],
         "trainer.algorithm.tis_cap: must be > 0",
     ),
+    (
+        "an option of an algorithm given by name",
+        ["--trainer.algorithm=grpo", "--trainer.algorithm.init_args.clip_eps=-0.1"],
+        "trainer.algorithm.clip_eps: must be > 0",
+    ),
+    (
+        "ppo on the math task without a critic",
+        ["--trainer.algorithm=ppo"],
+        "trainer.algorithm: PPO reads values (a critic's value estimates (a value model)), which the "
+        "reasoning workflow does not provide (it has no critic)",
+    ),
+    (
+        "mini-batches that split prompt groups",
+        ["--trainer.algorithm=grpo", "--trainer.algorithm.num_mini_batches=3"],
+        "trainer.algorithm.num_mini_batches: 3 does not divide the 16 prompt groups",
+    ),
     ("unknown precision", ["--trainer.precision=16-mixed"], "trainer.precision: must be one of auto"),
     # -- out-of-range and inconsistent sizes
     ("group size < 2", ["--task.group_size=1"], "task.group_size"),

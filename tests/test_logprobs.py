@@ -5,26 +5,37 @@ import torch
 from rlinf_lightning.policies import lm
 
 
-def test_log_softmax_reads_bf16_logits_without_changing_the_result():
+def reference(logits: torch.Tensor, ids: torch.Tensor, response: int, temperature: float):
+    """Unchunked, from a float64 copy: the log-prob of each response token and the entropy."""
+    lsm = torch.log_softmax(logits[:, -response - 1 : -1].double() / temperature, -1)
+    logp = lsm.gather(-1, ids[:, -response:].unsqueeze(-1)).squeeze(-1)
+    return logp, -(lsm.exp() * lsm).sum(-1)
+
+
+def test_log_probs_and_entropy_from_bf16_logits_across_chunks(monkeypatch):
+    monkeypatch.setattr(lm, "ENTROPY_CHUNK_ROWS", 2)  # 5 rows: three chunks, the last short
+    logits = (torch.randn(5, 9, 40) * 3).to(torch.bfloat16)
+    ids = torch.randint(0, 40, (5, 9))
+    for temperature in (1.0, 0.7):
+        logp, entropy = lm.response_logprobs(logits, ids, 4, temperature, "value")
+        want_logp, want_entropy = reference(logits, ids, 4, temperature)
+        assert logp.dtype == torch.float32 and logp.shape == (5, 4)
+        assert torch.allclose(logp.double(), want_logp, atol=1e-5)
+        assert torch.allclose(entropy.double(), want_entropy, atol=1e-5)
+
+
+def test_bf16_logits_are_read_exactly_as_their_float32_copy():
     logits = torch.randn(3, 7, 50).to(torch.bfloat16)
-    got = lm.response_log_softmax(logits, 4, 1.0)
-    assert got.dtype == torch.float32
-    assert torch.equal(got, torch.log_softmax(logits[:, -5:-1].float(), -1))
-    hot = lm.response_log_softmax(logits, 4, 0.7)
-    assert torch.allclose(hot, torch.log_softmax(logits[:, -5:-1].float() / 0.7, -1), atol=1e-6)
+    ids = torch.randint(0, 50, (3, 7))
+    got, _ = lm.response_logprobs(logits, ids, 4, 1.0)
+    want, _ = lm.response_logprobs(logits.float(), ids, 4, 1.0)
+    assert torch.equal(got, want)
 
 
-def test_gather_takes_the_log_prob_of_each_response_token():
-    ids = torch.tensor([[5, 1, 2, 3]])
-    log_probs = torch.log_softmax(torch.randn(1, 3, 6), -1)
-    got = lm.gather_tokens(log_probs, ids)
-    assert got.tolist() == [[log_probs[0, t, ids[0, 1 + t]].item() for t in range(3)]]
-
-
-def test_entropy_is_exact_across_chunks(monkeypatch):
-    monkeypatch.setattr(lm, "ENTROPY_CHUNK_ROWS", 4)  # 3 x 5 rows: four chunks, the last short
-    logits = torch.randn(3, 5, 40, dtype=torch.float64) * 3
-    expected = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
-    got = lm.token_entropy(torch.log_softmax(logits, -1))
-    assert got.shape == (3, 5)
-    assert torch.allclose(got, expected, atol=1e-10)
+def test_entropy_with_gradient_only_when_asked():
+    logits = torch.randn(2, 5, 10, requires_grad=True)
+    ids = torch.randint(0, 10, (2, 5))
+    _, value = lm.response_logprobs(logits, ids, 3, 1.0, "value")
+    _, grad = lm.response_logprobs(logits, ids, 3, 1.0, "grad")
+    assert not value.requires_grad and grad.requires_grad
+    assert lm.response_logprobs(logits, ids, 3, 1.0)[1] is None

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.algorithms.grpo import GRPO
+from rlinf_lightning.algorithms import GRPO
 from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
 from rlinf_lightning.engines.train import SingleTrainEngine
 from rlinf_lightning.flow.stage import StageContext

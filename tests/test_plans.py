@@ -307,3 +307,48 @@ def test_weights_broadcast_between_groups_equal_the_copied_ones(assets, tmp_path
         assert _maxdiff(weights[it], ref_weights[it]) <= 1e-4, (launcher, it)
     kinds = {e["cat"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"}
     assert {"sync_broadcast", "sync_receive"} <= kinds
+
+
+SEVERAL_UPDATES = {  # 2 epochs x 2 mini-batches of 2 prompt groups: 4 optimizer steps per iteration
+    "algorithm": "reinforce_plus_plus_baseline",  # whitened over the batch, a KL to the reference
+    "ppo_epochs": 2,
+    "num_mini_batches": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def several_updates_reference(assets, tmp_path_factory):
+    from rlinf_lightning.algorithms import ALGORITHMS
+
+    name = SEVERAL_UPDATES["algorithm"]
+    algorithm = ALGORITHMS.get(name)(**{k: v for k, v in SEVERAL_UPDATES.items() if k != "algorithm"})
+    root = tmp_path_factory.mktemp("several_updates")
+    _, _, metrics, weights = _fit(
+        assets, root, strategy=PLANS["collocated_1worker"], ckpt_every=1, algorithm=algorithm
+    )
+    optimizer = torch.load(root / "run" / "checkpoints" / "iter-000003" / "optimizer.pt", weights_only=False)
+    steps = {int(s["step"]) for s in optimizer["state"].values()}
+    assert steps == {3 * 4}, steps  # every mini-batch of every epoch of every iteration stepped
+    assert all(m["actor/grad_norm"] > 0.1 for m in metrics), metrics
+    return algorithm, metrics, weights
+
+
+@pytest.mark.parametrize("launcher", ["inprocess", "processes"])
+def test_several_updates_per_batch_are_the_same_under_every_plan(
+    assets, tmp_path, several_updates_reference, launcher
+):
+    """ppo_epochs > 1 and several mini-batches: each mini-batch (whole prompt groups, the same
+    under every plan) is one optimizer step dividing by its own count over every replica, the
+    behaviour log-probs are taken before the first step and the whitening sums over replicas; so
+    loss, grad norm and reward per iteration and the final weights equal the one-worker run's."""
+    algorithm, ref_metrics, ref_weights = several_updates_reference
+    for name, strategy in PLANS.items():
+        if name == "collocated_1worker":
+            continue
+        _, _, metrics, weights = _fit(
+            assets, tmp_path / name, strategy=strategy, launcher=launcher, ckpt_every=0, algorithm=algorithm
+        )
+        assert _maxdiff(weights[0], ref_weights[-1]) <= 1e-4, (name, launcher)
+        for it in range(3):
+            for key, value in metrics[it].items():
+                assert abs(value - ref_metrics[it][key]) <= 1e-4, (name, launcher, it, key, value)

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from rlinf_lightning.algorithms.grpo import GRPO
+from rlinf_lightning.algorithms import GRPO
 from rlinf_lightning.engines.precision import cpu_has_native_bf16, resolve_precision
 from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
 from rlinf_lightning.engines.train import SingleTrainEngine

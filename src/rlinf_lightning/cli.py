@@ -228,13 +228,17 @@ def _config_file_problem(argv: list[str]) -> str | None:
 def _key_path(message: str) -> str:
     """One line for jsonargparse's nested message about a subclass key (``Parser key "task":
     Problem with given class_path ...: Parser key "group_size": Expected ...``): the dotted key and
-    the innermost problem, ``task.group_size: Expected ...``."""
+    the innermost problem, ``task.group_size: Expected ...``. An option of an algorithm given by
+    name is also tried as the name (``str``): that alternative's complaint is dropped."""
     import re
 
     keys = re.findall(r'Parser key "([^"]+)"', message)
     if len(keys) < 2:
         return message
     problem = message.rsplit(f'Parser key "{keys[-1]}":', 1)[1].strip()
+    problem = re.sub(
+        r"\s*- Expected a <class 'str'>\s+Given value type: .*NestedArg.*", "", problem, flags=re.S
+    )
     return f"{'.'.join(keys)}: {' '.join(problem.split())}"
 
 
@@ -301,11 +305,47 @@ def _moved_key_problem(argv: list[str]) -> str | None:
     return None
 
 
+def _preset_class_path(value: object) -> str | None:
+    """The class path of the algorithm registered as ``value`` (``None`` for anything else)."""
+    from rlinf_lightning.algorithms import ALGORITHMS
+
+    if not isinstance(value, str) or value not in ALGORITHMS:
+        return None
+    cls = ALGORITHMS.get(value)
+    return f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else None
+
+
+def algorithm_names_as_classes(argv: list[str]) -> list[str]:
+    """``argv`` with ``trainer.algorithm: NAME`` (given on the command line, or in a ``--config``
+    file, read after it) turned into the registered class's path, so that the preset's options can
+    be set key by key after it (``--trainer.algorithm.init_args.clip_eps=0.3``): the parser sets
+    keys of a class, not of a string. Other values are left to the parser and to validation."""
+    import yaml
+
+    out: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        if arg in ("--trainer.algorithm", "--config"):
+            arg = f"{arg}={next(args, '')}"
+        key, _, value = arg.partition("=")
+        if key == "--trainer.algorithm" and (path := _preset_class_path(value)):
+            out.append(f"--trainer.algorithm={path}")
+            continue
+        out.append(arg)
+        if key == "--config":
+            config = yaml.safe_load(Path(value).read_text(encoding="utf-8")) or {}
+            trainer = config.get("trainer") if isinstance(config, dict) else None
+            if isinstance(trainer, dict) and (path := _preset_class_path(trainer.get("algorithm"))):
+                out.append(f"--trainer.algorithm={path}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if problem := _config_file_problem(argv) or _moved_key_problem(argv):
         print(f"rlinf: {problem}", file=sys.stderr)
         return 2
+    argv = algorithm_names_as_classes(argv)
     parser = build_parser()
     try:
         cfg = parser.parse_args(argv)

@@ -1,15 +1,45 @@
-"""Algorithms, looked up by name in :data:`ALGORITHMS`, built from advantage estimators
-(:data:`ADVANTAGE_ESTIMATORS`) and policy losses (:data:`POLICY_LOSSES`), each a registry that
-plugins extend like the built-ins."""
+"""Algorithms, looked up by name in :data:`ALGORITHMS`: named presets (an advantage estimator from
+:data:`ADVANTAGE_ESTIMATORS`, a policy loss from :data:`POLICY_LOSSES`, an aggregation and
+options) and PPO with a critic. All three registries are extended by plugins like the
+built-ins; what each entry reads is declared (``algorithms.contract``) and checked against what
+the task's workflow provides before anything loads."""
 
 from rlinf_lightning.algorithms.advantages import ADVANTAGE_ESTIMATORS
-from rlinf_lightning.algorithms.grpo import GRPO
+from rlinf_lightning.algorithms.contract import Algorithm
 from rlinf_lightning.algorithms.losses import POLICY_LOSSES
+from rlinf_lightning.algorithms.policy_gradient import PolicyGradient
 from rlinf_lightning.algorithms.ppo import PPO
+from rlinf_lightning.algorithms.presets import (
+    CISPO,
+    DAPO,
+    GRPO,
+    GSPO,
+    PRESETS,
+    RLOO,
+    DrGRPO,
+    ReinforcePlusPlus,
+    ReinforcePlusPlusBaseline,
+)
 from rlinf_lightning.registry import Registry
 
 ALGORITHMS: Registry[type] = Registry("algorithm")
-ALGORITHMS.register("grpo", GRPO)
+for _name, _preset in PRESETS.items():
+    ALGORITHMS.register(_name, _preset)
 ALGORITHMS.register("ppo", PPO)
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "ALGORITHMS", "GRPO", "POLICY_LOSSES", "PPO"]
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "ALGORITHMS",
+    "Algorithm",
+    "CISPO",
+    "DAPO",
+    "GRPO",
+    "GSPO",
+    "POLICY_LOSSES",
+    "PPO",
+    "RLOO",
+    "DrGRPO",
+    "PolicyGradient",
+    "ReinforcePlusPlus",
+    "ReinforcePlusPlusBaseline",
+]

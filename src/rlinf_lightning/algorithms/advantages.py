@@ -1,23 +1,41 @@
 """Advantage estimators as pure functions of tensors.
 
-:data:`ADVANTAGE_ESTIMATORS` holds the outcome-level estimators of the reasoning flow by name (an
-algorithm's ``advantage_estimator`` option picks one; plugins register more): each is a function
-``(rewards [B], group_ids [B], config) -> advantages [B]``, ``config`` being the algorithm object
-whose options it reads (e.g. ``scale_std``).
+:data:`ADVANTAGE_ESTIMATORS` holds the estimators of the reasoning flow by name (an algorithm's
+``advantage_estimator`` option picks one; plugins register more). Each is a function
+``(inputs, config) -> advantages``: ``inputs`` maps the names it declares with
+:func:`~rlinf_lightning.algorithms.contract.reads` to tensors (``rewards [B]``, ``group_ids [B]``,
+``token_rewards [B, T]``, ``response_mask [B, T]``, ...), ``config`` is the algorithm object whose
+options it reads (e.g. ``scale_std``), and the result is one advantage per sample ``[B]`` or per
+token ``[B, T]``.
+
+Each sees a micro-batch of whole prompt groups. What needs the whole rollout batch (REINFORCE++'s
+whitening over the batch) is the algorithm's ``norm_adv``, applied by the actor over all of it.
+A group of one sample has no baseline to compare with, so the group-relative estimators give it
+zero advantage (no signal), as they do a group whose rewards are all equal.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from rlinf_lightning.algorithms.contract import reads
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.registry import Registry
 
-AdvantageEstimator = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
+AdvantageEstimator = Callable[[Mapping[str, torch.Tensor], Any], torch.Tensor]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+
+def _group_sums(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample: the sum of its group's ``values`` (float64) and its group's size."""
+    if values.shape != group_ids.shape or values.dim() != 1:
+        raise ValueError("rewards and group_ids must be 1-D tensors of the same length")
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    sums = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, values.to(torch.float64))
+    return sums[inverse], counts[inverse].to(torch.float64)
 
 
 def group_normalized_advantages(
@@ -26,28 +44,63 @@ def group_normalized_advantages(
     """GRPO: ``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)``; without std scaling, just centred.
 
     ``group_ids`` labels which prompt each sample answers; groups may arrive in any order. The std
-    is the unbiased sample std (as in DeepSeekMath and veRL); a group whose rewards are all equal
-    gets zero advantage, so it contributes no gradient.
+    is the unbiased sample std (as in DeepSeekMath and veRL); a group whose rewards are all equal,
+    or a group of one, gets zero advantage, so it contributes no gradient.
     """
-    if rewards.shape != group_ids.shape or rewards.dim() != 1:
-        raise ValueError("rewards and group_ids must be 1-D tensors of the same length")
-    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    if bool((counts < 2).any()):
-        raise ValueError("every group needs at least 2 samples to normalise advantages")
-    r = rewards.to(torch.float64)
-    sums = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, r)
-    means = sums / counts
-    centred = r - means[inverse]
-    sq = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, centred**2)
-    std = (sq / (counts - 1)).sqrt()
-    adv = centred / (std[inverse] + eps) if scale_std else centred
+    sums, n = _group_sums(rewards, group_ids)
+    centred = rewards.to(torch.float64) - sums / n
+    squares, _ = _group_sums(centred**2, group_ids)
+    std = (squares / (n - 1).clamp_min(1.0)).sqrt()  # a group of one: centred (so adv) is 0 anyway
+    adv = centred / (std + eps) if scale_std else centred
     return adv.to(rewards.dtype)
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
-def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, config: Any) -> torch.Tensor:
+@reads("rewards", "group_ids")
+def grpo_advantages(inputs: Mapping[str, torch.Tensor], config: Any) -> torch.Tensor:
     """GRPO's group-normalised advantages (centred; divided by the group std if ``config.scale_std``)."""
-    return group_normalized_advantages(rewards, group_ids, scale_std=getattr(config, "scale_std", True))
+    return group_normalized_advantages(
+        inputs["rewards"], inputs["group_ids"], scale_std=getattr(config, "scale_std", True)
+    )
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+@reads("rewards", "group_ids")
+def rloo_advantages(inputs: Mapping[str, torch.Tensor], config: Any) -> torch.Tensor:
+    """RLOO (Ahmadian et al., 2024): each sample's reward minus the mean of the *other* samples of
+    its group, ``A_i = r_i - (sum_g - r_i) / (n - 1)`` (zero for a group of one)."""
+    rewards = inputs["rewards"]
+    sums, n = _group_sums(rewards, inputs["group_ids"])
+    r = rewards.to(torch.float64)
+    adv = r - (sums - r) / (n - 1).clamp_min(1.0)
+    return torch.where(n > 1, adv, 0.0).to(rewards.dtype)
+
+
+def returns_to_go(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = sum_{k >= t} gamma^(k-t) r_k`` over each row's response tokens (zero on padding)."""
+    r = token_rewards * mask
+    out = torch.zeros_like(r)
+    following = torch.zeros(r.shape[0], dtype=r.dtype)
+    for t in reversed(range(r.shape[1])):
+        following = r[:, t] + gamma * following
+        out[:, t] = following
+    return out * mask
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
+@reads("token_rewards", "response_mask")
+def reinforce_plus_plus_advantages(inputs: Mapping[str, torch.Tensor], config: Any) -> torch.Tensor:
+    """REINFORCE++ (Hu, 2025): each token's discounted return (``config.gamma``) of the per-token
+    rewards, no baseline; the algorithm whitens them over the whole batch (``norm_adv``)."""
+    return returns_to_go(inputs["token_rewards"], inputs["response_mask"], getattr(config, "gamma", 1.0))
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline")
+@reads("rewards", "group_ids")
+def reinforce_plus_plus_baseline_advantages(inputs: Mapping[str, torch.Tensor], config: Any) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu, 2025): the reward minus its group's mean (no std); the algorithm
+    whitens over the whole batch (``norm_adv``)."""
+    return group_normalized_advantages(inputs["rewards"], inputs["group_ids"], scale_std=False)
 
 
 def groups_with_signal(advantages: torch.Tensor, group_ids: torch.Tensor, metrics: Metrics) -> torch.Tensor:
@@ -55,8 +108,9 @@ def groups_with_signal(advantages: torch.Tensor, group_ids: torch.Tensor, metric
     whose rewards are all equal has none, so it adds nothing to the gradient). Records the fraction
     of groups that do in ``metrics`` as ``groups_with_signal``, weighted by the number of groups."""
     _, inverse = torch.unique(group_ids, return_inverse=True)
+    per_sample = advantages.abs().reshape(len(advantages), -1).sum(-1)  # [B] or [B, T] advantages
     spread = torch.zeros(int(inverse.max()) + 1, dtype=advantages.dtype)
-    spread.index_add_(0, inverse, advantages.abs())
+    spread.index_add_(0, inverse, per_sample)
     signal = spread > 0
     metrics.mean("groups_with_signal", float(signal.float().mean()), len(signal))
     return signal[inverse]

@@ -9,8 +9,9 @@ collocated one.
 :data:`POLICY_LOSSES` holds the per-token policy-gradient terms of the reasoning flow by name (an
 algorithm's ``policy_loss`` option picks one; plugins register more): each is a function
 ``(logprobs, old_logprobs, advantages, mask, config) -> (per_token_loss, metrics)`` over ``[B, T]``
-tensors (advantages ``[B, 1]``), ``config`` being the algorithm object whose options it reads. The
-algorithm adds its KL term and aggregates (``aggregate``).
+tensors (advantages ``[B, T]`` or ``[B, 1]``), ``config`` being the algorithm object whose options
+it reads, declaring what it reads with :func:`~rlinf_lightning.algorithms.contract.reads`. The
+algorithm adds its KL and entropy terms and aggregates (``aggregate``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from typing import Any, Literal
 
 import torch
 
+from rlinf_lightning.algorithms.contract import reads
 from rlinf_lightning.registry import Registry
 
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
@@ -55,7 +58,14 @@ def ppo_clip_per_token(
     return loss, was_clipped.to(logprobs.dtype)
 
 
+def _clip_range(config: Any) -> tuple[float, float]:
+    """``(below, above)`` 1 of the ratio's clip: ``clip_eps`` and ``clip_eps_high`` (or ``clip_eps``)."""
+    hi = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
+    return config.clip_eps, hi
+
+
 @POLICY_LOSSES.register("ppo_clip")
+@reads("old_logprobs", "response_mask")
 def ppo_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -63,13 +73,61 @@ def ppo_clip_loss(
     mask: torch.Tensor,
     config: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped surrogate with ``config.clip_eps`` below 1 and ``config.clip_eps_high`` (or
-    ``clip_eps``) above; reports the clipped fraction of the unmasked tokens."""
-    hi = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
+    """PPO's clipped surrogate per token with ``config.clip_eps`` below 1, ``config.clip_eps_high``
+    (or ``clip_eps``) above and ``config.dual_clip``; reports the clipped fraction of the tokens."""
+    lo, hi = _clip_range(config)
     pg, clipped = ppo_clip_per_token(
-        logprobs, old_logprobs, advantages, clip_low=config.clip_eps, clip_high=hi
+        logprobs,
+        old_logprobs,
+        advantages,
+        clip_low=lo,
+        clip_high=hi,
+        dual_clip=getattr(config, "dual_clip", None),
     )
     return pg, {"clip_frac": masked_mean(clipped, mask).detach()}
+
+
+@POLICY_LOSSES.register("gspo")
+@reads("old_logprobs", "response_mask")
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al., 2025): one importance ratio per sequence, the geometric mean of its
+    tokens' ``s_i = exp(mean_t(logp - old))`` (length-normalised), clipped per sequence. Per token
+    it is GSPO-token's ``s_i,t = sg(s_i) * pi_t / sg(pi_t)``: the value of ``s_i`` and, for a
+    sequence-level advantage, its gradient, so a ``seq-mean-token-mean`` aggregation is GSPO's
+    sequence objective."""
+    m = mask.to(logprobs.dtype)
+    log_s = ((logprobs - old_logprobs) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp_min(1.0)
+    log_ratio = log_s.detach() + logprobs - logprobs.detach()
+    lo, hi = _clip_range(config)
+    pg, clipped = ppo_clip_per_token(
+        log_ratio, torch.zeros_like(log_ratio), advantages, clip_low=lo, clip_high=hi
+    )
+    return pg, {"clip_frac": masked_mean(clipped, mask).detach()}
+
+
+@POLICY_LOSSES.register("cispo")
+@reads("old_logprobs", "response_mask")
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, 2025): ``-sg(clip(r, 1-lo, 1+hi)) * A * logp`` per token. The importance
+    weight is clipped, not the update, so every token keeps its gradient (PPO's clip drops the
+    low-probability tokens whose ratio left the range)."""
+    lo, hi = _clip_range(config)
+    ratio = torch.exp(logprobs.detach() - old_logprobs)
+    weight = ratio.clamp(1.0 - lo, 1.0 + hi)
+    clipped = (weight != ratio).to(logprobs.dtype)
+    return -weight * advantages * logprobs, {"clip_frac": masked_mean(clipped, mask).detach()}
 
 
 def clipped_value_loss(
@@ -90,12 +148,29 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1.0
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: LossAgg) -> tuple[torch.Tensor, torch.Tensor]:
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) on samples of pi (Schulman, "Approximating KL
+    divergence", 2020): ``k1 = logp - ref`` (unbiased, can be negative), ``k2 = (logp - ref)^2 / 2``
+    (biased, low variance), ``k3`` (unbiased, >= 0; :func:`kl_k3`)."""
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    if estimator == "k2":
+        return 0.5 * (logprobs - ref_logprobs) ** 2
+    if estimator == "k3":
+        return kl_k3(logprobs, ref_logprobs)
+    raise ValueError(f"unknown KL estimator {estimator!r}; use k1, k2 or k3")
+
+
+def aggregate(
+    values: torch.Tensor, mask: torch.Tensor, mode: LossAgg, horizon: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reduce per-token ``values`` under ``mask`` to ``(sum, count)`` for the chosen aggregation.
 
-    * ``token-mean``: every valid token weighs the same (sum of tokens / number of tokens).
+    * ``token-mean``: every valid token weighs the same (sum of tokens / number of tokens; DAPO).
     * ``seq-mean-token-mean``: mean per sequence, then mean over sequences (GRPO paper).
-    * ``seq-mean-token-sum``: sum per sequence, then mean over sequences (Dr. GRPO style).
+    * ``seq-mean-token-sum``: sum per sequence, then mean over sequences.
+    * ``seq-mean-token-sum-norm``: sum per sequence over the same constant ``horizon`` for every
+      sequence (the longest response allowed), then mean: Dr. GRPO's loss, with no length bias.
     """
     mask = mask.to(values.dtype)
     if mode == "token-mean":
@@ -103,6 +178,10 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: LossAgg) -> tuple[
     per_seq = (values * mask).sum(-1)
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / mask.sum(-1).clamp_min(1.0)
+    elif mode == "seq-mean-token-sum-norm":
+        if not horizon:
+            raise ValueError("seq-mean-token-sum-norm needs the horizon (the longest response allowed)")
+        per_seq = per_seq / horizon
     elif mode != "seq-mean-token-sum":
         raise ValueError(f"unknown loss aggregation {mode!r}")
     return per_seq.sum(), torch.tensor(float(values.shape[0]), dtype=values.dtype)

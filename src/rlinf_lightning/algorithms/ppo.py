@@ -20,11 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from rlinf_lightning.algorithms.advantages import gae
+from rlinf_lightning.algorithms.contract import Algorithm
 from rlinf_lightning.algorithms.losses import clipped_value_loss, ppo_clip_per_token
 
 
 @dataclass
-class PPO:
+class PPO(Algorithm):
     """Proximal Policy Optimization with a learned value function.
 
     Args:
@@ -59,36 +60,9 @@ class PPO:
 
     needs_reference = False
     #: what it reads beyond the policy's log-probs (a workflow refuses an algorithm reading what it
-    #: does not provide): each step's reward, the critic's values and where episodes end
+    #: does not provide): each step's reward, the critic's values and where episodes end. Option
+    #: ranges are checked by ``algorithms.options``.
     reads = frozenset({"rewards", "values", "dones", "old_logprobs"})
-
-    def problems(self) -> list[tuple[str, str]]:
-        """``(option, problem)`` pairs for options out of range."""
-        p = [
-            (key, f"must be in [0, 1], got {getattr(self, key)}")
-            for key in ("gamma", "gae_lambda")
-            if not 0.0 <= getattr(self, key) <= 1.0
-        ]
-        if not self.clip_eps > 0:
-            p.append(("clip_eps", f"must be > 0, got {self.clip_eps}"))
-        p += [
-            (key, f"must be > 0 or null (off), got {getattr(self, key)}")
-            for key in ("clip_eps_high", "value_clip", "target_kl")
-            if getattr(self, key) is not None and not getattr(self, key) > 0
-        ]
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            p.append(("dual_clip", f"must be > 1 or null (no dual clip), got {self.dual_clip}"))
-        p += [
-            (key, f"must be >= 0, got {getattr(self, key)}")
-            for key in ("vf_coef", "ent_coef")
-            if not getattr(self, key) >= 0
-        ]
-        p += [
-            (key, f"must be >= 1, got {getattr(self, key)}")
-            for key in ("update_epochs", "num_minibatches")
-            if getattr(self, key) < 1
-        ]
-        return p
 
     def compute_advantages(
         self,

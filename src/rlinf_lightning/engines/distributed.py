@@ -168,24 +168,31 @@ class FSDPTrainEngine(DDPTrainEngine):
         self._pending.append((batch, loss_fn))  # passes run in lockstep at step()
         return {}
 
-    def _lockstep(self) -> Metrics:
-        """Every rank runs as many forward/backward passes as the rank with the most micro-batches."""
+    def _in_lockstep(self, items: list[tuple[TensorDict, Any]]) -> Iterator[tuple[TensorDict, Any, bool]]:
+        """``(batch, fn, real)`` for as many passes as the rank with the most ``items`` has: every
+        forward of a sharded model is a collective, so a rank with fewer joins with a borrowed row
+        (``real`` False; a rank with none borrows it from a rank that has some)."""
         import torch.distributed as dist
 
         world = dist.get_world_size()
-        counts = torch.tensor([len(self._pending)], dtype=torch.long)
+        counts = torch.tensor([len(items)], dtype=torch.long)
         gathered = [torch.zeros_like(counts) for _ in range(world)]
         dist.all_gather(gathered, counts)
         counts_all = [int(c) for c in gathered]
-        template = [(self._pending[0][0][:1], self._pending[0][1]) if self._pending else None]
-        if min(counts_all) == 0 < max(counts_all):  # a rank with no data borrows a row and the loss
+        template = [(items[0][0][:1], items[0][1]) if items else None]
+        if min(counts_all) == 0 < max(counts_all):
             dist.broadcast_object_list(template, src=next(r for r, c in enumerate(counts_all) if c))
-        metrics = Metrics()
         for i in range(max(counts_all)):
-            real = i < len(self._pending)
-            batch, fn = self._pending[i] if real else template[0]
+            real = i < len(items)
+            batch, fn = items[i] if real else template[0]
+            yield batch.to(self.ctx.device), fn, real
+
+    def _lockstep(self) -> Metrics:
+        """Every rank runs as many forward/backward passes as the rank with the most micro-batches."""
+        metrics = Metrics()
+        for batch, fn, real in self._in_lockstep(self._pending):
             with autocast(self._autocast, self.ctx.device):
-                loss_sum, count, m = fn(self.policy, batch.to(self.ctx.device))
+                loss_sum, count, m = fn(self.policy, batch)
             if not real:  # join the collectives with a zero loss
                 loss_sum, count = loss_sum * 0.0, 0
             loss_sum.backward()
@@ -196,6 +203,15 @@ class FSDPTrainEngine(DDPTrainEngine):
                     metrics.mean(k, float(v), len(batch))
         self._pending = []
         return metrics
+
+    def forward_all(self, batches: list[TensorDict], fn: Any) -> list[Any]:
+        out = []
+        with torch.no_grad(), autocast(self._autocast, self.ctx.device):
+            for batch, f, real in self._in_lockstep([(b, fn) for b in batches]):
+                result = f(self.policy, batch)
+                if real:
+                    out.append(result)
+        return out
 
     def _reduce(self, params: list[torch.nn.Parameter], totals: torch.Tensor) -> None:
         import torch.distributed as dist

@@ -59,6 +59,11 @@ class TrainEngine:
         the global ``loss`` (loss sum over count), among others."""
         raise NotImplementedError
 
+    def forward_all(self, batches: list[TensorDict], fn: Callable[[RLModule, TensorDict], Any]) -> list[Any]:
+        """``fn(policy, batch)`` for each batch without gradient, with the current weights (e.g. the
+        behaviour log-probs before the first of several steps; a collective where sharded)."""
+        raise NotImplementedError
+
     def shutdown(self) -> None:
         """Release what ``setup`` acquired; safe to call twice."""
 
@@ -198,6 +203,10 @@ class SingleTrainEngine(TrainEngine):
         self._count += float(count)
         self._loss_sum += float(loss_sum.detach())
         return {k: float(v) for k, v in metrics.items()}
+
+    def forward_all(self, batches: list[TensorDict], fn: Callable[[RLModule, TensorDict], Any]) -> list[Any]:
+        with torch.no_grad(), autocast(self.precision, self.ctx.device):
+            return [fn(self.policy, b.to(self.ctx.device)) for b in batches]
 
     def _reduce(self, params: list[torch.nn.Parameter], totals: torch.Tensor) -> None:
         """Sum gradients and ``totals`` (count, loss sum) over the ranks; one rank: nothing to do."""

@@ -21,38 +21,40 @@ if TYPE_CHECKING:
 MATH_ATTENTION_MAX_BYTES = 256 * 2**20
 
 
-#: rows of ``[rows, vocabulary]`` float32 the entropy is computed over at a time: its temporaries
-#: stay at a few hundred MB however large the micro-batch is
-ENTROPY_CHUNK_ROWS = 1024
+#: rows of a micro-batch whose vocabulary-wide log-softmax is held at once: the entropy's
+#: temporaries (probabilities, their product with the log-probs) exist for this many rows only
+ENTROPY_CHUNK_ROWS = 8
 
 
-def response_log_softmax(logits: torch.Tensor, response_len: int, temperature: float) -> torch.Tensor:
-    """Float32 log-probabilities over the vocabulary at the positions that predict the last
-    ``response_len`` tokens, of ``softmax(logits / temperature)``.
+def response_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    response_len: int,
+    temperature: float,
+    entropy: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each of the last ``response_len`` tokens given everything before it, and, from
+    the same log-softmax, the entropy of each position's distribution: ``entropy="grad"`` with its
+    gradient (an entropy bonus), ``"value"`` without (for the log), ``None`` not at all.
 
-    Under bf16 autocast the logits are bf16; the log-softmax reads them and computes and writes in
-    float32 without a float32 copy of its input first, and a temperature of 1 divides nothing:
-    on a GPU each of those was a full pass over the ``[rows, vocabulary]`` tensor (and another in
-    the backward), the largest tensor of the step."""
+    Computed ``ENTROPY_CHUNK_ROWS`` rows at a time, so the entropy's vocabulary-sized temporaries
+    stay the size of a chunk however large the micro-batch (autograd still keeps each chunk's
+    log-softmax for the backward, as it would unchunked). Under bf16 autocast the logits are bf16:
+    the log-softmax reads them and computes and writes in float32 without a float32 copy of its
+    input first, and a temperature of 1 divides nothing (on a GPU each was a full pass over the
+    step's largest tensor, and another in the backward: ``docs/gpu.md``)."""
     logits = logits[:, -response_len - 1 : -1]
     if temperature != 1.0:
         logits = logits.float() / temperature
-    return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-
-
-def gather_tokens(log_probs: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """``log_probs[b, t, input_ids[b, -R + t]]``: the log-prob of each of the last ``R`` tokens."""
-    targets = input_ids[:, -log_probs.shape[1] :]
-    return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-@torch.no_grad()
-def token_entropy(log_probs: torch.Tensor) -> torch.Tensor:
-    """Entropy per position, ``-sum(p * log p)``, from log-probabilities over the vocabulary, a
-    chunk of rows at a time (see ``ENTROPY_CHUNK_ROWS``)."""
-    flat = log_probs.reshape(-1, log_probs.shape[-1])
-    out = torch.cat([-(c.exp() * c).sum(-1) for c in flat.split(ENTROPY_CHUNK_ROWS)])
-    return out.reshape(log_probs.shape[:-1])
+    targets = input_ids[:, -response_len:]
+    logps, entropies = [], []
+    for rows in range(0, logits.shape[0], ENTROPY_CHUNK_ROWS):
+        chunk = torch.log_softmax(logits[rows : rows + ENTROPY_CHUNK_ROWS], dim=-1, dtype=torch.float32)
+        logps.append(chunk.gather(-1, targets[rows : rows + ENTROPY_CHUNK_ROWS].unsqueeze(-1)).squeeze(-1))
+        if entropy is not None:
+            lsm = chunk if entropy == "grad" else chunk.detach()
+            entropies.append(-(lsm.exp() * lsm).sum(-1))
+    return torch.cat(logps), (torch.cat(entropies) if entropy is not None else None)
 
 
 class LMPolicy(RLModule):
@@ -139,19 +141,23 @@ class LMPolicy(RLModule):
 
         return AutoTokenizer.from_pretrained(self.model_path)
 
-    def forward_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
+    def forward_logprobs(
+        self, batch: TensorDict, temperature: float = 1.0, with_entropy: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of the response tokens. In a training forward (autograd on) it also logs
         ``entropy``: the mean per-token entropy of the sampling distribution over the response
-        (exact, from the full logits; no gradient), which RL dashboards watch for collapse."""
+        (exact, from the log-softmax the log-probs come from), which RL dashboards watch for
+        collapse. ``with_entropy``: also return the per-token entropy with its gradient (for an
+        entropy bonus)."""
         ids, mask, response = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         with self.training_attention(ids):
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        log_probs = response_log_softmax(logits, response.shape[-1], temperature)
-        if torch.is_grad_enabled():
-            entropy = token_entropy(log_probs.detach())
-            self.log("entropy", (entropy * response).sum() / response.sum().clamp_min(1.0))
-        return gather_tokens(log_probs, ids)
+        want = "grad" if with_entropy else "value" if torch.is_grad_enabled() else None
+        logp, entropy = response_logprobs(logits, ids, response.shape[-1], temperature, want)
+        if entropy is not None:
+            self.log("entropy", (entropy.detach() * response).sum() / response.sum().clamp_min(1.0))
+        return (logp, entropy) if with_entropy else logp
 
     def training_attention(self, ids: torch.Tensor) -> contextlib.AbstractContextManager:
         """The attention kernel of a forward over ``ids``: PyTorch's default (flash attention),

@@ -234,6 +234,7 @@ class MathTask(Task):
             train=run.train,
             sampling=self.sampling,
             group_size=self.group_size,
+            prompts_per_iteration=self.rollout_batch_size // self.group_size,
             train_micro_batch_size=self.train_micro_batch_size,
             train_max_tokens_per_micro_batch=self.train_max_tokens_per_micro_batch,
             reward=self.reward,
@@ -243,6 +244,9 @@ class MathTask(Task):
             prompt_format=self.prompt_format,
             max_prompt_tokens=self.longest_prompt_tokens(policy),
             eval_prompts=len(self.test),
+            train_problems=[(p.prompt, p.answer) for p in self.train]
+            if getattr(run.algorithm, "max_sampling_rounds", 0)
+            else None,
         )
 
     def _check_token_budget(self, policy: Any) -> None:

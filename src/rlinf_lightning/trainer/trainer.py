@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from rlinf_lightning.algorithms import ALGORITHMS
+from rlinf_lightning.algorithms import ALGORITHMS, Algorithm
+from rlinf_lightning.algorithms.options import option_problems
 from rlinf_lightning.engines.precision import PRECISIONS
 from rlinf_lightning.engines.train import TRAIN_ENGINES, TrainSpec, resolve_train_engine
 from rlinf_lightning.errors import ConfigError
@@ -37,8 +38,11 @@ class RLTrainer:
     """Runs RL post-training of a policy on a task.
 
     Args:
-        algorithm: algorithm name (``grpo``, ``ppo``) or an algorithm object such as
-            ``GRPO(kl_coef=0.01)``.
+        algorithm: a preset's name (``grpo``, ``dr_grpo``, ``dapo``, ``gspo``, ``rloo``,
+            ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``cispo``; ``ppo`` with a
+            critic), or an algorithm object such as ``DAPO(clip_eps_high=0.3)``. On the command
+            line a name's options are set key by key: ``--trainer.algorithm=dapo
+            --trainer.algorithm.init_args.clip_eps_high=0.3`` (see ``docs/algorithms.md``).
         strategy: execution plan strategy: a name (``collocated``: data-parallel replicas on every
             slot; ``collocated_offload``, ``disaggregated``, ``hybrid``, ``auto``), a ``Strategy``
             object (e.g. ``HybridStrategy(placement="rollout: 0, reward,advantage,inference,actor:
@@ -82,7 +86,7 @@ class RLTrainer:
 
     def __init__(
         self,
-        algorithm: Any = "grpo",
+        algorithm: Algorithm | str = "grpo",
         strategy: Any = "collocated",
         launcher: Any = "inprocess",
         train_engine: str = "auto",
@@ -170,8 +174,10 @@ class RLTrainer:
             value = getattr(self, key)
             if isinstance(value, str) and value not in reg:
                 p.append((f"trainer.{key}", reg.unknown_message(value)))
-        if not p and hasattr(algorithm := ALGORITHMS.resolve(self.algorithm), "problems"):
-            p += [(f"trainer.algorithm.{k}", m) for k, m in algorithm.problems()]
+        if not p:
+            p += [
+                (f"trainer.algorithm.{k}", m) for k, m in option_problems(ALGORITHMS.resolve(self.algorithm))
+            ]
         if resolve_train_engine(self.train_engine, 1) not in TRAIN_ENGINES:
             p.append(("trainer.train_engine", TRAIN_ENGINES.unknown_message(self.train_engine)))
         for key in ("devices", "num_nodes", "max_iterations", "micro_batch_size"):

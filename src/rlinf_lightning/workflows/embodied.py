@@ -51,7 +51,7 @@ EVAL_MAX_STEPS = 10_000
 #: reward with the critic's values, or one score per episode compared within a group of envs
 PROVIDES = {
     "gae": frozenset({"rewards", "values", "dones", "old_logprobs"}),
-    "episodes": frozenset({"rewards", "group_ids", "masks", "old_logprobs"}),
+    "episodes": frozenset({"rewards", "group_ids", "response_mask", "old_logprobs"}),
 }
 
 
@@ -384,7 +384,7 @@ class EpisodeAdvantageStage(Stage):
         self.metrics = Metrics()
 
     def process(self, traj: TensorDict) -> TensorDict:
-        adv = self.algorithm.compute_advantages(traj["score"], traj["group_id"])
+        adv = self.algorithm.compute_advantages({"rewards": traj["score"], "group_ids": traj["group_id"]})
         signal = groups_with_signal(adv, traj["group_id"], self.metrics)
         n, steps = traj["mask"].shape
         samples = TensorDict(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-RESPONSE_KEYS = ("response_mask", "rollout_logprobs", "ref_logprobs")
+RESPONSE_KEYS = ("response_mask", "rollout_logprobs", "ref_logprobs", "old_logprobs", "advantage")
 
 
 def trim_padding(batch: TensorDict) -> TensorDict:
@@ -36,7 +36,7 @@ def trim_padding(batch: TensorDict) -> TensorDict:
     for key, value in batch.items():
         if key in ("input_ids", "attention_mask"):
             out[key] = value[:, columns]
-        elif key in RESPONSE_KEYS:
+        elif key in RESPONSE_KEYS and value.dim() == 2:  # per token (an advantage may be per sample)
             out[key] = value[:, :response_used]
         else:
             out[key] = value

@@ -13,15 +13,20 @@ group took it. The actor trains and is checkpointed (role ``train``); the rollou
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.algorithms.advantages import groups_with_signal
+from rlinf_lightning.algorithms.contract import unserved
+from rlinf_lightning.algorithms.losses import kl_penalty
+from rlinf_lightning.algorithms.policy_gradient import adapt_kl_coef
 from rlinf_lightning.engines.offload import Offloader
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, Completion, SamplingParams
 from rlinf_lightning.engines.train import TrainSpec
+from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.evaluation import EVAL_BATCH_SIZE, greedy_accuracy
 from rlinf_lightning.flow.memory import dtype_bytes, weights_part
 from rlinf_lightning.flow.metrics import Metrics
@@ -31,6 +36,7 @@ from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.policies.lora import lora_of
 from rlinf_lightning.prompts import PromptFormat
 from rlinf_lightning.rewards import RewardInput, close_judges, load_reward, score
+from rlinf_lightning.seeds import row_seed
 from rlinf_lightning.workflows.padding import micro_batches
 from rlinf_lightning.workflows.training import TrainStage
 
@@ -57,9 +63,31 @@ def pack_samples(
     return {"input_ids": ids, "attention_mask": attn, "response_mask": resp_mask, "rollout_logprobs": logps}
 
 
+@dataclass
+class DynamicSampling:
+    """DAPO's dynamic sampling, done per prompt slot so that every plan samples the same batch: a
+    slot whose group's rewards (``scorer``'s) are all equal gets the next prompt of its own reserve
+    stream (``problems``, drawn by a hash of the seed, the slot and the round) and a fresh group,
+    up to ``rounds`` times; a slot still without signal then is kept (counted as unfilled)."""
+
+    rounds: int
+    scorer: RewardStage
+    problems: list[tuple[str, str]]  # (prompt, answer) of the training set
+
+    def reserve(self, seed: int, slot: int, round_: int) -> tuple[str, str]:
+        return self.problems[row_seed(seed + RESERVE_SEED, slot, round_) % len(self.problems)]
+
+
+#: mixed into the seed of the reserve prompts and their samples (kept apart from the main stream)
+RESERVE_SEED = 104729
+#: the group id a slot's ``k``-th replacement is sampled under: ``slot + (k + 1) * RESERVE_GROUP_STRIDE``
+RESERVE_GROUP_STRIDE = 1 << 32
+
+
 class RolloutStage(Stage):
     """Generates ``group_size`` completions per prompt with the chosen rollout engine; prompts are
-    laid out by the task's :class:`PromptFormat` (template, then the chat template if any).
+    laid out by the task's :class:`PromptFormat` (template, then the chat template if any). With
+    ``dynamic_sampling``, groups without signal are replaced (:class:`DynamicSampling`).
 
     ``max_prompt_tokens`` (the task's longest prompt) and ``eval_prompts`` (how many it evaluates
     on) only size the memory estimate.
@@ -91,8 +119,10 @@ class RolloutStage(Stage):
         max_prompt_tokens: int | None = None,
         eval_prompts: int = 0,
         engine_options: dict[str, Any] | None = None,
+        dynamic_sampling: DynamicSampling | None = None,
     ) -> None:
         self.policy, self.engine_name, self.sampling = policy, engine, sampling
+        self.dynamic_sampling = dynamic_sampling
         self.engine_options = dict(engine_options or {})
         self.group_size, self.seed = group_size, seed
         self.prompt_format = prompt_format or PromptFormat()
@@ -129,12 +159,18 @@ class RolloutStage(Stage):
             self.policy.model_path, device=ctx.device, dtype=self.dtype, **self.engine_options
         )
         self.metrics = Metrics()
+        if self.dynamic_sampling is not None:
+            self.dynamic_sampling.scorer.setup(ctx)
 
     def onload(self) -> None:
         self.engine.onload()
 
     def offload(self) -> None:
         self.engine.offload()
+
+    def teardown(self) -> None:
+        if self.dynamic_sampling is not None:  # its scorer's judge process, if any
+            self.dynamic_sampling.scorer.teardown()
 
     def _generate(self, prompts: list[str], groups: list[int], n: int, params: SamplingParams):
         prompt_ids = self.prompt_format.encode(self.tokenizer, prompts)
@@ -143,23 +179,53 @@ class RolloutStage(Stage):
         )
         return prompt_ids, completions
 
-    def process(self, batch: TensorDict) -> TensorDict:
-        groups = batch["group_id"].tolist()
-        prompt_ids, completions = self._generate(
-            list(batch["prompt"]), groups, self.group_size, self.sampling
-        )
-        tensors = pack_samples(prompt_ids, completions, self.tokenizer.pad_token_id)
-        n = self.group_size
-        texts = [
+    def _texts(self, completions: list[list[Completion]]) -> list[str]:
+        return [
             self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for cs in completions for c in cs
         ]
+
+    def _resample(
+        self, prompts: list[str], answers: list[str], groups: list[int], prompt_ids: list, completions: list
+    ) -> None:
+        """Replace, in place, the slots whose group's rewards are all equal (dynamic sampling)."""
+        ds, n = self.dynamic_sampling, self.group_size
+        for round_ in range(ds.rounds + 1):
+            reward, _ = ds.scorer.score(
+                RewardInput(self._texts(completions), [a for a in answers for _ in range(n)])
+            )
+            flat = reward.view(len(prompts), n)
+            todo = [i for i in range(len(prompts)) if bool((flat[i] == flat[i, 0]).all())]
+            if not todo or round_ == ds.rounds:
+                self.metrics.sum("unfilled_groups", len(todo))
+                return
+            self.metrics.sum("resampled_groups", len(todo))
+            for i in todo:
+                prompts[i], answers[i] = ds.reserve(self.seed, groups[i], round_)
+            ids, comps = self._generate(
+                [prompts[i] for i in todo],
+                [groups[i] + (round_ + 1) * RESERVE_GROUP_STRIDE for i in todo],
+                n,
+                self.sampling,
+            )
+            for j, i in enumerate(todo):
+                prompt_ids[i], completions[i] = ids[j], comps[j]
+
+    def process(self, batch: TensorDict) -> TensorDict:
+        groups = batch["group_id"].tolist()
+        prompts, answers = list(batch["prompt"]), list(batch["answer"])
+        prompt_ids, completions = self._generate(prompts, groups, self.group_size, self.sampling)
+        if self.dynamic_sampling is not None:
+            self._resample(prompts, answers, groups, prompt_ids, completions)
+        tensors = pack_samples(prompt_ids, completions, self.tokenizer.pad_token_id)
+        n = self.group_size
+        texts = self._texts(completions)
         out = TensorDict(
             {
                 **tensors,
                 "group_id": torch.tensor(groups).repeat_interleave(n),
                 "completion": texts,
-                "answer": [a for a in batch["answer"] for _ in range(n)],
-                "prompt": [p for p in batch["prompt"] for _ in range(n)],
+                "answer": [a for a in answers for _ in range(n)],
+                "prompt": [p for p in prompts for _ in range(n)],
             },
             batch_size=[len(texts)],
         )
@@ -224,6 +290,16 @@ class RewardStage(Stage):
     def teardown(self) -> None:
         close_judges()
 
+    def score(self, inputs: RewardInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(reward, correct)`` per completion of ``inputs``."""
+        correct = score(self.correct_fn, inputs)
+        reward = correct.clone()
+        if self.format_fn is not None:
+            fmt = score(self.format_fn, inputs)
+            reward += self.format_weight * fmt
+            inputs.metrics.mean("format", float(fmt.mean()), len(fmt))
+        return reward, correct
+
     def process(self, batch: TensorDict) -> TensorDict:
         inputs = RewardInput(
             list(batch["completion"]),
@@ -232,12 +308,7 @@ class RewardStage(Stage):
             batch["response_mask"].sum(-1),
             self.metrics,
         )
-        correct = score(self.correct_fn, inputs)
-        reward = correct.clone()
-        if self.format_fn is not None:
-            fmt = score(self.format_fn, inputs)
-            reward += self.format_weight * fmt
-            self.metrics.mean("format", float(fmt.mean()), len(fmt))
+        reward, correct = self.score(inputs)
         batch["reward"] = reward
         batch["correct"] = correct
         self.metrics.distribution("reward", reward)
@@ -249,29 +320,74 @@ class RewardStage(Stage):
 
 
 class AdvantageStage(Stage):
-    """Turns rewards into advantages with the algorithm's estimator (group-normalised for GRPO)."""
+    """Turns rewards into advantages with the algorithm's estimator, on micro-batches of whole
+    groups: adds DAPO's overlong penalty to the rewards and, when the KL is in the reward, a
+    per-token KL penalty (then it runs after the inference stage, which computes the reference
+    log-probs). Emits one advantage per response token."""
 
     name = "advantage"
     cost_hint = 0.01
-    in_keys = ("reward", "group_id")
     out_keys = ("advantage",)
 
-    def __init__(self, algorithm: Any) -> None:
-        self.algorithm = algorithm
+    def __init__(self, algorithm: Any, horizon: int) -> None:
+        self.algorithm, self.horizon = algorithm, horizon
+        self.kl_in_reward = algorithm.needs_reference and getattr(algorithm, "kl_in_reward", False)
+        self.in_keys = ("reward", "group_id", "response_mask") + (
+            ("rollout_logprobs", "ref_logprobs") if self.kl_in_reward else ()
+        )
 
     def setup(self, ctx: StageContext) -> None:
-        self.metrics = Metrics()
+        self.ctx, self.metrics = ctx, Metrics()
+        self.kl_coef = getattr(self.algorithm, "kl_coef", 0.0)
+        self.kl_seen = torch.zeros(2, dtype=torch.float64)  # sum of per-token KL, tokens
 
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
         return []  # a few numbers per sample
 
     def process(self, batch: TensorDict) -> TensorDict:
-        batch["advantage"] = self.algorithm.compute_advantages(batch["reward"], batch["group_id"])
+        alg, mask = self.algorithm, batch["response_mask"]
+        rewards = batch["reward"]
+        if getattr(alg, "overlong_buffer", 0.0) > 0:
+            penalty = alg.overlong_penalty_of(mask.sum(-1), self.horizon)
+            rewards = rewards + penalty
+            self.metrics.mean("overlong_penalty", float(penalty.mean()), len(penalty))
+        kl = None
+        if self.kl_in_reward:
+            kl = kl_penalty(batch["rollout_logprobs"], batch["ref_logprobs"], alg.kl_estimator) * mask
+            self.kl_seen += torch.tensor([float(kl.sum()), float(mask.sum())], dtype=torch.float64)
+        token_rewards = alg.token_rewards(rewards, mask, kl, self.kl_coef)
+        inputs = {
+            "rewards": token_rewards.sum(-1) if kl is not None else rewards,
+            "group_ids": batch["group_id"],
+            "response_mask": mask,
+            "token_rewards": token_rewards,
+        }
+        adv = alg.compute_advantages(inputs)
+        adv = adv[:, None].expand(mask.shape) if adv.dim() == 1 else adv
+        batch["advantage"] = (adv * mask).float()
         groups_with_signal(batch["advantage"], batch["group_id"], self.metrics)
         return batch
 
     def end_iteration(self) -> Metrics:
+        if self.kl_in_reward:
+            self.kl_coef = adapted_kl_coef(self.ctx, self.algorithm, self.kl_coef, self.kl_seen)
+            self.metrics.mean("kl_coef", self.kl_coef)
+            self.kl_seen.zero_()
         return self.metrics.take()
+
+
+def adapted_kl_coef(ctx: StageContext, algorithm: Any, coef: float, seen: torch.Tensor) -> float:
+    """The KL coefficient for the next iteration: ``coef`` unless ``kl_target`` is set, then
+    adapted to the mean per-token KL ``seen`` (``[sum, tokens]``, summed over the replicas so every
+    replica, and every plan, gets the same coefficient)."""
+    if getattr(algorithm, "kl_target", None) is None:
+        return coef
+    total = seen.clone()
+    ctx.all_reduce([total])
+    kl_sum, tokens = total.tolist()
+    if tokens == 0:
+        return coef
+    return adapt_kl_coef(coef, kl_sum / tokens, algorithm.kl_target, algorithm.kl_horizon, int(tokens))
 
 
 class InferenceStage(Stage):
@@ -319,27 +435,64 @@ class InferenceStage(Stage):
 
 class PolicyLoss:
     """``(policy, micro_batch) -> (loss_sum, count, metrics)``; picklable, so every rank of a
-    distributed train engine can run it on its shard."""
+    distributed train engine can run it on its shard.
 
-    def __init__(self, algorithm: Any, temperature: float) -> None:
-        self.algorithm, self.temperature = algorithm, temperature
+    The ratio's denominator is the behaviour policy's log-probs: ``old_logprobs`` when the actor
+    took them before its first step (several updates per batch, or ``tis_cap``), else the
+    rollout's. ``kl_coef`` is the KL coefficient of this iteration (adaptive ones change)."""
+
+    def __init__(self, algorithm: Any, temperature: float, horizon: int | None = None) -> None:
+        self.algorithm, self.temperature, self.horizon = algorithm, temperature, horizon
+        self.kl_coef = getattr(algorithm, "kl_coef", 0.0)
 
     def __call__(self, policy: LMPolicy, mb: TensorDict):
-        logp = policy.forward_logprobs(mb, self.temperature)
+        entropy = None
+        if getattr(self.algorithm, "entropy_coef", 0.0) > 0:  # an entropy bonus: with its gradient
+            logp, entropy = policy.forward_logprobs(mb, self.temperature, with_entropy=True)
+        else:
+            logp = policy.forward_logprobs(mb, self.temperature)
+        if "old_logprobs" in mb.keys():
+            old = mb["old_logprobs"]
+        elif getattr(self.algorithm, "tis_cap", None) is not None:
+            old = logp.detach()  # one step per batch: the actor's log-probs before it
+        else:
+            old = mb["rollout_logprobs"]
         return self.algorithm.loss(
-            logp, mb["rollout_logprobs"], mb["advantage"], mb["response_mask"], mb.get("ref_logprobs", None)
+            logp,
+            old,
+            mb["advantage"],
+            mb["response_mask"],
+            mb.get("ref_logprobs", None),
+            rollout_logprobs=mb["rollout_logprobs"],
+            entropy=entropy,
+            kl_coef=self.kl_coef,
+            horizon=self.horizon,
         )
 
 
+def behaviour_logprobs(policy: LMPolicy, mb: TensorDict, temperature: float) -> torch.Tensor:
+    """The actor's log-probs of a micro-batch's responses, no gradient (before its first step)."""
+    return policy.forward_logprobs(mb, temperature)
+
+
 class ActorStage(TrainStage):
-    """Accumulates the policy-loss gradient over micro-batches; one optimizer step per iteration.
+    """Trains the policy on each rollout batch.
+
+    One update per batch (``ppo_epochs = num_mini_batches = 1``, no whitening): the gradient is
+    accumulated over micro-batches as they arrive and the optimizer steps once at the end of the
+    iteration. Otherwise the batch is kept; at its end the advantages are whitened over all of it
+    (``norm_adv``), the behaviour log-probs are taken before the first step, and ``ppo_epochs``
+    passes of ``num_mini_batches`` optimizer steps run. A mini-batch is a set of whole prompt
+    groups drawn by a permutation of the iteration's group positions seeded by iteration and
+    epoch, and each step divides by its own mini-batch's count over every replica, so replicas of
+    a data-parallel group take exactly the steps one replica would.
 
     Every replica of the group hosting it is a rank of its train engine (``train.engine``).
     """
 
     name = "actor"
     cost_hint = 1.0
-    in_keys = ("input_ids", "attention_mask", "response_mask", "rollout_logprobs", "advantage")
+    in_keys = ("input_ids", "attention_mask", "response_mask", "rollout_logprobs", "advantage", "group_id")
 
     def __init__(
         self,
@@ -349,24 +502,113 @@ class ActorStage(TrainStage):
         temperature: float,
         train_micro_batch_size: int | None,
         train_max_tokens: int | None = None,
+        horizon: int = 1,
+        prompts_per_iteration: int = 1,
+        seed: int = 0,
     ) -> None:
         super().__init__(policy, train)
         self.algorithm, self.temperature = algorithm, temperature
         self.train_micro_batch_size, self.train_max_tokens = train_micro_batch_size, train_max_tokens
+        self.horizon, self.prompts_per_iteration, self.seed = horizon, prompts_per_iteration, seed
+        self.updates = getattr(algorithm, "updates_per_batch", 1)
+        self.keeps_batch = self.updates > 1 or getattr(algorithm, "norm_adv", False)
+        self.adaptive_kl = (
+            algorithm.needs_reference
+            and not getattr(algorithm, "kl_in_reward", False)
+            and getattr(algorithm, "kl_target", None) is not None
+        )
+        if algorithm.needs_reference:
+            self.in_keys = (*self.in_keys, "ref_logprobs")
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
-        self.loss = PolicyLoss(self.algorithm, self.temperature)
+        self.loss = PolicyLoss(self.algorithm, self.temperature, self.horizon)
         self.metrics = Metrics()
+        self.kl_seen = torch.zeros(2, dtype=torch.float64)  # KL x samples, samples (adaptive KL)
+
+    def begin_iteration(self, iteration: int) -> None:
+        self.iteration, self.buffer = iteration, []
 
     def process(self, batch: TensorDict) -> None:
-        for chunk in micro_batches(batch, self.train_micro_batch_size, self.train_max_tokens):
-            for k, v in self.engine.accumulate(chunk, self.loss).items():
-                self.metrics.mean(k, v, len(chunk))
+        if self.adaptive_kl:  # KL(rollout policy || reference) per token, what the controller steers
+            alg, mask = self.algorithm, batch["response_mask"]
+            kl = kl_penalty(batch["rollout_logprobs"], batch["ref_logprobs"], alg.kl_estimator) * mask
+            self.kl_seen += torch.tensor([float(kl.sum()), float(mask.sum())], dtype=torch.float64)
+        if self.keeps_batch:
+            self.buffer.append(batch)
+            return None
+        self._train_on(batch, self.metrics)
         return None
 
+    def _train_on(self, batch: TensorDict, metrics: Metrics) -> None:
+        for chunk in micro_batches(batch, self.train_micro_batch_size, self.train_max_tokens):
+            for k, v in self.engine.accumulate(chunk, self.loss).items():
+                metrics.mean(k, v, len(chunk))
+
     def end_iteration(self) -> Metrics:
-        return self.metrics.take().merge(self.engine.step())
+        metrics = self.metrics.take()
+        if self.keeps_batch:
+            self._update_on_kept_batch(metrics)
+        else:
+            metrics.merge(self.engine.step())
+        self._adapt_kl(metrics)
+        return metrics
+
+    def _adapt_kl(self, metrics: Metrics) -> None:
+        if not self.adaptive_kl:
+            return
+        self.loss.kl_coef = adapted_kl_coef(self.ctx, self.algorithm, self.loss.kl_coef, self.kl_seen)
+        metrics.mean("kl_coef", self.loss.kl_coef)
+        self.kl_seen.zero_()
+
+    def _whiten(self) -> None:
+        """Advantages to zero mean and unit std over every response token of the rollout batch
+        (the moments summed over the replicas)."""
+        moments = torch.zeros(3, dtype=torch.float64)
+        for b in self.buffer:
+            adv, mask = b["advantage"].double(), b["response_mask"].double()
+            moments += torch.stack([(adv * mask).sum(), (adv**2 * mask).sum(), mask.sum()])
+        self.ctx.all_reduce([moments])
+        total, squares, count = moments.tolist()
+        mean = total / max(count, 1.0)
+        std = max((squares / max(count, 1.0) - mean**2) * count / max(count - 1.0, 1.0), 0.0) ** 0.5
+        for b in self.buffer:
+            b["advantage"] = ((b["advantage"] - mean) / (std + 1e-8)) * b["response_mask"]
+
+    def _update_on_kept_batch(self, metrics: Metrics) -> None:
+        if getattr(self.algorithm, "norm_adv", False):
+            self._whiten()
+        if self.updates > 1 or getattr(self.algorithm, "tis_cap", None) is not None:
+            for b in self.buffer:  # the behaviour policy: the actor before its first step
+                b["row"] = torch.arange(len(b))
+                chunks = micro_batches(b, self.train_micro_batch_size, self.train_max_tokens)
+                b["old_logprobs"] = torch.zeros_like(b["rollout_logprobs"])
+                for chunk, lp in zip(chunks, self.engine.forward_all(chunks, self._behaviour)):
+                    b["old_logprobs"][chunk["row"], : lp.shape[-1]] = lp.to(b["old_logprobs"].device)
+        per_pass = getattr(self.algorithm, "num_mini_batches", 1)
+        first = (self.iteration - 1) * self.prompts_per_iteration
+        for epoch in range(getattr(self.algorithm, "ppo_epochs", 1)):
+            g = torch.Generator().manual_seed(row_seed(self.seed, self.iteration, epoch))
+            position = torch.empty(self.prompts_per_iteration, dtype=torch.long)
+            position[torch.randperm(self.prompts_per_iteration, generator=g)] = torch.arange(
+                self.prompts_per_iteration
+            )
+            for m in range(per_pass):
+                for b in self.buffer:
+                    chosen = position[b["group_id"] - first] * per_pass // self.prompts_per_iteration == m
+                    if bool(chosen.any()):
+                        self._train_on(b[chosen], metrics)
+                metrics.merge(self.engine.step())
+
+    def _behaviour(self, policy: LMPolicy, mb: TensorDict) -> torch.Tensor:
+        return behaviour_logprobs(policy, mb, self.temperature)
+
+
+#: what the reasoning workflow gives an algorithm (``algorithms.contract``): no critic, so no
+#: values; an episode is one response, ending at its last token (``response_mask``)
+PROVIDES = frozenset(
+    {"rewards", "group_ids", "response_mask", "dones", "token_rewards", "old_logprobs", "ref_logprobs"}
+)
 
 
 def reasoning_workflow(
@@ -379,6 +621,7 @@ def reasoning_workflow(
     train: TrainSpec,
     sampling: SamplingParams,
     group_size: int,
+    prompts_per_iteration: int,
     train_micro_batch_size: int | None,
     train_max_tokens_per_micro_batch: int | None = None,
     reward: str,
@@ -388,8 +631,31 @@ def reasoning_workflow(
     prompt_format: PromptFormat | None = None,
     max_prompt_tokens: int | None = None,
     eval_prompts: int = 0,
+    train_problems: list[tuple[str, str]] | None = None,
 ) -> Workflow:
+    """The stages for ``algorithm`` (``train_problems``: the reserve prompts of DAPO's dynamic
+    sampling); raises :class:`ConfigError` when the algorithm reads an input this workflow does not
+    provide (a critic's values) or cuts mini-batches the batch cannot give."""
+    problems = unserved(algorithm, type(algorithm).__name__, PROVIDES, "reasoning", " (it has no critic)")
+    mini = getattr(algorithm, "num_mini_batches", 1)
+    if prompts_per_iteration % mini:
+        problems.append(
+            (
+                "trainer.algorithm.num_mini_batches",
+                f"{mini} does not divide the {prompts_per_iteration} prompt groups of an iteration "
+                "(task.rollout_batch_size / task.group_size); a mini-batch is whole groups",
+            )
+        )
+    if problems:
+        raise ConfigError(problems)
     temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+    horizon = sampling.max_new_tokens
+    advantage = AdvantageStage(algorithm, horizon)
+    inference = InferenceStage(policy, algorithm, temperature)
+    rounds = getattr(algorithm, "max_sampling_rounds", 0)
+    dynamic = None
+    if rounds and train_problems:
+        dynamic = DynamicSampling(rounds, RewardStage(reward, format_reward, format_weight), train_problems)
     return (
         Workflow("reasoning")
         .chain(
@@ -404,10 +670,11 @@ def reasoning_workflow(
                 max_prompt_tokens,
                 eval_prompts,
                 rollout_engine_options,
+                dynamic,
             ),
             RewardStage(reward, format_reward, format_weight),
-            AdvantageStage(algorithm),
-            InferenceStage(policy, algorithm, temperature),
+            # a KL in the reward needs the reference log-probs before the advantages
+            *((inference, advantage) if advantage.kl_in_reward else (advantage, inference)),
             ActorStage(
                 policy,
                 algorithm,
@@ -415,6 +682,9 @@ def reasoning_workflow(
                 temperature,
                 train_micro_batch_size,
                 train_max_tokens_per_micro_batch,
+                horizon,
+                prompts_per_iteration,
+                seed,
             ),
         )
         .sync("actor", "rollout", "weights")

@@ -1,0 +1,123 @@
+"""Held-out accuracy gained by every LLM algorithm preset on the tiny math task, side by side.
+
+    python benchmarks/algorithms.py [--iterations 800] [--presets grpo,dapo] [--eval-size 500]
+
+The setup of ``configs/math_grpo_tiny.yaml`` for every preset: the same warm start (the SFT model
+``rlinf prepare`` + ``rlinf sft`` make, reused from ``artifacts/`` or built as
+``benchmarks/children.recipe_assets`` does), the same twin-free held-out split (no test problem
+shares its operands with a training one), the same seed, ``iterations x 128`` training samples
+each (DAPO's dynamic sampling generates more to fill its batches; it trains on as many). Each
+preset runs with its paper's defaults (``docs/algorithms.md``) in a fresh process. Printed per
+preset: held-out accuracy before and after, the gain, wall seconds; the last line is one JSON
+object with ``gains`` (preset -> gain), ``min_gain`` and the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from children import parse_args, recipe_assets, run_child
+
+ROLLOUT_BATCH_SIZE = 128  # the recipe's: 16 prompts x 8 samples
+
+
+def run_one(spec: dict) -> dict:
+    """Child process: one fit of one preset; its summary's accuracies and wall time."""
+    import csv
+
+    from rlinf_lightning import LMPolicy, RLTrainer, SamplingParams
+    from rlinf_lightning.tasks import MathTask
+
+    task = MathTask(
+        spec["train"],
+        spec["test"],
+        reward="math_verify",
+        eval_size=spec["eval_size"],
+        group_size=8,
+        rollout_batch_size=ROLLOUT_BATCH_SIZE,
+        train_micro_batch_size=64,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=6),
+    )
+    t0 = time.perf_counter()
+    trainer = RLTrainer(
+        algorithm=spec["preset"],
+        strategy="collocated",
+        launcher="inprocess",
+        max_iterations=spec["iterations"],
+        default_root_dir=spec["root"],
+        logger="csv",
+        enable_progress_bar=False,
+        seed=spec["seed"],
+    )
+    summary = trainer.fit(LMPolicy(spec["model"], lr=1e-4, max_grad_norm=1.0), task)
+    wall = time.perf_counter() - t0
+    resampled = 0.0
+    with open(Path(spec["root"]) / "logs" / "version_0" / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            resampled += float(row.get("rollout/resampled_groups") or 0.0)
+    return {
+        "before": summary["accuracy_before"],
+        "after": summary["accuracy_after"],
+        "wall_s": wall,
+        "resampled_groups": resampled,
+    }
+
+
+def main() -> None:
+    from rlinf_lightning.algorithms.presets import PRESETS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iterations", type=int, default=800, help="RL iterations per preset (x 128 samples)")
+    ap.add_argument("--presets", default=",".join(PRESETS), help="comma-separated preset names")
+    ap.add_argument("--eval-size", type=int, default=None, help="held-out problems (default: all 500)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = parse_args(ap, run_one)
+    if args is None:
+        return
+    presets = [p for p in args.presets.split(",") if p]
+    unknown = sorted(set(presets) - set(PRESETS))
+    if unknown:
+        raise SystemExit(f"unknown preset(s) {unknown}; known: {', '.join(PRESETS)}")
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        assets = recipe_assets(Path(tmp) / "assets")
+        for preset in presets:
+            spec = {
+                **assets,
+                "preset": preset,
+                "iterations": args.iterations,
+                "eval_size": args.eval_size,
+                "seed": args.seed,
+                "root": str(Path(tmp) / preset),
+            }
+            r = json.loads(run_child(__file__, spec, preset)[-1])
+            results[preset] = r
+            print(
+                f"{preset:<30} held-out accuracy {r['before']:.3f} -> {r['after']:.3f} "
+                f"({r['after'] - r['before']:+.3f}) in {r['wall_s']:.0f} s"
+                + (f", {r['resampled_groups']:.0f} groups resampled" if r["resampled_groups"] else ""),
+                flush=True,
+            )
+    gains = {p: round(r["after"] - r["before"], 4) for p, r in results.items()}
+    print(
+        json.dumps(
+            {
+                "gains": gains,
+                "min_gain": min(gains.values()),
+                "before": {p: r["before"] for p, r in results.items()},
+                "after": {p: r["after"] for p, r in results.items()},
+                "wall_s": {p: round(r["wall_s"], 1) for p, r in results.items()},
+                "iterations": args.iterations,
+                "samples": args.iterations * ROLLOUT_BATCH_SIZE,
+                "seed": args.seed,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

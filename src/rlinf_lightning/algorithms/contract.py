@@ -1,0 +1,71 @@
+"""What an estimator or a policy loss reads, and what a workflow provides.
+
+Every entry of :data:`~rlinf_lightning.algorithms.ADVANTAGE_ESTIMATORS` and
+:data:`~rlinf_lightning.algorithms.POLICY_LOSSES` declares the inputs it reads (:func:`reads`), by
+the names of :data:`INPUTS`; an algorithm reads the union of its parts' (``Algorithm.reads``). A
+workflow states what it provides, and :func:`unserved` turns the difference into one line naming
+the missing input, so ``algorithm: ppo`` on a task without a critic is refused at validation,
+before any model loads, instead of failing inside a stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: input name -> what it is and where it comes from
+INPUTS: dict[str, str] = {
+    "rewards": "one reward per sample",
+    "group_ids": "which prompt (group) each sample answers",
+    "response_mask": "which positions are trained on (response tokens; an episode's steps)",
+    "dones": "where episodes end (terminations and truncations, with the final observation's value)",
+    "token_rewards": "per-token rewards (the outcome on the last token, a KL penalty in the reward)",
+    "values": "a critic's value estimates (a value model)",
+    "old_logprobs": "log-probs of the behaviour policy that sampled",
+    "ref_logprobs": "log-probs of the frozen reference policy",
+}
+
+#: what an entry that declares nothing is taken to read
+DEFAULT_READS = frozenset({"rewards", "group_ids"})
+
+
+class Algorithm:
+    """Base of every algorithm: a dataclass whose fields are its options (``algorithms.options``
+    checks their ranges). ``reads`` names the inputs it needs from the workflow."""
+
+    reads: frozenset[str] = DEFAULT_READS
+    needs_reference: bool = False
+
+
+def reads(*names: str) -> Callable[[F], F]:
+    """Declare the :data:`INPUTS` a registered function reads (as its ``reads`` attribute)."""
+    unknown = sorted(set(names) - set(INPUTS))
+    if unknown:
+        raise ValueError(f"unknown input(s) {unknown}; known: {', '.join(INPUTS)}")
+
+    def mark(fn: F) -> F:
+        fn.reads = frozenset(names)  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def reads_of(fn: Any) -> frozenset[str]:
+    """The inputs ``fn`` declared with :func:`reads` (:data:`DEFAULT_READS` if it declared none)."""
+    return getattr(fn, "reads", DEFAULT_READS)
+
+
+def unserved(
+    algorithm: Any, name: str, provided: Iterable[str], workflow: str, fix: str = ""
+) -> list[tuple[str, str]]:
+    """``[("trainer.algorithm", problem)]`` when ``algorithm`` reads an input the ``workflow``
+    does not provide (``fix`` says how to provide it); empty when it is served."""
+    missing = sorted(set(getattr(algorithm, "reads", DEFAULT_READS)) - set(provided))
+    if not missing:
+        return []
+    what = "; ".join(f"{m} ({INPUTS.get(m, 'undeclared')})" for m in missing)
+    return [
+        ("trainer.algorithm", f"{name} reads {what}, which the {workflow} workflow does not provide{fix}")
+    ]

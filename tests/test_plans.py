@@ -18,11 +18,15 @@ from trainer_defaults import MetricsRecorder, tiny_task, tiny_trainer_kwargs
 
 LAUNCHER_NAMES = ["inprocess", "processes", "ray"]
 HYBRID = "rollout,reward,advantage: 0, inference,actor: 1"
+# RLinf's overlapping placement on two slots: the actor trains with ddp on both, the rollout and the
+# rest take turns with its replicas, offloading (context switching) around each turn
+OVERLAPPING = "actor: 0-1, rollout: 0, reward,advantage,inference: 1"
 PLANS = {  # every plan gets the same two slots of one thread
     "collocated_1worker": CollocatedStrategy(replicas=1),
     "collocated": "collocated",  # two data-parallel replicas; the actor trains with ddp over both
     "disaggregated": "disaggregated",
     "hybrid": HybridStrategy(placement=HYBRID),
+    "overlapping": HybridStrategy(placement=OVERLAPPING, offload=True),
 }
 
 
@@ -86,9 +90,9 @@ def test_every_plan_computes_the_same_update_on_every_launcher(assets, tmp_path,
 
 
 def test_the_actor_ranks_are_the_actor_groups_replicas(assets, tmp_path):
-    """No plan starts more processes or torch threads than its slots: under every plan the workers
-    are the only processes, one per replica, pinned to their slots' cores, and the actor's ddp
-    ranks are its group's replicas."""
+    """No plan starts more processes or torch threads than the slots its workers take turns on:
+    under every plan the workers are the only processes, one per replica, pinned to their slots'
+    cores, and the actor's ddp ranks are its group's replicas."""
     import os
 
     import psutil
@@ -115,11 +119,12 @@ def test_the_actor_ranks_are_the_actor_groups_replicas(assets, tmp_path):
         assert sorted(spawned) == sorted(pids) and len(set(pids)) == sum(g.replicas for g in plan.groups), (
             name
         )
-        assert sum(info["torch_threads"] for info in runtime.info.values()) == 2, name  # 2 slots x 1 thread
+        held = [s for g in plan.groups for s in g.slots]  # 2 slots, each once unless workers take turns
+        assert sum(info["torch_threads"] for info in runtime.info.values()) == len(held), name  # x 1 thread
         usable = sorted(os.sched_getaffinity(0))
-        if len(usable) >= 2:  # each process pinned to its slots' cores: one core per slot, none shared
+        if len(usable) >= 2:  # each process pinned to its slots' cores: one core per slot
             pinned = [core for info in runtime.info.values() for core in info["cores"]]
-            assert sorted(pinned) == usable[:2], name
+            assert sorted(pinned) == sorted(usable[s] for s in held), name
         assert [r["rank"] for r in ranks] == list(range(actor.replicas)), name
         assert {r["world_size"] for r in ranks} == {actor.replicas}, name
         assert {r["engine"] for r in ranks} == {"ddp" if actor.replicas > 1 else "single"}, name
@@ -230,26 +235,55 @@ def _loop_workflow(turns: int) -> Workflow:
 
 @pytest.mark.parametrize("launcher", LAUNCHER_NAMES)
 def test_a_loop_workflow_gives_the_same_results_under_every_plan(launcher):
+    """Also with overlapping groups (the learner on both slots, env and policy one each) and the
+    next iteration queued while one runs: the workers on a shared slot take turns on it, so their
+    calls on it never overlap in time, and every turn is bracketed by its onload and offload."""
     envs = [TensorDict({"env_id": torch.arange(4 * k, 4 * k + 4)}, [4]) for k in range(4)]
     results = {}
     plans = {"collocated": "collocated", "collocated_1worker": CollocatedStrategy(replicas=1)}
-    for name, strategy in {**plans, "disaggregated": "disaggregated"}.items():
+    overlapping = HybridStrategy(placement="learner: 0-1, env: 0, policy: 1", offload=True)
+    for name, strategy in {**plans, "disaggregated": "disaggregated", "overlapping": overlapping}.items():
         wf = _loop_workflow(turns=3)
         wf.check_keys(["env_id"])
         plan = STRATEGIES.resolve(strategy).plan(
             wf, Resources(devices=2, threads_per_slot=1), BatchShape(16, 4)
         )
         plan.validate(wf, 2)
-        runtime = LAUNCHERS.get(launcher)().launch(wf, plan, timeout_s=60)
+        runtime = LAUNCHERS.get(launcher)().launch(wf, plan, timeout_s=120)
         try:
-            results[name] = [runtime.run_iteration(it, envs)["learner"] for it in (1, 2, 3)]
+            runtime.start_iteration(1, envs)
+            for it in (2, 3, None):  # queued: iteration it starts before it - 1 is collected
+                if it is not None:
+                    runtime.start_iteration(it, envs)
+                results.setdefault(name, []).append(runtime.finish_iteration()["learner"])
             spans = runtime.pop_spans()
         finally:
             runtime.shutdown()
         env_calls = sum(s.samples for s in spans if s.stage == "env" and s.kind == "process")
         assert env_calls == 3 * 16 * (1 + 3)  # per iteration, every env: one observation, then 3 turns
+        if name == "overlapping":
+            for slot, workers in ((0, ("env/0", "learner/0")), (1, ("policy/0", "learner/1"))):
+                a, b = ([(s.start, s.end) for s in spans if s.worker == w] for w in workers)
+                assert a and b and not any(min(x1, y1) > max(x0, y0) for x0, x1 in a for y0, y1 in b), slot
+            kinds = [s.kind for s in sorted(spans, key=lambda s: s.start) if s.worker == "learner/0"]
+            switches = [k for k in kinds if k in ("onload", "offload")]  # the first: offloaded at setup
+            assert switches == ["offload"] + ["onload", "offload"] * 3, kinds
     assert results["collocated"] == results["collocated_1worker"] == results["disaggregated"]
+    assert results["overlapping"] == results["collocated"]
     assert len({r["w"] for r in results["collocated"]}) > 1  # the weight synced back each iteration changed
+
+
+def test_overlapping_groups_that_would_deadlock_are_refused_before_start():
+    """The env and the policy answer each other every step (a loop): on one slot in two groups
+    the env's turn would wait for the policy's, which waits for the env's to end."""
+    wf = _loop_workflow(turns=3)
+    strategy = HybridStrategy(placement="env: 0, policy: 0-1, learner: 1")
+    plan = strategy.plan(wf, Resources(devices=2, threads_per_slot=1), BatchShape(16, 4))
+    with pytest.raises(ValueError, match=r"slot 0 is shared, and env \(group 'env', replica 0\) takes its "
+                       r"turn on it before policy \(group 'policy', replica 0\) but waits on it.*"
+                       r"deadlock; place those stages in one group, or on disjoint slots"):  # fmt: skip
+        plan.validate(wf, 2)
+    assert "slot 1 shared; its workers take turns each iteration: policy/1 -> learner/0" in plan.describe(wf)
 
 
 def test_offload_context_switching_changes_nothing_but_memory(assets, tmp_path):

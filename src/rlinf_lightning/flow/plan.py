@@ -5,7 +5,8 @@ A *slot* is a GPU, or on CPU a core's worth of threads; slots are numbered node-
 (``slot = node * slots_per_node + local``). A :class:`WorkerGroup` spans some slots and has one
 worker (a *replica*) per ``slots_per_replica`` of them; every stage of the group runs on every
 replica, data-parallel: the channel into the group deals each micro-batch to the replica that asks
-first. Groups either share no slot or are the same group.
+first. Groups may overlap: workers of different groups on one slot take turns on it
+(``flow.sharing``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlinf_lightning.flow.sharing import shared_slots, sharing_problems, slot_order
 from rlinf_lightning.flow.workflow import Workflow
 
 Schedule = Literal["sequential", "interleaved"]
@@ -168,20 +170,14 @@ class ExecutionPlan:
                             f"group {g.name!r}: replica {r} spans nodes {sorted(nodes)}; a replica's "
                             "slots must be on one node"
                         )
-        for i, a in enumerate(self.groups):
-            for b in self.groups[i + 1 :]:
-                shared = sorted(set(a.slots) & set(b.slots))
-                if shared:
-                    problems.append(
-                        f"groups {a.name!r} ({', '.join(a.stages)}) and {b.name!r} ({', '.join(b.stages)}) "
-                        f"share slot(s) {shared}: place stages on the same slots as one group, or on "
-                        "disjoint slots"
-                    )
+        if not problems:
+            problems = sharing_problems(workflow, self)
         if problems:
             raise ValueError(f"plan {self.strategy!r}: " + "; ".join(problems))
 
-    def describe(self) -> str:
-        """A table: one row per group (replicas, slots, threads, stages, schedule), then granularity."""
+    def describe(self, workflow: Workflow | None = None) -> str:
+        """A table: one row per group (replicas, slots, threads, stages, schedule), then granularity,
+        then (given the workflow) the order in which workers take turns on each shared slot."""
         rows = [("group", "replicas", "slots", "threads", "stages", "schedule")]
         multinode = any(self.node_of(s) for g in self.groups for s in g.slots)
         for g in self.groups:
@@ -204,6 +200,14 @@ class ExecutionPlan:
         if self.micro_batch_size:
             mb = ", ".join(f"{c}: {n}" for c, n in self.micro_batch_size.items())
             lines.append(f"  micro-batch (samples): {mb}")
+        if workflow is not None:
+            for slot, seq in slot_order(workflow, self).items():
+                turns = " -> ".join(dict.fromkeys(f"{g}/{r}" for g, r, _ in seq))
+                lines.append(f"  slot {slot} shared; its workers take turns each iteration: {turns}")
+        else:
+            for slot, workers in shared_slots(self).items():
+                names = ", ".join(g.worker_name(r) for g, r in workers)
+                lines.append(f"  slot {slot} shared; its workers take turns: {names}")
         return "\n".join(lines)
 
 

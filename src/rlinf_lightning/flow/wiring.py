@@ -34,6 +34,7 @@ from typing import Literal
 
 from rlinf_lightning.flow.channel import Channel, EndOfIteration, Message
 from rlinf_lightning.flow.plan import ExecutionPlan
+from rlinf_lightning.flow.sharing import baton_queues
 from rlinf_lightning.flow.workflow import SOURCE, Edge, Workflow
 
 Mode = Literal["local", "shared", "keyed"]
@@ -65,7 +66,10 @@ class Link:
         if self.mode == "local":
             return None
         names = self.queue_names(parity)
-        return names[0] if self.mode == "shared" else names[replica]
+        if self.mode == "shared":
+            return names[0]
+        # a producer's port asks too: a producer group may have more replicas than the consumer's
+        return names[replica] if replica < len(names) else None
 
     @property
     def ends_expected(self) -> int:
@@ -99,8 +103,9 @@ def wire(workflow: Workflow, plan: ExecutionPlan) -> dict[str, Link]:
 
 
 def worker_queues(links: dict[str, Link], plan: ExecutionPlan, group: str) -> list[str]:
-    """The cross-worker queues that a worker of ``group`` writes or reads."""
-    names = []
+    """The cross-worker queues that a worker of ``group`` writes or reads (batons of shared slots
+    included)."""
+    names = baton_queues(plan, group)
     for link in links.values():
         e = link.edge
         touches = {plan.group_of(e.dst).name} | (set() if e.src == SOURCE else {plan.group_of(e.src).name})

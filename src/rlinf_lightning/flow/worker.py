@@ -23,6 +23,7 @@ import torch
 from rlinf_lightning.flow.channel import Channel, ChannelTimeout, EndOfIteration, Message
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.plan import WorkerGroup
+from rlinf_lightning.flow.sharing import SlotTurns, turns_of
 from rlinf_lightning.flow.stage import Stage, StageContext
 from rlinf_lightning.flow.wiring import Link, Port
 from rlinf_lightning.flow.workflow import SOURCE, Workflow
@@ -57,21 +58,6 @@ class StageError(RuntimeError):
         return (StageError, (self.stage, self.worker, self.tb))
 
 
-def turns_of(workflow: Workflow, group: WorkerGroup) -> list[list[str]]:
-    """The stages a worker of ``group`` runs together: all of them (interleaved), or one at a
-    time in data order (sequential) with a loop's head and body on the group as one turn."""
-    order = [n for n in workflow.order if n in group.stages]
-    if group.schedule == "interleaved":
-        return [order]
-    turns: list[list[str]] = []
-    for n in order:
-        lp = workflow.loop_of(n)
-        if lp is not None and n == lp.body and lp.head in group.stages:
-            continue  # runs in its head's turn
-        turns.append([n] + ([lp.body] if lp and n == lp.head and lp.body in group.stages else []))
-    return turns
-
-
 @dataclass
 class _StageRun:
     """One stage's progress through the current iteration."""
@@ -98,6 +84,8 @@ class Worker:
         abort: the run's abort event (set when any worker fails).
         copy_stages: use private copies of the stage objects (replicas that share one process).
         sync_meet: per broadcast sync edge (channel), where its process group meets.
+        slot_turns: this worker's part in the turns on the slots it shares with other groups'
+            workers (``flow.sharing``); their baton queues are in ``queues``.
     """
 
     def __init__(
@@ -112,6 +100,7 @@ class Worker:
         abort: Any,
         copy_stages: bool = False,
         sync_meet: dict[str, Any] | None = None,
+        slot_turns: list[SlotTurns] | None = None,
     ) -> None:
         self.group, self.replica, self.name = group, replica, group.worker_name(replica)
         self.workflow, self.ctx, self.timeout_s = workflow, ctx, timeout_s
@@ -130,6 +119,11 @@ class Worker:
         self.sync_meet = dict(sync_meet or {})
         self._sync_groups: dict[str, Any] = {}
         self._broadcasts: list[tuple[Port, Any]] = []  # (port, state) to broadcast after the turns
+        self.slot_turns = list(slot_turns or [])
+        self._batons = {t.slot: queues[t.inbox] for t in self.slot_turns}
+        self._queues = queues
+        self._holding: set[int] = set()  # shared slots whose baton this worker holds
+        self._pending_sync: dict[str, tuple[str, Any]] = {}  # stage -> (source, state) to apply in its turn
 
     # -- what runs when --------------------------------------------------------------------------
 
@@ -191,6 +185,7 @@ class Worker:
             self._guard(name, st.setup, self.ctx)
         for name in self.stages:
             self._switch([name], "offload")
+        self._holding = {t.slot for t in self.slot_turns if t.first}
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         return {
             "pid": os.getpid(),
@@ -211,6 +206,7 @@ class Worker:
     def call(self, stage: str, method: str, *args: Any, **kwargs: Any) -> Any:
         self._switch([stage], "onload")
         try:
+            self._apply_pending([stage])
             return self._guard(stage, lambda: getattr(self.stages[stage], method)(*args, **kwargs))
         finally:
             self._switch([stage], "offload")
@@ -224,15 +220,37 @@ class Worker:
         for name, st in self.stages.items():
             self._guard(name, st.begin_iteration, iteration)
         self._runs = {n: _StageRun(self._inputs(n)) for n in self.stages}
-        for turn in self.turns:
+        for i, turn in enumerate(self.turns):
+            self._take_slots()
             self._switch(turn, "onload")
+            self._apply_pending(turn)
             self._run_turn(turn)
             self._switch(turn, "offload")
+            self._pass_slots(i)
         self._flush_broadcasts()
         self._receive_sync()
         results = {n: (r.metrics, r.samples) for n, r in self._runs.items()}
         spans, self.spans = self.spans, []
         return results, spans
+
+    def _take_slots(self) -> None:
+        """Wait for the baton of every shared slot this worker is on (its turn on them)."""
+        for t in self.slot_turns:
+            if t.slot not in self._holding:
+                self._batons[t.slot].get()
+                self._holding.add(t.slot)
+
+    def _pass_slots(self, turn: int) -> None:
+        """Hand each shared slot's baton to the worker whose turn on it comes next."""
+        for t in self.slot_turns:
+            self._holding.discard(t.slot)
+            self._queues[t.passes_to[turn]].put(Message(None))
+
+    def _apply_pending(self, names: list[str]) -> None:
+        for n in names:
+            if n in self._pending_sync:
+                src, state = self._pending_sync.pop(n)
+                self._timed(n, "apply_sync", self.stages[n].apply_sync, src, state)
 
     def _run_turn(self, turn: list[str]) -> None:
         pending = [n for n in reversed(turn)]  # downstream first: finish work before taking more
@@ -379,6 +397,9 @@ class Worker:
                     for (name, _, _), t in zip(meta, tensors):
                         state.set(name, t)
                     self.spans.append(Span(self.name, e.dst, "sync_receive", t0, time.time()))
+                if self.slot_turns:  # on a shared slot: applied in the stage's next turn
+                    self._pending_sync[e.dst] = (e.src, state)
+                    continue
                 self._switch([e.dst], "onload")
                 self._timed(e.dst, "apply_sync", self.stages[e.dst].apply_sync, e.src, state)
                 self._switch([e.dst], "offload")

@@ -20,6 +20,7 @@ from tensordict import TensorDict
 from rlinf_lightning.flow.channel import ChannelAborted, Message
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.plan import ExecutionPlan
+from rlinf_lightning.flow.sharing import baton_queues, slot_turns
 from rlinf_lightning.flow.wiring import Port, wire
 from rlinf_lightning.flow.worker import Span, StageError
 from rlinf_lightning.flow.workflow import Workflow
@@ -80,6 +81,7 @@ class Runtime(ABC):
     def __init__(self, workflow: Workflow, plan: ExecutionPlan, timeout_s: float) -> None:
         self.workflow, self.plan, self.timeout_s = workflow, plan, timeout_s
         self.links = wire(workflow, plan)
+        self.slot_turns = slot_turns(workflow, plan)  # worker -> its turns on shared slots
         self.workers = [g.worker_name(r) for g, r in plan.workers]
         self.stages_of = {g.worker_name(r): g.stages for g, r in plan.workers}
         self.info: dict[str, dict[str, Any]] = {}  # per worker: pid, torch threads, device
@@ -87,6 +89,11 @@ class Runtime(ABC):
         self.queues: dict[str, Any] = {}  # the cross-worker queues, by name (each launcher's transport)
         self._running: deque[Any] = deque()  # handles of started, unfinished iterations
         self._closed = False
+
+    def queue_names(self) -> dict[str, bool]:
+        """Every cross-worker queue a launcher creates, by name: whether it carries sync state."""
+        names = {n: link.edge.kind == "sync" for link in self.links.values() for n in link.queue_names()}
+        return {**names, **dict.fromkeys(baton_queues(self.plan), False)}
 
     # -- transport (each launcher) -----------------------------------------------------------------
     @abstractmethod

@@ -62,9 +62,7 @@ class InProcessRuntime(Runtime):
         if threads:  # one process: torch's intra-op pool is shared by every worker thread
             torch.set_num_threads(threads)
         self.abort = threading.Event()
-        self.queues = {
-            n: Channel(n, timeout_s, self.abort) for link in self.links.values() for n in link.queue_names()
-        }
+        self.queues = {n: Channel(n, timeout_s, self.abort) for n in self.queue_names()}
         meet = {g.name: Rendezvous(g.name, store=dist.HashStore()) for g in plan.groups if g.replicas > 1}
         sync_meet = {
             ch: Rendezvous(f"sync:{ch}", store=dist.HashStore())
@@ -79,8 +77,9 @@ class InProcessRuntime(Runtime):
                 own_process=False, rendezvous=meet.get(g.name), timeout_s=timeout_s,
             )  # fmt: skip
             self.objects[g.worker_name(r)] = Worker(
-                g, r, workflow, self.links, self.queues, ctx, timeout_s, self.abort, True, sync_meet
-            )
+                g, r, workflow, self.links, self.queues, ctx, timeout_s, self.abort, True, sync_meet,
+                self.slot_turns.get(g.worker_name(r)),
+            )  # fmt: skip
         self._setup()
 
     def _submit(self, workers: list[str], cmd: str, *args: Any) -> list[_Call]:

@@ -87,6 +87,7 @@ def build_worker(build: dict[str, Any]) -> Worker:
         build["timeout_s"],
         build["abort"],
         sync_meet=build["sync_meet"],
+        slot_turns=build["slot_turns"],
     )
 
 
@@ -102,9 +103,8 @@ class ProcessRuntime(Runtime):
         self.mp = mp.get_context("spawn")
         self.abort = self.mp.Event()
         self.queues = {
-            n: SharedMemoryChannel(n, timeout_s, self.abort, self.mp, copy=link.edge.kind == "sync")
-            for link in self.links.values()
-            for n in link.queue_names()
+            n: SharedMemoryChannel(n, timeout_s, self.abort, self.mp, copy=sync)
+            for n, sync in self.queue_names().items()
         }
         self.replies = self.mp.Queue()
         self._backlog: dict[str, deque] = {}
@@ -148,6 +148,7 @@ class ProcessRuntime(Runtime):
                 "timeout_s": timeout_s,
                 "abort": self.abort,
                 "sync_meet": sync_meet,
+                "slot_turns": self.slot_turns.get(name),
                 "visible_devices": None if plan.accelerator == "cpu" else plan.visible_devices(slots),
                 "cores": plan.cores_of(slots),
             }

@@ -23,6 +23,7 @@ from typing import Any
 from rlinf_lightning.flow.channel import Channel, ChannelTimeout
 from rlinf_lightning.flow.collective import Rendezvous, free_port, node_address
 from rlinf_lightning.flow.plan import ExecutionPlan
+from rlinf_lightning.flow.sharing import slot_shares
 from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.flow.wiring import worker_queues
 from rlinf_lightning.flow.worker import StageError
@@ -133,9 +134,9 @@ class RayRuntime(Runtime):
 
                 start_reaper(os.getpid())
         super().__init__(workflow, plan, timeout_s)
-        self.queues = {
-            n: RayChannel(n, timeout_s) for link in self.links.values() for n in link.queue_names()
-        }
+        self.queues = {n: RayChannel(n, timeout_s) for n in self.queue_names()}
+        # workers that take turns on a slot reserve a share of it each (Ray picks which GPU)
+        self.shares = slot_shares(plan)
         self.actors: dict[str, Any] = {}
         self._group_name = {g.worker_name(r): g.name for g, r in plan.workers}
         self.placement_groups: list[Any] = []
@@ -163,8 +164,9 @@ class RayRuntime(Runtime):
                     ),
                     "timeout_s": timeout_s,
                     "abort": None,
+                    "slot_turns": self.slot_turns.get(name),
                 }
-                k = g.slots_per_replica
+                k = self.shares[name]
                 self.actors[name] = actor_cls.options(
                     name=None,
                     max_restarts=0,
@@ -201,10 +203,10 @@ class RayRuntime(Runtime):
 
         here = ray.get_runtime_context().get_node_id()
         nodes = sorted((n["NodeID"] for n in ray.nodes() if n["Alive"]), key=lambda n: n != here)
-        per_node: dict[int, list[tuple[str, int]]] = {}
+        per_node: dict[int, list[tuple[str, float]]] = {}
         for g, r in self.plan.workers:
             node = self.plan.node_of(g.replica_slots(r)[0])
-            per_node.setdefault(node, []).append((g.worker_name(r), g.slots_per_replica))
+            per_node.setdefault(node, []).append((g.worker_name(r), self.shares[g.worker_name(r)]))
         if max(per_node) >= len(nodes):
             raise RuntimeError(
                 f"the plan uses {max(per_node) + 1} nodes but the Ray cluster has {len(nodes)} alive; "
@@ -225,7 +227,7 @@ class RayRuntime(Runtime):
             except Exception as exc:
                 need = sum(k for _, k in workers)
                 raise RuntimeError(
-                    f"Ray could not reserve {need} {kind} slot(s) on node {node} ({nodes[node][:8]}) for "
+                    f"Ray could not reserve {need:g} {kind} slot(s) on node {node} ({nodes[node][:8]}) for "
                     f"workers {[w for w, _ in workers]} within {PLACEMENT_TIMEOUT_S:.0f} s: "
                     f"{type(exc).__name__}; lower trainer.devices or give the node more {kind}s"
                 ) from None

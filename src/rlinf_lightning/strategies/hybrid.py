@@ -17,8 +17,10 @@ class HybridStrategy(Strategy):
 
     With ``placement`` (e.g. ``"rollout: 0-1, reward,advantage: 0-1, inference,actor: 2-3"``, see
     ``flow.placement``), stages named with the same slots form one group, data-parallel over those
-    slots. Without it, the stages are split in data order into two halves of the slots where the
-    ``costs`` of the two sides balance. Groups interleave their stages, so micro-batches stream.
+    slots. Groups may overlap (RLinf's ``"actor: 0-1, env: 0, rollout: 1"``): the workers on a
+    shared slot take turns on it (``flow.sharing``). Without a placement, the stages are split in
+    data order into two halves of the slots where the ``costs`` of the two sides balance. Groups
+    interleave their stages, so micro-batches stream.
 
     Args:
         placement: stages per slots, in RLinf's syntax (a string or a mapping).
@@ -27,6 +29,9 @@ class HybridStrategy(Strategy):
             stage's ``cost_hint``).
         slots_per_replica: slots per replica of the group hosting a stage (tensor-parallel
             rollout engines), e.g. ``{rollout: 2}``; default 1.
+        offload: whether groups that share slots offload their state after each turn on them
+            (context switching), so one at a time holds the device's memory. Default: on GPUs,
+            not on CPU (there the host memory is the device, and a spill file only costs time).
     """
 
     name = "hybrid"
@@ -37,11 +42,13 @@ class HybridStrategy(Strategy):
         micro_batches: int = 4,
         costs: dict[str, float] | None = None,
         slots_per_replica: dict[str, int] | None = None,
+        offload: bool | None = None,
     ) -> None:
         self.placement = placement
         self.micro_batches = micro_batches
         self.costs = dict(costs or {})
         self.slots_per_replica = dict(slots_per_replica or {})
+        self.offload = offload
 
     def plan(self, workflow: Workflow, resources: Resources, batch: BatchShape) -> ExecutionPlan:
         if self.placement is not None:
@@ -50,12 +57,14 @@ class HybridStrategy(Strategy):
         else:
             parts, notes = self._balanced(workflow, resources), "cost-balanced split"
         order = workflow.order
+        offload = resources.accelerator != "cpu" if self.offload is None else self.offload
         groups = []
         for stages, slots in parts:
             stages = sorted(stages, key=order.index)
             per = max((self.slots_per_replica.get(s, 1) for s in stages), default=1)
             schedule = "interleaved" if len(parts) > 1 else "sequential"
-            groups.append(self.group(stages[0], stages, slots, resources, schedule, per))
+            shares = any(set(slots) & set(other) for _, other in parts if other is not slots)
+            groups.append(self.group(stages[0], stages, slots, resources, schedule, per, offload and shares))
         mb = batch.micro_batch_for(self.micro_batches if len(groups) > 1 else 1)
         return self.make_plan(workflow, resources, groups, mb, notes + ", pipelined by micro-batch")
 

@@ -50,7 +50,7 @@ class FitLoop:
         t.callback_connector.setup()
         t.default_root_dir.mkdir(parents=True, exist_ok=True)
         t.logger_connector.setup()
-        log.info("%s", self.plan.describe())
+        log.info("%s", self.plan.describe(self.workflow))
         t.logger_connector.log_hyperparams(hyperparameters(t, self.policy, self.task, self.plan))
         t0 = time.perf_counter()
         self.runtime = self._launch(self.plan)
@@ -252,7 +252,7 @@ class FitLoop:
         sharded = self.runtime.call(train, "save_sharded", str(tmp), replicas="all")[0]
         state = None if sharded else self.runtime.call(train, "state_dict", replicas="all")[0]
         self.runtime.shutdown()
-        log.info("%s", plan.describe())
+        log.info("%s", plan.describe(self.workflow))
         self.runtime = self._launch(plan)
         if sharded:
             self.runtime.call(train, "load_sharded", str(tmp), replicas="all")

@@ -23,7 +23,7 @@ from rlinf_lightning.flow import BatchShape, MemoryPart, Stage, StageContext, Wo
 from rlinf_lightning.flow.memory import GIB, host_memory, memory_problems, worker_memory
 from rlinf_lightning.policies import LMPolicy
 from rlinf_lightning.policies.model_dir import config_shapes
-from rlinf_lightning.strategies import STRATEGIES, Resources
+from rlinf_lightning.strategies import STRATEGIES, HybridStrategy, Resources
 from rlinf_lightning.tasks.data import make_arithmetic_splits
 from rlinf_lightning.workflows.reasoning import ActorStage
 from trainer_defaults import cli_fit_args
@@ -125,6 +125,22 @@ def test_a_worker_holds_the_sum_of_its_stages_or_the_largest_when_they_take_turn
     (worker,) = worker_memory(workflow, _plan("collocated_offload", workflow))
     assert worker.nbytes == share
     assert memory_problems(workflow, _plan("collocated_offload", workflow)) == []
+
+
+def test_overlapping_groups_that_take_turns_count_the_largest_worker():
+    """The same two stages in overlapping groups (``a`` on slots 0-1, ``b`` on slot 1), all on this
+    machine's memory: resident side by side they cannot fit; offloading around their turns, the
+    workers taking turns on slot 1 count the larger one (and ``a``'s replica on slot 0 adds its own)."""
+    share = int(0.3 * host_memory())
+    workflow = Workflow("two").chain(Holds("a", share), Holds("b", 2 * share)).role("train", "a")
+
+    def plan(offload: bool):
+        strategy = HybridStrategy(placement="a: 0-1, b: 1", offload=offload)
+        return strategy.plan(workflow, Resources(2), BatchShape(8, 2))
+
+    ((key, message),) = memory_problems(workflow, plan(offload=False))  # 0.3 + 0.3 + 0.6
+    assert "needs" in message and "shared by 3 workers" in message
+    assert memory_problems(workflow, plan(offload=True)) == []  # 0.3 + max(0.3, 0.6)
 
 
 @pytest.fixture

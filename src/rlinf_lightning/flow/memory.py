@@ -4,7 +4,8 @@ Each stage says what it holds on one replica's device while it runs (:meth:`Stag
 its configuration: parameter counts come from a model built on the ``meta`` device, nothing is
 loaded). A worker (one replica of a group) holds the sum of its stages' shares, or the largest of
 them when its group context-switches (``collocated_offload``: each stage offloads after its turn,
-to host memory from a GPU, to a spill file on disk from a CPU). Then:
+to host memory from a GPU, to a spill file on disk from a CPU); context-switching workers of
+overlapping groups that take turns on a slot count the largest of them. Then:
 
 * on CPU every worker of a node shares the node's memory: this machine's physical memory, or its
   cgroup's limit where lower (other nodes are taken to be alike);
@@ -150,16 +151,32 @@ def memory_problems(workflow: Workflow, plan: ExecutionPlan) -> list[tuple[str, 
             place, size = f"GPU {gpu} of node {w.node}", gpu_memory(gpu)
         places.setdefault(place, []).append(w)
         have[place] = size
-    over = [p for p, ws in places.items() if have[p] is not None and sum(w.nbytes for w in ws) > have[p]]
+    over = [p for p, ws in places.items() if have[p] is not None and _need(ws) > have[p]]
     if not over:
         return []
     place, ws = over[0], places[over[0]]
     shared = f" shared by {len(ws)} workers" if len(ws) > 1 else ""
     more = f" (and {len(over) - 1} more devices likewise)" if len(over) > 1 else ""
-    need = gib(sum(w.nbytes for w in ws))
+    need = gib(_need(ws))
     head = f"plan {plan.strategy!r} needs {need} on {place}{shared}{more}, which has {gib(have[place])}"
     fixes = _fixes(ws, have[place], "GPUs" if plan.accelerator != "cpu" else "nodes")
     return [("trainer.strategy", f"{head}: {_shares(ws)}. Fix: {fixes}")]
+
+
+def _need(workers: list[WorkerMemory]) -> int:
+    """What the workers on one device hold at once: context-switching workers that take turns on
+    a slot (overlapping groups, ``flow.sharing``) count the largest of them, the others add up."""
+    turns: list[tuple[set[int], int]] = []  # (slots, largest) of workers that take turns
+    alone = 0
+    for w in workers:
+        slots = set(w.group.replica_slots(w.replica))
+        if not w.group.context_switch:
+            alone += w.nbytes
+            continue
+        joined = [t for t in turns if t[0] & slots]
+        turns = [t for t in turns if not t[0] & slots]
+        turns.append((slots.union(*(t[0] for t in joined)), max([w.nbytes, *(t[1] for t in joined)])))
+    return alone + sum(t[1] for t in turns)
 
 
 def _shares(workers: list[WorkerMemory]) -> str:

@@ -12,12 +12,14 @@ from tensordict import TensorDict
 
 from rlinf_lightning import Callback, RLTrainer
 from rlinf_lightning.flow import BatchShape
+from rlinf_lightning.flow.placement import parse_placement
 from rlinf_lightning.flow.stage import Stage
 from rlinf_lightning.flow.worker import Span
 from rlinf_lightning.flow.workflow import Workflow
-from rlinf_lightning.strategies import STRATEGIES, Resources, RunInfo
+from rlinf_lightning.strategies import STRATEGIES, HybridStrategy, Resources, RunInfo
 from rlinf_lightning.strategies.auto import AutoStrategy
 from rlinf_lightning.strategies.auto.profile import Profile, StageCost
+from rlinf_lightning.strategies.auto.search import candidates
 from rlinf_lightning.strategies.auto.simulate import simulate
 from rlinf_lightning.tasks.base import Task
 
@@ -165,6 +167,34 @@ def test_simulated_pipeline_matches_the_hand_computed_schedule():
     plan = STRATEGIES.get("collocated")().plan(wf, Resources(2), BatchShape(BATCH, UNIT, 8))
     half = BATCH // 8 // 2
     assert simulate(wf, plan, p, BATCH) == pytest.approx(half * (0.009 + 0.004) + 0.002 + 0.002)
+
+
+def _named(name: str) -> Stage:
+    stage = Stage()
+    stage.name = name
+    return stage
+
+
+def test_simulated_overlapping_groups_take_turns_on_their_slots():
+    """a (slot 0) -> b (slot 1) -> learn (both slots), 1 s per call, 4 micro-batches: b's outputs
+    are ready at 2, 3, 4 and 5 s, but learn's replica 0 may start only when a's turn on slot 0
+    ends (4 s) and replica 1 when b's ends (5 s): four calls end at 7 s, not at 6 as they would on
+    slots of their own. The search offers that placement, and ``rlinf plan``'s syntax parses back."""
+    wf = Workflow("w3").chain(_named("a"), _named("b"), _named("learn")).role("train", "learn")
+    p = Profile("w3", message_s=0.0, stages={s: StageCost(1.0, 0.0) for s in ("a", "b", "learn")})
+    shape = BatchShape(16, 4, 4)
+    plan = HybridStrategy(placement="learn: 0-1, a: 0, b: 1").plan(wf, Resources(2), shape)
+    assert simulate(wf, plan, p, 16) == pytest.approx(7.0)
+    apart = HybridStrategy(placement="learn: 2-3, a: 0, b: 1").plan(wf, Resources(4), shape)
+    assert simulate(wf, apart, p, 16) == pytest.approx(6.0)
+    ranked = candidates(wf, Resources(2), BatchShape(16, 4), p)
+    overlapping = [c for c in ranked if c.name == "overlapping"]
+    assert [c.placement for c in overlapping[:1]] == ["learn: 0-1, a: 0, b: 1"]
+    assert parse_placement(overlapping[0].placement, 2, wf.stages) == [
+        (["learn"], [0, 1]),
+        (["a"], [0]),
+        (["b"], [1]),
+    ]
 
 
 def test_a_replica_over_several_slots_is_predicted_from_its_measured_speedup_only():

@@ -13,6 +13,10 @@ Candidates on the resources' slots:
   cut in two (``k`` and the rest), each group data-parallel over its slots and both pipelined by
   micro-batch. The cut after the first stage with half the slots is ``disaggregated``; every
   other cut is a ``hybrid`` placement, written in RLinf's syntax so it can be pasted back;
+- overlapping: the learning stage data-parallel on every slot, the stages before it cut in two
+  groups on disjoint slots as in the splits (RLinf's ``actor: 0-7, env: 0-3, rollout: 4-7``), each
+  of the learner's replicas taking its turn on its slot after theirs (``flow.sharing``); cuts whose
+  turns would deadlock (a loop's two stages apart) are left out;
 
 each at every granularity: micro-batches of whole groups (``batch.group_size``) that divide the
 iteration's batch (for a sticky first stage, e.g. an env stage owning its envs, only the sizes the
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 
 from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.plan import ExecutionPlan, format_slots
+from rlinf_lightning.flow.sharing import sharing_problems
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.strategies.auto.profile import Profile
 from rlinf_lightning.strategies.auto.simulate import simulate
@@ -61,7 +66,11 @@ def micro_batches(workflow: Workflow, batch: BatchShape, profile: Profile) -> li
     return sizes
 
 
-PLACEMENTS = ("collocated", "split")  # the multi-worker kinds: what ``rlinf plan`` ranks for a cluster
+PLACEMENTS = (
+    "collocated",
+    "split",
+    "overlap",
+)  # the multi-worker kinds: what ``rlinf plan`` ranks for a cluster
 KINDS = ("one_worker", *PLACEMENTS)
 IN_PROCESS = "inprocess"
 
@@ -86,17 +95,21 @@ def placements(
     workflow: Workflow, slots: list[int], kinds: tuple[str, ...] = PLACEMENTS
 ) -> list[tuple[str, str | None]]:
     """``(name, placement)`` pairs of the ``kinds`` asked for: collocated (placement ``None``),
-    every two-group split."""
+    every two-group split, every overlapping placement."""
     out: list[tuple[str, str | None]] = [("collocated", None)] if "collocated" in kinds else []
-    if "split" not in kinds:
-        return out
     order = workflow.order
     for i in range(1, len(order)):
         for k in range(1, len(slots)):
             first, rest = ",".join(order[:i]), ",".join(order[i:])
             text = f"{first}: {format_slots(slots[:k])}, {rest}: {format_slots(slots[k:])}"
             name = "disaggregated" if i == 1 and k == (len(slots) + 1) // 2 else "hybrid"
-            out.append((name, text))
+            if "split" in kinds:
+                out.append((name, text))
+            train = workflow.roles.get("train")
+            if "overlap" in kinds and order[-1] == train and i < len(order) - 1:
+                rest = ",".join(order[i:-1])
+                cut = f"{first}: {format_slots(slots[:k])}, {rest}: {format_slots(slots[k:])}"
+                out.append(("overlapping", f"{train}: {format_slots(slots)}, {cut}"))
     return out
 
 
@@ -124,6 +137,8 @@ def candidates(
                 plan = CollocatedStrategy().plan(workflow, resources, shape)
             else:
                 plan = HybridStrategy(placement=placement).plan(workflow, resources, shape)
+                if sharing_problems(workflow, plan):
+                    continue
             plan.strategy = "auto"
             plans.append((name, placement, plan))
         for name, placement, plan in plans:

@@ -12,7 +12,9 @@ wiring (``flow.wiring.wire``) and each call's cost from the :class:`~.profile.Pr
 - a stage's end of iteration follows its last input; the learning stage's replicas step together
   (a collective: each waits for the last to arrive);
 - a message between workers costs ``profile.message_s``; sync state costs its two measured ends
-  (plus a message when it crosses workers); a worker's iteration ends after it applied its syncs.
+  (plus a message when it crosses workers); a worker's iteration ends after it applied its syncs;
+- workers of overlapping groups on one slot take turns on it (``flow.sharing``): a turn starts
+  after the turn before it on each shared slot ended (context switches are not costed).
 
 The iteration time is the last worker's end plus ``profile.overhead_s``.
 
@@ -29,8 +31,8 @@ import math
 from dataclasses import dataclass, field
 
 from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroup
+from rlinf_lightning.flow.sharing import slot_order, turns_of
 from rlinf_lightning.flow.wiring import Link, wire
-from rlinf_lightning.flow.worker import turns_of
 from rlinf_lightning.flow.workflow import SOURCE, Workflow
 from rlinf_lightning.strategies.auto.profile import Profile
 
@@ -70,6 +72,11 @@ class _Sim:
         self.mb = plan.micro_batch_size[workflow.source_edge.channel]
         self.workers = [_Worker(g, r, turns_of(workflow, g)) for g, r in plan.workers]
         self.by_slot = {(w.group.name, w.replica): w for w in self.workers}
+        self.turn_before: dict[tuple[str, int, int], list[tuple[str, int, int]]] = {}  # on shared slots
+        for seq in slot_order(workflow, plan).values():
+            for prev, turn in zip(seq, seq[1:]):
+                self.turn_before.setdefault(turn, []).append(prev)
+        self.turn_end: dict[tuple[str, int, int], float] = {}
         self.queues: dict[tuple[str, int | None], list[_Msg]] = {}
         self.done_at: dict[tuple[str, int], float] = {}  # (stage, replica) -> end of its iteration
         self.in_flight: dict[tuple[str, int], int] = {}
@@ -126,10 +133,25 @@ class _Sim:
             return []
         return [s for s in reversed(w.turns[w.turn]) if s not in w.done]
 
+    def _slot_free(self, w: _Worker) -> float | None:
+        """When the worker's current turn may start on its shared slots: once the turn before it
+        on each has ended (``None``: one has not yet)."""
+        t = 0.0
+        for prev in self.turn_before.get((w.group.name, w.replica, w.turn), ()):
+            end = self.turn_end.get(prev)
+            if end is None:
+                return None
+            t = max(t, end)
+        return t
+
     def _next(self, w: _Worker) -> tuple[float, str, str, tuple | None] | None:
         """(time, stage, action, queue item) of the worker's next step, or None if it waits on
         something that has not happened yet."""
         best = None
+        free = self._slot_free(w) if w.turn < len(w.turns) else None
+        if free is None:
+            return None
+        w.free_at = max(w.free_at, free)
         for s in self._candidates(w):
             for link in self._inputs(s):
                 q = self._queue(link, w.replica)
@@ -189,6 +211,7 @@ class _Sim:
                 cross = 0.0 if link.mode == "local" else self.profile.message_s
                 self.sync_ready[(e.dst, target)] = t_state + cross
         if all(s in w.done for s in w.turns[w.turn]):
+            self.turn_end[(w.group.name, w.replica, w.turn)] = w.free_at
             w.turn += 1
             if w.turn >= len(w.turns):
                 w.finished_at = w.free_at

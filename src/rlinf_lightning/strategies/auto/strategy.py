@@ -111,7 +111,8 @@ class AutoStrategy(Strategy):
             process's age is no measure of its start-up, e.g. in a notebook.
         placements: the kinds of placement to choose from: ``one_worker`` (every stage on one
             worker in this process, on one or every slot), ``collocated`` (every stage on every
-            slot) and ``split`` (two groups on disjoint slots, pipelined).
+            slot), ``split`` (two groups on disjoint slots, pipelined) and ``overlap`` (the
+            learning stage on every slot, taking turns with two such groups).
     """
 
     name = "auto"

@@ -195,6 +195,8 @@ def test_wiring_keeps_a_group_local_and_deals_between_groups():
         "w": ("local", 2, 2),
     }
     assert links["env->add"].ends_expected == 1 and links["add->sum"].ends_expected == 1
+    wf.role("train", "sum")  # into the learning stage's group: dealt equally among its ranks
+    assert wire(wf, plan)["env->add"].mode == "keyed"
 
 
 class _Named(Stage):

@@ -8,8 +8,10 @@ stage on group A (or the driver's input) to a stage on group B:
 - ``shared``: one queue that every replica of B reads: each micro-batch goes to whichever replica
   asks first (pull), so one slow replica never stalls the others.
 - ``keyed``: one queue per replica of B, chosen per message: by the message's ``key`` into a
-  ``sticky`` stage, by its ``origin`` for a loop body's answer, by the receiving replica for a sync
-  edge (each replica of B gets the state from replica ``b % |A|`` of A).
+  ``sticky`` stage or into the learning stage's group (its replicas are data-parallel ranks that
+  step together, so each gets an equal share; pulled, one that asks first could take every
+  micro-batch while the others idle), by its ``origin`` for a loop body's answer, by the receiving
+  replica for a sync edge (each replica of B gets the state from replica ``b % |A|`` of A).
 
 A sync edge between groups is ``broadcast`` when the plan's ``sync_transport`` says so (the
 default on GPU): only the tensors' names and shapes go through the keyed queues, and A's first
@@ -87,13 +89,17 @@ class Link:
 def wire(workflow: Workflow, plan: ExecutionPlan) -> dict[str, Link]:
     """Channel name -> :class:`Link` for every edge of ``workflow`` under ``plan``."""
     links = {}
+    train = workflow.roles.get("train")
     for e in workflow.edges:
         dst = plan.group_of(e.dst)
+        learns = train in dst.stages
         src = None if e.src == SOURCE else plan.group_of(e.src)
         producers = 1 if src is None else src.replicas
         if src is dst:
             mode: Mode = "local"
-        elif e.kind in ("return", "sync") or (e.kind == "stream" and workflow.stages[e.dst].sticky):
+        elif e.kind in ("return", "sync") or (
+            e.kind == "stream" and (workflow.stages[e.dst].sticky or learns)
+        ):
             mode = "keyed"
         else:
             mode = "shared"

@@ -1,4 +1,5 @@
-"""Env/policy pipelining: env steps/s of the rollout, sequential against pipelined, on the same 2 slots.
+"""Whole iterations (rollout and update) of embodied PPO: env steps/s of the sequential, pipelined,
+overlapping and asynchronous plans on the same 2 slots.
 
     python benchmarks/embodied_pipeline.py [--iterations 6] [--rounds 2] [--workloads vla,mlp]
 
@@ -11,18 +12,30 @@ Workloads:
 Candidates, on at most two slots (on CPU a slot is a core, one torch thread each):
 
 - ``sequential``: one worker, the envs as one shard, in the driver's process (no inter-process
-  messages): the env steps, then the policy infers, then the env steps again; nothing overlaps.
-  Two variants, and the better one counts: ``t2`` on both slots (2 torch threads) and ``t1`` on one
-  slot (1 thread: tiny networks run faster on one);
+  messages): the env steps, then the policy infers, then the env steps again, then the update;
+  nothing overlaps. Two variants, and the better one counts: ``t2`` on both slots (2 torch threads)
+  and ``t1`` on one slot (1 thread: tiny networks run faster on one);
 - ``pipelined[S]``: the env on slot 0, the policy (and the update) on slot 1, the envs cut into
-  ``S`` shards: while one shard simulates, the policy infers for another (RLinf's pipeline stages).
+  ``S`` shards: while one shard simulates, the policy infers for another (RLinf's pipeline stages);
+  the update runs on slot 1 alone while slot 0 idles;
+- ``overlapping[S]``: RLinf's default ManiSkill placement on two slots, ``actor,advantage: 0-1,
+  env: 0, rollout: 1``: env and policy pipeline as above, then the actor trains data-parallel on
+  both slots (two ddp ranks), each replica taking its turn on its slot after the env's or the
+  rollout's (``flow.sharing``);
+- ``asynchronous``: the update of iteration ``i`` overlapping the rollout of ``i + 1`` with weights
+  at most one version old (the trainer option ``max_staleness``); skipped, with the reason printed,
+  where the trainer has no such option.
 
-Each candidate runs in a fresh process; rounds alternate the candidates. The rollout window of an
-iteration is measured from its trace (the policy's first inference to the env's end of the
-iteration), so the PPO update, the same work under every plan, does not dilute the comparison;
-whole-iteration rates are printed too.
-Last line: JSON with each workload's env steps/s per candidate and ``pipelined_over_sequential``
-(best S).
+Each candidate runs in a fresh process; rounds alternate the candidates. The figure that counts is
+the whole iteration (``time/iteration``: rollout and update, the first iteration left out: it starts
+the simulators). The rollout window (from the trace: the policy's first inference to the env's end
+of the iteration) is printed beside it.
+
+The bound: the one-thread sequential run's busy seconds per stage and iteration (env, policy
+inference, advantage and update: core-seconds), packed perfectly onto the 2 cores, against the best
+sequential iteration: ``whole_iteration_bound = sequential s / (core-s / 2)``; no plan on 2 cores
+can beat it. Last line: JSON with, per workload, env steps/s per candidate (whole iteration and
+rollout), the stage costs, ``whole_iteration_best_over_sequential`` and ``whole_iteration_bound``.
 """
 
 from __future__ import annotations
@@ -53,6 +66,8 @@ WORKLOADS = {
     },
 }  # fmt: skip
 STAGES = (2, 4)
+#: the plan of the ``asynchronous`` candidate, and the trainer options that make it asynchronous
+ASYNC = {"placement": "env,rollout: 0, advantage,actor: 1", "trainer": {"max_staleness": 1}}
 
 
 def candidates() -> dict[str, dict]:
@@ -60,16 +75,36 @@ def candidates() -> dict[str, dict]:
     out = {  # torch threads are per slot: one worker on 2 slots has 2 threads, on 1 slot 1
         f"sequential[t{t}]": {"strategy": one_worker, "launcher": "inprocess", "devices": t} for t in (1, 2)
     }
-    for s in STAGES:
-        out[f"pipelined[{s}]"] = {
-            "strategy": {
-                "class_path": HYBRID,
-                "init_args": {"placement": "env: 0, rollout,advantage,actor: 1", "micro_batches": s},
-            },
-            "launcher": "processes",
-            "devices": 2,
-        }
+    placements = {"pipelined": "env: 0, rollout,advantage,actor: 1",
+                  "overlapping": "actor,advantage: 0-1, env: 0, rollout: 1"}  # fmt: skip
+    for kind, placement in placements.items():
+        for s in STAGES:
+            out[f"{kind}[{s}]"] = {
+                "strategy": {"class_path": HYBRID, "init_args": {"placement": placement, "micro_batches": s}},
+                "launcher": "processes",
+                "devices": 2,
+            }
+    out["asynchronous"] = {
+        "strategy": {
+            "class_path": HYBRID,
+            "init_args": {"placement": ASYNC["placement"], "micro_batches": 2},
+        },
+        "launcher": "processes",
+        "devices": 2,
+        "trainer": ASYNC["trainer"],
+    }
     return out
+
+
+def unsupported(candidate: dict) -> str | None:
+    """Why this trainer cannot run ``candidate`` (a trainer option it does not have), or ``None``."""
+    import inspect
+
+    from rlinf_lightning import RLTrainer
+
+    accepted = inspect.signature(RLTrainer.__init__).parameters
+    missing = sorted(set(candidate.get("trainer", {})) - set(accepted))
+    return f"RLTrainer has no option {', '.join(missing)} yet" if missing else None
 
 
 def run_one(spec: dict) -> dict:
@@ -84,9 +119,13 @@ def run_one(spec: dict) -> dict:
     class Clock(Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.busy: list[dict[str, float]] = []  # per iteration: busy seconds per stage and replica
 
         def on_iteration_end(self, trainer, iteration, metrics):
             self.times.append(metrics["time/iteration"])
+            self.busy.append(
+                {k[5:]: v for k, v in metrics.items() if k.startswith("time/") and k != "time/iteration"}
+            )
 
     work = WORKLOADS[spec["workload"]]
     trace = Path(spec["run_dir"]) / "trace.json"
@@ -104,6 +143,7 @@ def run_one(spec: dict) -> dict:
         callbacks=[clock],
         timeout_s=600,
         trace=str(trace),
+        **spec.get("trainer", {}),
     )
     task = EmbodiedTask(**work["task"], eval_episodes=1)
     t0 = time.perf_counter()
@@ -112,11 +152,13 @@ def run_one(spec: dict) -> dict:
     steps = task.num_envs * task.steps * task.chunk
     windows = _rollout_windows(events, spec["iterations"])
     warm = slice(1, None)  # the first iteration starts the simulators
+    stages = {k for b in clock.busy for k in b}
     return {
         "env_steps_per_s": steps / statistics.median(windows[warm]),
         "iteration_steps_per_s": steps / statistics.median(clock.times[warm]),
+        "stage_s": {k: statistics.median(b.get(k, 0.0) for b in clock.busy[warm]) for k in sorted(stages)},
         "wall_s": time.perf_counter() - t0,
-        "plan": trainer.plan.describe(),
+        "plan": trainer.plan.describe(trainer.plan_connector.workflow),
     }
 
 
@@ -141,46 +183,90 @@ def child(spec: dict) -> dict:
     return json.loads(run_child(__file__, spec, f"{spec['workload']} {spec['name']}")[-1])
 
 
+def bound(stage_s: dict[str, float], sequential_s: float, slots: int = 2) -> dict[str, float]:
+    """Core-seconds per iteration of the env, the policy's inference and the update (advantage and
+    actor) from a one-thread run's busy seconds, and the speed-up over ``sequential_s`` if all of it
+    were packed perfectly onto ``slots`` cores."""
+    cost = {
+        "env": stage_s.get("env", 0.0),
+        "policy": stage_s.get("rollout", 0.0),
+        "update": stage_s.get("advantage", 0.0) + stage_s.get("actor", 0.0),
+    }
+    return {**{k: round(v, 2) for k, v in cost.items()},
+            "whole_iteration_bound": round(sequential_s / (sum(cost.values()) / slots), 3)}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workloads", default="vla,mlp")
+    ap.add_argument("--only", default="", help="comma-separated candidate name prefixes (default: all)")
     args = parse_args(ap, run_one)
     if args is None:
         return
     work = Path(tempfile.mkdtemp(prefix="rlinf-pipeline-"))
+    chosen = {
+        n: c for n, c in candidates().items() if not args.only or n.startswith(tuple(args.only.split(",")))
+    }
+    for name, candidate in list(chosen.items()):
+        if why := unsupported(candidate):
+            print(f"skipping {name}: {why}")
+            del chosen[name]
     result: dict = {}
     for workload in args.workloads.split(","):
-        runs: dict[str, list[float]] = {n: [] for n in candidates()}
-        whole: dict[str, list[float]] = {n: [] for n in candidates()}
+        runs: dict[str, list[float]] = {n: [] for n in chosen}
+        whole: dict[str, list[float]] = {n: [] for n in chosen}
+        busy: dict[str, list[dict[str, float]]] = {n: [] for n in chosen}
         for r in range(args.rounds):
-            for name, candidate in candidates().items():
+            for name, candidate in chosen.items():
                 run_dir = str(work / f"{workload}-{name}-{r}")
                 spec = {"workload": workload, "name": name, **candidate, "run_dir": run_dir,
                         "iterations": args.iterations}  # fmt: skip
                 res = child(spec)
                 runs[name].append(res["env_steps_per_s"])
                 whole[name].append(res["iteration_steps_per_s"])
+                busy[name].append(res["stage_s"])
                 if r == 0:
                     print(f"\n[{workload} {name}]\n{res['plan']}")
+                stage_s = ", ".join(f"{k} {v:.2f}" for k, v in res["stage_s"].items())
                 print(
-                    f"round {r}: {workload} {name:<15} rollout {res['env_steps_per_s']:8.1f} env steps/s"
-                    f"  (whole iteration {res['iteration_steps_per_s']:8.1f})",
+                    f"round {r}: {workload} {name:<15} whole iteration {res['iteration_steps_per_s']:7.1f} "
+                    f"env steps/s  (rollout {res['env_steps_per_s']:7.1f}; busy s per replica: {stage_s})",
                     flush=True,
                 )
-        rates = {k: statistics.median(v) for k, v in runs.items()}
-        sequential = max((k for k in rates if k.startswith("sequential")), key=lambda k: rates[k])
-        best = max((k for k in rates if k.startswith("pipelined")), key=lambda k: rates[k])
-        result[workload] = {
-            **{k: round(v, 1) for k, v in rates.items()},
-            "whole_iteration": {k: round(statistics.median(v), 1) for k, v in whole.items()},
-            "sequential": round(rates[sequential], 1),
-            "best_sequential": sequential,
-            "best_pipelined": best,
-            "pipelined_over_sequential": round(rates[best] / rates[sequential], 3),
-        }
+        rollout = {k: statistics.median(v) for k, v in runs.items()}
+        rates = {k: statistics.median(v) for k, v in whole.items()}
+        entry: dict = {"whole_iteration": {k: round(v, 2) for k, v in rates.items()},
+                       "rollout": {k: round(v, 1) for k, v in rollout.items()}}  # fmt: skip
+        sequential = [k for k in rates if k.startswith("sequential")]
+        others = [k for k in rates if not k.startswith("sequential")]
+        if sequential:
+            seq = max(sequential, key=lambda k: rates[k])
+            entry["best_sequential"] = seq
+            pipelined = [k for k in rollout if k.startswith("pipelined")]
+            if pipelined:  # the rollout alone, as before: env/policy overlap
+                best = max(pipelined, key=lambda k: rollout[k])
+                entry["pipelined_over_sequential"] = round(rollout[best] / rollout[seq], 3)
+            if others:
+                best = max(others, key=lambda k: rates[k])
+                entry["best"] = best
+                entry["whole_iteration_best_over_sequential"] = round(rates[best] / rates[seq], 3)
+            if "sequential[t1]" in busy:  # one thread: busy seconds are core-seconds
+                stage_s = {
+                    k: statistics.median(b[k] for b in busy["sequential[t1]"])
+                    for k in busy["sequential[t1]"][0]
+                }
+                steps_per_iteration = _steps(workload)
+                entry["core_s_per_iteration"] = bound(stage_s, steps_per_iteration / rates[seq])
+                entry["whole_iteration_bound"] = entry["core_s_per_iteration"].pop("whole_iteration_bound")
+        result[workload] = entry
     print(json.dumps(result))
+
+
+def _steps(workload: str) -> int:
+    task = WORKLOADS[workload]["task"]
+    return task["num_envs"] * task["steps"] * task["chunk"]
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def test_every_plan_computes_the_same_update_on_every_launcher(assets, tmp_path,
         for it in range(3):
             for key, value in metrics[it].items():
                 assert abs(value - ref_metrics[it][key]) <= 1e-4, (name, launcher, it, key, value)
-        assert sorted(s for g in trainer.plan.groups for s in g.slots) == [0, 1], name
+        assert sorted({s for g in trainer.plan.groups for s in g.slots}) == [0, 1], name
 
 
 def test_the_actor_ranks_are_the_actor_groups_replicas(assets, tmp_path):

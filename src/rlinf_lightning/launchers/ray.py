@@ -179,13 +179,14 @@ class RayRuntime(Runtime):
             meet: dict[str, Rendezvous] = {}
             for g in plan.groups:
                 if g.replicas > 1:
-                    host, port = ray.get(self.actors[g.worker_name(0)].address.remote(), timeout=timeout_s)
+                    actor = self.actors[g.worker_name(0)]  # started: as long as setup may take
+                    host, port = ray.get(actor.address.remote(), timeout=max(timeout_s, SETUP_MIN_S))
                     meet[g.name] = Rendezvous(g.name, host, port)
             sync_meet: dict[str, Rendezvous] = {}  # hosted by the sending group's first replica
             for ch, link in self.links.items():
                 if link.broadcast:
                     sender = self.actors[plan.group_of(link.edge.src).worker_name(0)]
-                    host, port = ray.get(sender.address.remote(), timeout=timeout_s)
+                    host, port = ray.get(sender.address.remote(), timeout=max(timeout_s, SETUP_MIN_S))
                     sync_meet[ch] = Rendezvous(f"sync:{ch}", host, port)
             starts = {
                 w: a.start.remote(meet.get(self._group_name[w]), sync_meet) for w, a in self.actors.items()

@@ -170,6 +170,9 @@ PLANS = {
     "collocated": "collocated",  # two replicas of every stage; each env replica owns half the envs
     "disaggregated": "disaggregated",  # the env alone on one slot, four shards pipelined
     "hybrid": HybridStrategy(placement="env,rollout: 0, advantage,actor: 1"),
+    # RLinf's ManiSkill placement on two slots: env and rollout pipeline, then the actor trains with
+    # ddp on both, each replica taking its turn on its slot after theirs (offloading around it)
+    "overlapping": HybridStrategy(placement="actor,advantage: 0-1, env: 0, rollout: 1", offload=True),
 }
 
 

@@ -151,3 +151,43 @@ def gae(
         following = delta + gamma * lam * (~done).to(rewards.dtype) * following
         advantages[:, t] = following
     return advantages, advantages + values
+
+
+def token_gae(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gae` over responses (``[B, T]``), each token a step: a response ends, terminally, at
+    its last token (``mask``'s, the response tokens being its first ``mask.sum()`` positions), so
+    nothing is bootstrapped after it and the padding behind it is no step. ``values[:, t]`` is the
+    critic's estimate before token ``t``; returns ``(advantages, returns)``, zero on padding."""
+    mask = mask.to(token_rewards.dtype)
+    n = len(mask)
+    last = torch.zeros(mask.shape, dtype=torch.bool)
+    last[torch.arange(n), (mask.sum(-1).long() - 1).clamp_min(0)] = True
+    zeros = torch.zeros(n, dtype=token_rewards.dtype)
+    advantages, returns = gae(
+        token_rewards * mask,
+        values * mask,
+        last,
+        torch.zeros_like(last),
+        torch.zeros_like(mask),
+        zeros,
+        gamma=gamma,
+        lam=lam,
+    )
+    return advantages * mask, returns * mask
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+@reads("token_rewards", "values", "response_mask")
+def gae_advantages(inputs: Mapping[str, torch.Tensor], config: Any) -> torch.Tensor:
+    """PPO's token-level GAE (Schulman et al., 2016) with a critic's values: :func:`token_gae` with
+    ``config.gamma`` and ``config.gae_lambda``; the critic's targets are these plus its values."""
+    advantages, _ = token_gae(
+        inputs["token_rewards"],
+        inputs["values"],
+        inputs["response_mask"],
+        gamma=getattr(config, "gamma", 1.0),
+        lam=getattr(config, "gae_lambda", 1.0),
+    )
+    return advantages

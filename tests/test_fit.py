@@ -131,6 +131,58 @@ def test_resume_equals_uninterrupted_run(assets, tmp_path):
     assert full["eval_accuracy_after"] == resumed["eval_accuracy_after"]
 
 
+@pytest.mark.parametrize("kl_in_reward", [True, False], ids=["critic-and-kl-in-reward", "kl-in-loss"])
+def test_resume_is_exact_with_a_critic_and_an_adaptive_kl_coefficient(assets, tmp_path, kl_in_reward):
+    """PPO with a critic and a KL in the reward (the critic stage adapts its coefficient), and GRPO
+    with a KL in the loss (the actor adapts it): a run resumed after iteration 2 logs the same
+    coefficient, losses and grad norms at iterations 3 and 4 as the run that went straight
+    through, and ends with the same actor and critic weights and critic optimizer state."""
+    import torch
+
+    from rlinf_lightning.algorithms import GRPO, PPO
+    from rlinf_lightning.policies import ValueModel
+
+    kl = dict(kl_coef=0.05, kl_target=1e-4, kl_horizon=64)  # a target far below: the coefficient moves
+    if kl_in_reward:
+        algorithm, critic, stage = (
+            PPO(update_epochs=1, num_minibatches=2, **kl),
+            ValueModel(lr=1e-3),
+            "critic",
+        )
+    else:
+        algorithm, critic, stage = GRPO(kl_in_reward=False, **kl), None, "actor"
+    keys = [f"{stage}/kl_coef", "actor/loss", "actor/grad_norm"] + (
+        ["critic/loss", "critic/grad_norm"] * bool(critic)
+    )
+
+    def fit(root, iterations, ckpt_path=None):
+        task = tiny_task(assets, eval_size=8, critic=critic)
+        return _fit(
+            assets, root, ckpt_path, task, algorithm=algorithm, max_iterations=iterations, logger=True
+        )
+
+    fit(tmp_path / "full", 4)
+    fit(tmp_path / "split", 2)
+    _, resumed = fit(tmp_path / "split", 4, ckpt_path="last")
+    assert resumed["resumed_from_iteration"] == 2
+    a, b = logged_metrics(tmp_path / "full" / "run"), logged_metrics(tmp_path / "split" / "run", version=1)
+    assert float(a[3][f"{stage}/kl_coef"]) != kl["kl_coef"]  # it did adapt
+    for it in (3, 4):
+        for key in keys:
+            assert a[it][key] == b[it][key], (it, key, a[it][key], b[it][key])
+    ckpts = [tmp_path / run / "run" / "checkpoints" / "iter-000004" for run in ("full", "split")]
+    wa, wb = (load_file(str(c / "model.safetensors")) for c in ckpts)
+    assert all((wa[k] == wb[k]).all() for k in wa)
+    if critic:
+        ca, cb = (torch.load(c / "stages" / "critic.pt", weights_only=True)["engine"] for c in ckpts)
+        assert all((ca["model"][k] == cb["model"][k]).all() for k in ca["model"])
+        moments = [
+            (s["exp_avg"], t["exp_avg"])
+            for s, t in zip(*(x["optimizer"]["state"].values() for x in (ca, cb)))
+        ]
+        assert all((x == y).all() for x, y in moments)
+
+
 def test_resume_without_checkpoint_is_a_clear_error(assets, tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint"):
         _fit(assets, tmp_path, ckpt_path="last", max_iterations=1)

@@ -156,24 +156,16 @@ def gae(
 def token_gae(
     token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`gae` over responses (``[B, T]``), each token a step: a response ends, terminally, at
-    its last token (``mask``'s, the response tokens being its first ``mask.sum()`` positions), so
-    nothing is bootstrapped after it and the padding behind it is no step. ``values[:, t]`` is the
-    critic's estimate before token ``t``; returns ``(advantages, returns)``, zero on padding."""
+    """:func:`gae` over responses (``[B, T]``), each token a step: with rewards and values zeroed
+    on the padding behind a response's last token (``mask``; the response tokens are its first
+    ``mask.sum()`` positions), that token bootstraps nothing, so the response ends there, and
+    padding is no step. ``values[:, t]`` is the critic's estimate before token ``t``; returns
+    ``(advantages, returns)``, zero on padding."""
     mask = mask.to(token_rewards.dtype)
-    n = len(mask)
-    last = torch.zeros(mask.shape, dtype=torch.bool)
-    last[torch.arange(n), (mask.sum(-1).long() - 1).clamp_min(0)] = True
-    zeros = torch.zeros(n, dtype=token_rewards.dtype)
+    never = torch.zeros(mask.shape, dtype=torch.bool)
+    zeros = torch.zeros_like(mask)
     advantages, returns = gae(
-        token_rewards * mask,
-        values * mask,
-        last,
-        torch.zeros_like(last),
-        torch.zeros_like(mask),
-        zeros,
-        gamma=gamma,
-        lam=lam,
+        token_rewards * mask, values * mask, never, never, zeros, zeros[:, 0], gamma=gamma, lam=lam
     )
     return advantages * mask, returns * mask
 

@@ -113,6 +113,8 @@ class ValueModel(RLModule):
             problems.append(("lr", f"must be > 0, got {self.lr}"))
         if self.weight_decay < 0:
             problems.append(("weight_decay", f"must be >= 0, got {self.weight_decay}"))
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            problems.append(("betas", f"must be two numbers in [0, 1), got {list(self.betas)}"))
         if self.max_grad_norm < 0:
             problems.append(("max_grad_norm", f"must be >= 0 (0: no clip), got {self.max_grad_norm}"))
         if self.dtype not in DTYPES:

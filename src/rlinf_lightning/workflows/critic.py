@@ -45,7 +45,12 @@ class ValueLoss:
         self.value_clip, self.vf_coef = value_clip, vf_coef
 
     def __call__(self, critic: ValueModel, mb: TensorDict):
-        values, old, returns, mask = critic.forward_values(mb), mb["values"], mb["returns"], mb["response_mask"]
+        values, old, returns, mask = (
+            critic.forward_values(mb),
+            mb["values"],
+            mb["returns"],
+            mb["response_mask"],
+        )
         per_token = clipped_value_loss(values, old, returns, self.value_clip)
         loss_sum, count = aggregate(self.vf_coef * per_token, mask, "token-mean")
         unclipped = 0.5 * (values.detach() - returns) ** 2
@@ -98,7 +103,9 @@ class CriticStage(TrainStage):
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         self.advantage.setup(ctx)
-        self.loss = ValueLoss(getattr(self.algorithm, "value_clip", None), getattr(self.algorithm, "vf_coef", 1.0))
+        self.loss = ValueLoss(
+            getattr(self.algorithm, "value_clip", None), getattr(self.algorithm, "vf_coef", 1.0)
+        )
         self.metrics = Metrics()
 
     def begin_iteration(self, iteration: int) -> None:

@@ -129,14 +129,10 @@ class CriticStage(TrainStage):
 
     def end_iteration(self) -> Metrics:
         metrics = self.metrics.take().merge(self.advantage.end_iteration())
-        for parts in mini_batch_steps(
-            self.kept,
-            seed=self.seed,
-            iteration=self.iteration,
-            prompts_per_iteration=self.prompts_per_iteration,
-            epochs=getattr(self.algorithm, "ppo_epochs", 1),
-            per_pass=getattr(self.algorithm, "num_mini_batches", 1),
-        ):
+        steps = mini_batch_steps(
+            self.kept, self.algorithm, self.seed, self.iteration, self.prompts_per_iteration
+        )
+        for parts in steps:
             for part in parts:
                 for chunk in micro_batches(part, self.micro_batch_size, self.max_tokens):
                     for k, v in self.engine.accumulate(chunk, self.loss).items():

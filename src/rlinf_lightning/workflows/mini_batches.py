@@ -11,6 +11,7 @@ without exchanging them; each step then divides by its own count summed over the
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -19,17 +20,12 @@ from rlinf_lightning.seeds import row_seed
 
 
 def mini_batch_steps(
-    kept: list[TensorDict],
-    *,
-    seed: int,
-    iteration: int,
-    prompts_per_iteration: int,
-    epochs: int,
-    per_pass: int,
+    kept: list[TensorDict], algorithm: Any, seed: int, iteration: int, prompts_per_iteration: int
 ) -> Iterator[list[TensorDict]]:
-    """For each of the ``epochs x per_pass`` optimizer steps, the parts of ``kept`` (micro-batches
-    with ``group_id``, the prompt's position in the stream) that it trains on (possibly none on
-    this replica)."""
+    """For each of the algorithm's ``ppo_epochs x num_mini_batches`` optimizer steps, the parts of
+    ``kept`` (micro-batches with ``group_id``, the prompt's position in the stream) that it trains
+    on (possibly none on this replica)."""
+    epochs, per_pass = getattr(algorithm, "ppo_epochs", 1), getattr(algorithm, "num_mini_batches", 1)
     first = (iteration - 1) * prompts_per_iteration
     for epoch in range(epochs):
         g = torch.Generator().manual_seed(row_seed(seed, iteration, epoch))

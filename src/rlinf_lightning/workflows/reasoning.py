@@ -616,14 +616,10 @@ class ActorStage(TrainStage):
                 b["old_logprobs"] = torch.zeros_like(b["rollout_logprobs"])
                 for chunk, lp in zip(chunks, self.engine.forward_all(chunks, self._behaviour)):
                     b["old_logprobs"][chunk["row"], : lp.shape[-1]] = lp.to(b["old_logprobs"].device)
-        for parts in mini_batch_steps(
-            self.buffer,
-            seed=self.seed,
-            iteration=self.iteration,
-            prompts_per_iteration=self.prompts_per_iteration,
-            epochs=getattr(self.algorithm, "ppo_epochs", 1),
-            per_pass=getattr(self.algorithm, "num_mini_batches", 1),
-        ):
+        steps = mini_batch_steps(
+            self.buffer, self.algorithm, self.seed, self.iteration, self.prompts_per_iteration
+        )
+        for parts in steps:
             for part in parts:
                 self._train_on(part, metrics)
             metrics.merge(self.engine.step())

@@ -18,7 +18,7 @@ Its weights and optimizer state are checkpointed with the run (:meth:`CriticStag
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
@@ -26,11 +26,14 @@ from tensordict import TensorDict
 from rlinf_lightning.algorithms.losses import aggregate, clipped_value_loss, masked_mean
 from rlinf_lightning.engines.train import TrainSpec, resolve_train_engine
 from rlinf_lightning.flow.metrics import Metrics
-from rlinf_lightning.flow.stage import Stage, StageContext
+from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.policies.value import ValueModel
 from rlinf_lightning.workflows.mini_batches import mini_batch_steps
 from rlinf_lightning.workflows.padding import micro_batches
 from rlinf_lightning.workflows.training import TrainStage
+
+if TYPE_CHECKING:
+    from rlinf_lightning.workflows.reasoning import AdvantageStage
 
 #: what the critic keeps of each micro-batch for its update
 KEPT = ("input_ids", "attention_mask", "response_mask", "values", "returns", "group_id")
@@ -77,7 +80,7 @@ class CriticStage(TrainStage):
     def __init__(
         self,
         critic: ValueModel,
-        advantage: Stage,
+        advantage: AdvantageStage,
         train: TrainSpec,
         micro_batch_size: int | None,
         max_tokens: int | None,

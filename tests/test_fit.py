@@ -255,32 +255,68 @@ def test_grpo_raises_held_out_accuracy_on_the_tiny_task(recipe_warm_start, tmp_p
 def test_ppo_with_a_critic_warms_the_critic_up_then_trains_both(assets, tmp_path):
     """``algorithm: ppo`` on the math task with ``task.critic``: during the 2 warm-up iterations the
     critic trains and the actor does not (its checkpointed weights stay the warm start's); then
-    both train, the critic's squared error on the returns falls from its zero-initialised start
-    and the policy's reward rises."""
+    both train, and the critic's squared error on the returns falls from its zero-initialised
+    start (measured: 0.43 at iteration 1, about 0.05 from iteration 7 on). The format reward gives
+    the returns a spread the test assets' warm start, nearly always wrong, would not."""
     import torch
 
     from rlinf_lightning.algorithms import PPO
     from rlinf_lightning.policies import ValueModel
 
     rec = Recorder()
-    task = tiny_task(assets, eval_size=8, rollout_batch_size=32, critic=ValueModel(lr=1e-3))
+    task = tiny_task(
+        assets,
+        eval_size=8,
+        rollout_batch_size=32,
+        format_reward="number_format",
+        format_weight=1.0,
+        critic=ValueModel(lr=1e-3),
+    )
     algorithm = PPO(update_epochs=1, num_minibatches=1, critic_warmup=2)
-    _fit(assets, tmp_path, task=task, algorithm=algorithm, max_iterations=12, ckpt_every=1, callbacks=[rec])
+    _fit(assets, tmp_path, task=task, algorithm=algorithm, max_iterations=10, ckpt_every=1, callbacks=[rec])
     ckpts = tmp_path / "run" / "checkpoints"
     start = load_file(str(assets["sft"] / "model.safetensors"))
 
     def actor(it):
         return load_file(str(ckpts / f"iter-{it:06d}" / "model.safetensors"))
 
-    def critic_head(it):
+    def critic(it):
         return torch.load(ckpts / f"iter-{it:06d}" / "stages" / "critic.pt", weights_only=True)["engine"]
 
     assert all(torch.equal(actor(2)[k], start[k]) for k in start)  # warm-up: the actor took no step
     assert any(not torch.equal(actor(3)[k], start[k]) for k in start)  # then it did
-    assert float(critic_head(1)["model"]["head.weight"].abs().max()) > 0  # the critic trained at once
+    assert float(critic(1)["model"]["head.weight"].abs().max()) > 0  # the critic trained at once
     m = rec.metrics
     assert [x.get("actor/warmup", 0.0) for x in m[:3]] == [1.0, 1.0, 0.0]
     error = [x["critic/value_error"] for x in m]
     assert sum(error[-3:]) / 3 < 0.5 * error[0], error
-    reward = [x["reward/reward"] for x in m]
-    assert sum(reward[-4:]) / 4 > sum(reward[:4]) / 4 + 0.05, reward
+
+
+@pytest.mark.slow
+def test_ppo_with_a_critic_raises_held_out_accuracy_on_the_tiny_task(recipe_warm_start, tmp_path):
+    """PPO with its critic, at ``benchmarks/algorithms.py``'s options (one step per batch, the
+    critic at lr 1e-3 alone for 5 iterations), raises greedy accuracy on the 500 twin-free held-out
+    problems: the benchmark measured 0.360 -> 0.465 in 40 iterations of 128 samples (200 problems)."""
+    from rlinf_lightning.algorithms import PPO
+    from rlinf_lightning.policies import ValueModel
+
+    a = recipe_warm_start
+    trainer = RLTrainer(
+        **tiny_trainer_kwargs(
+            tmp_path,
+            max_iterations=40,
+            timeout_s=300,
+            algorithm=PPO(update_epochs=1, num_minibatches=1, critic_warmup=5),
+        )
+    )
+    task = MathTask(
+        str(a["train"]),
+        str(a["test"]),
+        group_size=8,
+        rollout_batch_size=128,
+        train_micro_batch_size=64,
+        critic=ValueModel(lr=1e-3),
+    )
+    summary = trainer.fit(LMPolicy(str(a["sft"]), lr=1e-4), task)
+    gain = summary["eval_accuracy_after"] - summary["eval_accuracy_before"]
+    assert gain > 0.05, (summary["eval_accuracy_before"], summary["eval_accuracy_after"])

@@ -116,3 +116,39 @@ def test_a_switch_given_a_non_boolean_is_refused_naming_it(name, capsys):
             status = exc.code
         err = capsys.readouterr().err
         assert status == 2 and len(err.strip().splitlines()) == 1 and f.name in err, (name, f.name, err)
+
+
+#: every option of the critic (``task.critic``, a ``ValueModel``): a value in range, one out of it
+CRITIC_OPTIONS = {
+    "lr": (0.003, -1.0),
+    "weight_decay": (0.01, -0.1),
+    "betas": ([0.8, 0.9], [0.8, 1.5]),
+    "max_grad_norm": (0.5, -1.0),
+    "dtype": ("bfloat16", "float8"),
+    "train_micro_batch_size": (4, 0),
+}
+
+
+def test_every_critic_option_is_set_from_the_command_line(assets):
+    parser = build_parser()
+    argv = ["fit", f"--policy.model_path={assets['sft']}", "--task.train_path=t", "--task.test_path=t"]
+    argv += ["--trainer.algorithm=ppo", f"--task.critic.model_path={assets['sft']}"]
+    argv += [f"--task.critic.{k}={_cli(good)}" for k, (good, _) in CRITIC_OPTIONS.items()]
+    cfg = parser.parse_args(algorithm_names_as_classes(argv))
+    critic = subcommand_parser(parser, "fit").instantiate(cfg.fit).task.critic
+    assert critic.model_path == str(assets["sft"])
+    for key, (good, _) in CRITIC_OPTIONS.items():
+        assert getattr(critic, key) == (tuple(good) if key == "betas" else good), key
+    assert critic.validate_config() == []
+
+
+def test_an_out_of_range_critic_option_is_refused_with_one_line_naming_it(assets, tmp_path, capsys):
+    bad = [f"--task.critic.{k}={_cli(wrong)}" for k, (_, wrong) in CRITIC_OPTIONS.items()]
+    bad.append("--task.critic.model_path=/no/such/model")
+    status = main(cli_fit_args(assets, tmp_path, "--trainer.algorithm=ppo", *bad)[3:])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err, err
+    lines = [line.strip() for line in err.splitlines()]
+    for key in (*CRITIC_OPTIONS, "model_path"):
+        assert len([line for line in lines if line.startswith(f"task.critic.{key}:")]) == 1, (key, err)
+    assert not (tmp_path / "run").exists()  # nothing loaded or written

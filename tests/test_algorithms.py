@@ -391,3 +391,46 @@ def test_what_each_algorithm_reads_is_the_union_of_its_parts():
     assert "ref_logprobs" in GRPO(kl_coef=0.1).reads
     assert "token_rewards" in ALGORITHMS.resolve("reinforce_plus_plus").reads
     assert "values" in PPO().reads and "values" not in GRPO().reads
+
+
+def test_token_gae_hand_computed_ends_each_response_at_its_last_token():
+    """Token-level GAE (gamma 0.9, lambda 0.8): the outcome on the last response token, nothing
+    bootstrapped after it, and padding (rewards, values) that changes nothing."""
+    from rlinf_lightning.algorithms import ADVANTAGE_ESTIMATORS, PPO
+    from rlinf_lightning.algorithms.advantages import token_gae
+
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 7.0, 7.0]])  # row 1: junk in padding
+    values = torch.tensor([[0.5, 0.6, 0.7, 9.0], [0.2, 5.0, 5.0, 5.0]])
+    adv, ret = token_gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    # row 0: d2 = 1 - 0.7 = 0.3 (terminal); d1 = 0.9 * 0.7 - 0.6 = 0.03, A1 = 0.03 + 0.72 * 0.3
+    # = 0.246; d0 = 0.9 * 0.6 - 0.5 = 0.04, A0 = 0.04 + 0.72 * 0.246 = 0.21712; row 1: A0 = -0.2
+    expected = torch.tensor([[0.21712, 0.246, 0.3, 0.0], [-0.2, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(ret, (expected + values) * mask)
+    inputs = {"token_rewards": rewards, "values": values, "response_mask": mask}
+    config = PPO(gamma=0.9, gae_lambda=0.8).on_tokens()
+    torch.testing.assert_close(ADVANTAGE_ESTIMATORS.get("gae")(inputs, config), expected)
+
+
+def test_critic_value_loss_hand_computed_clips_around_the_old_values_and_skips_masked_tokens():
+    """``0.5 x max((V - R)^2, (V_old + clip(V - V_old) - R)^2)`` per response token, times vf_coef,
+    summed over unmasked tokens and counted per token."""
+    from rlinf_lightning.workflows.critic import ValueLoss
+
+    class FixedValues:  # the loss's input: what a critic's forward returned
+        def forward_values(self, mb):
+            return torch.tensor([[1.0, 0.0, 3.0]])
+
+    mb = {
+        "values": torch.tensor([[0.5, 0.5, 0.0]]),
+        "returns": torch.tensor([[0.8, 0.1, 100.0]]),
+        "response_mask": torch.tensor([[1.0, 1.0, 0.0]]),
+    }
+    loss_sum, count, metrics = ValueLoss(value_clip=0.2, vf_coef=0.5)(FixedValues(), mb)
+    # token 0: (1 - 0.8)^2 = 0.04 beats the clipped (0.7 - 0.8)^2 = 0.01 -> 0.02
+    # token 1: (0 - 0.1)^2 = 0.01 loses to the clipped (0.3 - 0.1)^2 = 0.04 -> 0.02; token 2 masked
+    assert float(loss_sum) == pytest.approx(0.5 * (0.02 + 0.02)) and float(count) == 2.0
+    assert float(metrics["value_clip_frac"]) == pytest.approx(0.5)
+    unclipped = ValueLoss(value_clip=None, vf_coef=1.0)(FixedValues(), mb)[0]
+    assert float(unclipped) == pytest.approx(0.02 + 0.005)

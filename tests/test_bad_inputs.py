@@ -125,7 +125,17 @@ CASES: list[tuple[str, object, str]] = [
         "ppo on the math task without a critic",
         ["--trainer.algorithm=ppo"],
         "trainer.algorithm: PPO reads values (a critic's value estimates (a value model)), which the "
-        "reasoning workflow does not provide (it has no critic)",
+        "reasoning workflow does not provide; configure a critic: task.critic: {} in YAML",
+    ),
+    (
+        "a critic for an algorithm that reads no values",
+        ["--trainer.algorithm=grpo", "--task.critic={}"],
+        "task.critic: GRPO reads no values, so a critic would train for nothing",
+    ),
+    (
+        "a critic with fsdp",
+        ["--trainer.algorithm=ppo", "--task.critic={}", "--trainer.train_engine=fsdp"],
+        "trainer.train_engine: fsdp runs every forward in lockstep",
     ),
     (
         "mini-batches that split prompt groups",

@@ -373,6 +373,10 @@ def test_an_algorithm_reading_what_the_embodied_workflow_lacks_is_refused_naming
     task, policy = EmbodiedTask(DISCRETE_ENV, num_envs=8, group_size=4), MLPActorCritic()
     error = _refusal(GRPO(kl_coef=0.1), task, policy)  # a KL to a reference: no reference here
     assert error.keys == ["trainer.algorithm"] and "GRPO reads ref_logprobs" in str(error)
+    error = _refusal(PPO(kl_coef=0.1), EmbodiedTask(DISCRETE_ENV), policy)  # PPO's KL is for tokens
+    assert error.keys == ["trainer.algorithm"] and "PPO reads ref_logprobs" in str(error)
+    error = _refusal(PPO(critic_warmup=2), EmbodiedTask(DISCRETE_ENV), policy)  # its critic is the policy's
+    assert error.keys == ["trainer.algorithm.critic_warmup"], error
 
     class Custom:  # says nothing of what it reads
         def compute_advantages(self, *args): ...
@@ -392,8 +396,10 @@ def test_a_policy_that_cannot_serve_the_envs_actions_is_refused_naming_the_env_a
 def test_every_ppo_option_out_of_range_is_refused_with_one_line_naming_it():
     bad = {"gamma": 1.5, "gae_lambda": -0.1, "clip_eps": 0.0, "clip_eps_high": -0.2, "dual_clip": 1.0,
            "value_clip": 0.0, "vf_coef": -1.0, "ent_coef": -0.01, "update_epochs": 0, "num_minibatches": 0,
-           "target_kl": 0.0}  # fmt: skip
-    assert set(bad) == {f.name for f in dataclasses.fields(PPO)} - {"norm_adv"}  # every numeric option
+           "target_kl": 0.0, "kl_coef": -1.0, "kl_estimator": "k9", "kl_target": 0.0, "kl_horizon": 0,
+           "loss_agg": "nope", "critic_warmup": -1}  # fmt: skip
+    switches = {"norm_adv", "kl_in_reward"}
+    assert set(bad) == {f.name for f in dataclasses.fields(PPO)} - switches  # every numeric option
     RLTrainer(algorithm=PPO(**{k: None for k in ("clip_eps_high", "dual_clip", "value_clip")})).validate()
     for key, value in bad.items():
         with pytest.raises(ConfigError) as info:

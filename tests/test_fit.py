@@ -131,6 +131,58 @@ def test_resume_equals_uninterrupted_run(assets, tmp_path):
     assert full["eval_accuracy_after"] == resumed["eval_accuracy_after"]
 
 
+@pytest.mark.parametrize("kl_in_reward", [True, False], ids=["critic-and-kl-in-reward", "kl-in-loss"])
+def test_resume_is_exact_with_a_critic_and_an_adaptive_kl_coefficient(assets, tmp_path, kl_in_reward):
+    """PPO with a critic and a KL in the reward (the critic stage adapts its coefficient), and GRPO
+    with a KL in the loss (the actor adapts it): a run resumed after iteration 2 logs the same
+    coefficient, losses and grad norms at iterations 3 and 4 as the run that went straight
+    through, and ends with the same actor and critic weights and critic optimizer state."""
+    import torch
+
+    from rlinf_lightning.algorithms import GRPO, PPO
+    from rlinf_lightning.policies import ValueModel
+
+    kl = dict(kl_coef=0.05, kl_target=1e-4, kl_horizon=64)  # a target far below: the coefficient moves
+    if kl_in_reward:
+        algorithm, critic, stage = (
+            PPO(update_epochs=1, num_minibatches=2, **kl),
+            ValueModel(lr=1e-3),
+            "critic",
+        )
+    else:
+        algorithm, critic, stage = GRPO(kl_in_reward=False, **kl), None, "actor"
+    keys = [f"{stage}/kl_coef", "actor/loss", "actor/grad_norm"] + (
+        ["critic/loss", "critic/grad_norm"] * bool(critic)
+    )
+
+    def fit(root, iterations, ckpt_path=None):
+        task = tiny_task(assets, eval_size=8, critic=critic)
+        return _fit(
+            assets, root, ckpt_path, task, algorithm=algorithm, max_iterations=iterations, logger=True
+        )
+
+    fit(tmp_path / "full", 4)
+    fit(tmp_path / "split", 2)
+    _, resumed = fit(tmp_path / "split", 4, ckpt_path="last")
+    assert resumed["resumed_from_iteration"] == 2
+    a, b = logged_metrics(tmp_path / "full" / "run"), logged_metrics(tmp_path / "split" / "run", version=1)
+    assert float(a[3][f"{stage}/kl_coef"]) != kl["kl_coef"]  # it did adapt
+    for it in (3, 4):
+        for key in keys:
+            assert a[it][key] == b[it][key], (it, key, a[it][key], b[it][key])
+    ckpts = [tmp_path / run / "run" / "checkpoints" / "iter-000004" for run in ("full", "split")]
+    wa, wb = (load_file(str(c / "model.safetensors")) for c in ckpts)
+    assert all((wa[k] == wb[k]).all() for k in wa)
+    if critic:
+        ca, cb = (torch.load(c / "stages" / "critic.pt", weights_only=True)["engine"] for c in ckpts)
+        assert all((ca["model"][k] == cb["model"][k]).all() for k in ca["model"])
+        moments = [
+            (s["exp_avg"], t["exp_avg"])
+            for s, t in zip(*(x["optimizer"]["state"].values() for x in (ca, cb)))
+        ]
+        assert all((x == y).all() for x, y in moments)
+
+
 def test_resume_without_checkpoint_is_a_clear_error(assets, tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint"):
         _fit(assets, tmp_path, ckpt_path="last", max_iterations=1)
@@ -196,5 +248,75 @@ def test_grpo_raises_held_out_accuracy_on_the_tiny_task(recipe_warm_start, tmp_p
     )
     summary = trainer.fit(LMPolicy(str(a["sft"]), lr=1e-4), task)
     assert summary["eval_problems"] == 500
+    gain = summary["eval_accuracy_after"] - summary["eval_accuracy_before"]
+    assert gain > 0.05, (summary["eval_accuracy_before"], summary["eval_accuracy_after"])
+
+
+def test_ppo_with_a_critic_warms_the_critic_up_then_trains_both(assets, tmp_path):
+    """``algorithm: ppo`` on the math task with ``task.critic``: during the 2 warm-up iterations the
+    critic trains and the actor does not (its checkpointed weights stay the warm start's); then
+    both train, and the critic's squared error on the returns falls from its zero-initialised
+    start (measured: 0.43 at iteration 1, about 0.05 from iteration 7 on). The format reward gives
+    the returns a spread the test assets' warm start, nearly always wrong, would not."""
+    import torch
+
+    from rlinf_lightning.algorithms import PPO
+    from rlinf_lightning.policies import ValueModel
+
+    rec = Recorder()
+    task = tiny_task(
+        assets,
+        eval_size=8,
+        rollout_batch_size=32,
+        format_reward="number_format",
+        format_weight=1.0,
+        critic=ValueModel(lr=1e-3),
+    )
+    algorithm = PPO(update_epochs=1, num_minibatches=1, critic_warmup=2)
+    _fit(assets, tmp_path, task=task, algorithm=algorithm, max_iterations=10, ckpt_every=1, callbacks=[rec])
+    ckpts = tmp_path / "run" / "checkpoints"
+    start = load_file(str(assets["sft"] / "model.safetensors"))
+
+    def actor(it):
+        return load_file(str(ckpts / f"iter-{it:06d}" / "model.safetensors"))
+
+    def critic(it):
+        return torch.load(ckpts / f"iter-{it:06d}" / "stages" / "critic.pt", weights_only=True)["engine"]
+
+    assert all(torch.equal(actor(2)[k], start[k]) for k in start)  # warm-up: the actor took no step
+    assert any(not torch.equal(actor(3)[k], start[k]) for k in start)  # then it did
+    assert float(critic(1)["model"]["head.weight"].abs().max()) > 0  # the critic trained at once
+    m = rec.metrics
+    assert [x.get("actor/warmup", 0.0) for x in m[:3]] == [1.0, 1.0, 0.0]
+    error = [x["critic/value_error"] for x in m]
+    assert sum(error[-3:]) / 3 < 0.5 * error[0], error
+
+
+@pytest.mark.slow
+def test_ppo_with_a_critic_raises_held_out_accuracy_on_the_tiny_task(recipe_warm_start, tmp_path):
+    """PPO with its critic, at ``benchmarks/algorithms.py``'s options (one step per batch, the
+    critic at lr 1e-3 alone for 5 iterations), raises greedy accuracy on the 500 twin-free held-out
+    problems: the benchmark measured 0.360 -> 0.465 in 40 iterations of 128 samples (200 problems)."""
+    from rlinf_lightning.algorithms import PPO
+    from rlinf_lightning.policies import ValueModel
+
+    a = recipe_warm_start
+    trainer = RLTrainer(
+        **tiny_trainer_kwargs(
+            tmp_path,
+            max_iterations=40,
+            timeout_s=300,
+            algorithm=PPO(update_epochs=1, num_minibatches=1, critic_warmup=5),
+        )
+    )
+    task = MathTask(
+        str(a["train"]),
+        str(a["test"]),
+        group_size=8,
+        rollout_batch_size=128,
+        train_micro_batch_size=64,
+        critic=ValueModel(lr=1e-3),
+    )
+    summary = trainer.fit(LMPolicy(str(a["sft"]), lr=1e-4), task)
     gain = summary["eval_accuracy_after"] - summary["eval_accuracy_before"]
     assert gain > 0.05, (summary["eval_accuracy_before"], summary["eval_accuracy_after"])

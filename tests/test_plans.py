@@ -30,8 +30,8 @@ PLANS = {  # every plan gets the same two slots of one thread
 }
 
 
-def _fit(assets, root, **over):
-    steps = MetricsRecorder(keys=("actor/loss", "actor/grad_norm", "reward/reward"))
+def _fit(assets, root, critic=None, keys=("actor/loss", "actor/grad_norm", "reward/reward"), **over):
+    steps = MetricsRecorder(keys=keys)
     # float32: plans compute the same update exactly (under bf16 autocast, only up to its rounding)
     kw = tiny_trainer_kwargs(
         root, **{"devices": 2, "num_threads": 1, "callbacks": [steps], "precision": "32-true", **over}
@@ -45,6 +45,7 @@ def _fit(assets, root, **over):
             format_reward="number_format",
             format_weight=1.0,
             eval_size=8,
+            critic=critic,
         ),
     )
     ckpts = root / "run" / "checkpoints"
@@ -383,6 +384,69 @@ def test_several_updates_per_batch_are_the_same_under_every_plan(
             assets, tmp_path / name, strategy=strategy, launcher=launcher, ckpt_every=0, algorithm=algorithm
         )
         assert _maxdiff(weights[0], ref_weights[-1]) <= 1e-4, (name, launcher)
+        for it in range(3):
+            for key, value in metrics[it].items():
+                assert abs(value - ref_metrics[it][key]) <= 1e-4, (name, launcher, it, key, value)
+
+
+#: PPO with a critic on its own stage: 2 epochs x 2 mini-batches, so 4 steps of each model per iteration
+CRITIC_KEYS = ("actor/loss", "actor/grad_norm", "critic/loss", "critic/grad_norm", "reward/reward")
+CRITIC_PLANS = {  # as PLANS, the hybrid placing the critic apart from the actor
+    **PLANS,
+    "hybrid": HybridStrategy(placement="rollout,reward,critic: 0, inference,actor: 1"),
+}
+
+
+def _critic_state(root) -> dict:
+    last = sorted((root / "run" / "checkpoints").glob("iter-*"))[-1]
+    return torch.load(last / "stages" / "critic.pt", weights_only=True)["engine"]
+
+
+@pytest.fixture(scope="module")
+def critic_reference(assets, tmp_path_factory):
+    from rlinf_lightning.algorithms import PPO
+    from rlinf_lightning.policies import ValueModel
+
+    algorithm, critic = PPO(update_epochs=2, num_minibatches=2), ValueModel(lr=1e-3)
+    root = tmp_path_factory.mktemp("critic")
+    _, _, metrics, weights = _fit(
+        assets,
+        root,
+        critic=critic,
+        keys=CRITIC_KEYS,
+        strategy=PLANS["collocated_1worker"],
+        ckpt_every=1,
+        algorithm=algorithm,
+    )
+    state = _critic_state(root)
+    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {3 * 4}  # every step taken
+    assert all(m["critic/grad_norm"] > 0 and m["actor/grad_norm"] > 0.1 for m in metrics), metrics
+    assert float(state["model"]["head.weight"].abs().max()) > 0  # the critic learned (from a zero head)
+    return algorithm, critic, metrics, weights, state["model"]
+
+
+@pytest.mark.parametrize("launcher", LAUNCHER_NAMES)
+def test_the_critics_updates_are_the_same_under_every_plan(assets, tmp_path, critic_reference, launcher):
+    """PPO with a critic (its own stage and train engine; under the hybrid plan on a slot apart
+    from the actor), queued iterations: the actor's and the critic's loss and grad norm per
+    iteration, the final actor weights and the final critic weights equal the one-worker run's."""
+    algorithm, critic, ref_metrics, ref_weights, ref_critic = critic_reference
+    for name, strategy in CRITIC_PLANS.items():
+        if name == "collocated_1worker":
+            continue
+        root = tmp_path / name
+        _, _, metrics, weights = _fit(
+            assets,
+            root,
+            critic=critic,
+            keys=CRITIC_KEYS,
+            strategy=strategy,
+            launcher=launcher,
+            ckpt_every=0,
+            algorithm=algorithm,
+        )
+        assert _maxdiff(weights[0], ref_weights[-1]) <= 1e-4, (name, launcher)
+        assert _maxdiff(_critic_state(root)["model"], ref_critic) <= 1e-4, (name, launcher)
         for it in range(3):
             for key, value in metrics[it].items():
                 assert abs(value - ref_metrics[it][key]) <= 1e-4, (name, launcher, it, key, value)

@@ -6,6 +6,8 @@ trainable tensors only and ``lora.json`` the adapters' config and their base's p
 (torch / Python / NumPy generator states) and ``state.json`` (iteration, data position, ...).
 Sharded train engines (``ddp``, ``fsdp``) add ``sharded/``: ``torch.distributed.checkpoint`` shards
 of weights and optimizer state, loadable on any number of ranks (then there is no optimizer.pt).
+``stages/<name>.pt`` holds what a stage needs beyond that (``Stage.extra_state``: a critic's weights
+and optimizer state, an adaptive KL coefficient).
 ``<root>/last`` names the newest complete checkpoint; it is replaced atomically too, so a crash at
 any moment leaves either the previous or the new checkpoint, never a torn one.
 
@@ -88,9 +90,11 @@ def save_checkpoint(
     actor_state: dict[str, Any],
     state: dict[str, Any],
     write_extra: Callable[[Path], None] | None = None,
+    stage_states: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
     """Write ``iter-NNNNNN`` atomically; ``write_extra(tmp_dir)`` adds files (e.g. sharded state)
-    before the rename, so they are part of the same atomic step."""
+    before the rename, so they are part of the same atomic step; ``stage_states``: each stage's
+    ``extra_state`` by name."""
     from safetensors.torch import save_file
 
     root = Path(root)
@@ -110,6 +114,9 @@ def save_checkpoint(
                 torch.save(actor_state["lr_scheduler"], tmp / "lr_scheduler.pt")
             if actor_state.get("lora") is not None:
                 (tmp / "lora.json").write_text(json.dumps(actor_state["lora"], indent=1))
+            for name, stage_state in (stage_states or {}).items():
+                (tmp / "stages").mkdir(exist_ok=True)
+                torch.save(stage_state, tmp / "stages" / f"{name}.pt")
         if write_extra is not None:
             write_extra(tmp)
         with _write_errors(final):
@@ -204,6 +211,12 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], d
     lora = json.loads((path / "lora.json").read_text()) if (path / "lora.json").is_file() else None
     actor = {"model": model, "optimizer": optimizer, "lr_scheduler": scheduler, "lora": lora}
     return actor, state, _load_pt(path / "rng.pt")
+
+
+def load_stage_states(path: str | Path) -> dict[str, dict[str, Any]]:
+    """Each stage's ``extra_state`` saved in the checkpoint at ``path``, by stage name."""
+    stages = Path(path) / "stages"
+    return {f.stem: _load_pt(f) for f in sorted(stages.glob("*.pt"))} if stages.is_dir() else {}
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -151,3 +151,35 @@ def gae(
         following = delta + gamma * lam * (~done).to(rewards.dtype) * following
         advantages[:, t] = following
     return advantages, advantages + values
+
+
+def token_gae(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gae` over responses (``[B, T]``), each token a step: with rewards and values zeroed
+    on the padding behind a response's last token (``mask``; the response tokens are its first
+    ``mask.sum()`` positions), that token bootstraps nothing, so the response ends there, and
+    padding is no step. ``values[:, t]`` is the critic's estimate before token ``t``; returns
+    ``(advantages, returns)``, zero on padding."""
+    mask = mask.to(token_rewards.dtype)
+    never = torch.zeros(mask.shape, dtype=torch.bool)
+    zeros = torch.zeros_like(mask)
+    advantages, returns = gae(
+        token_rewards * mask, values * mask, never, never, zeros, zeros[:, 0], gamma=gamma, lam=lam
+    )
+    return advantages * mask, returns * mask
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+@reads("token_rewards", "values", "response_mask")
+def gae_advantages(inputs: Mapping[str, torch.Tensor], config: Any) -> torch.Tensor:
+    """PPO's token-level GAE (Schulman et al., 2016) with a critic's values: :func:`token_gae` with
+    ``config.gamma`` and ``config.gae_lambda``; the critic's targets are these plus its values."""
+    advantages, _ = token_gae(
+        inputs["token_rewards"],
+        inputs["values"],
+        inputs["response_mask"],
+        gamma=getattr(config, "gamma", 1.0),
+        lam=getattr(config, "gae_lambda", 1.0),
+    )
+    return advantages

@@ -97,6 +97,7 @@ OPTION_RANGES: dict[str, Range] = {
     "value_clip": Range(0.0, open_low=True, nullable=True, why="null: no clipping"),
     "vf_coef": _NONNEGATIVE,
     "target_kl": Range(0.0, open_low=True, nullable=True, why="null: no early stop"),
+    "critic_warmup": Range(0, integer=True, why="0: the actor trains from the first iteration"),
 }
 
 

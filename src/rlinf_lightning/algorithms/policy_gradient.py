@@ -15,6 +15,7 @@ reasoning workflow does with it, per iteration:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,6 +35,13 @@ def adapt_kl_coef(coef: float, kl: float, target: float, horizon: int, samples: 
     approaches ``target``, by at most 20% of the error per ``horizon`` samples."""
     error = max(-0.2, min(0.2, kl / target - 1.0))
     return coef * (1.0 + error * samples / horizon)
+
+
+def kl_target_problems(algorithm: Any) -> list[tuple[str, str]]:
+    """``kl_target`` set while ``kl_coef`` is 0: nothing to adapt (a bad range is its range's problem)."""
+    if algorithm.kl_target is not None and algorithm.kl_target > 0 and algorithm.kl_coef <= 0:
+        return [("kl_target", "adapts kl_coef, which is 0 (no KL term); set trainer.algorithm.kl_coef > 0")]
+    return []
 
 
 @dataclass
@@ -126,11 +134,7 @@ class PolicyGradient(Algorithm):
             )
             if getattr(self, key) not in registry
         ]
-        if self.kl_target is not None and self.kl_target > 0 and self.kl_coef <= 0:  # (else its range says)
-            p.append(
-                ("kl_target", "adapts kl_coef, which is 0 (no KL term); set trainer.algorithm.kl_coef > 0")
-            )
-        return p
+        return p + kl_target_problems(self)
 
     # -- rewards and advantages ------------------------------------------------------------------
     def overlong_penalty_of(self, lengths: torch.Tensor, horizon: int) -> torch.Tensor:

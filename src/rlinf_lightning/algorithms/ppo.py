@@ -11,6 +11,18 @@ One update, as the embodied workflow runs it (``workflows/embodied.py``):
    minibatches, each an optimizer step on :meth:`PPO.loss` (``policy.evaluate`` gives new
    log-probs, entropy and values); with ``target_kl``, no further pass once the last minibatch's
    approximate KL exceeds it (CleanRL's early stop).
+
+On a language model (``workflows/reasoning.py``, with a critic: ``task.critic``) the same options
+run token-level PPO as InstructGPT (Ouyang et al., 2022) does, through :meth:`PPO.on_tokens`:
+
+1. the critic stage (``workflows/critic.py``) estimates each response token's value, puts the
+   outcome reward on the last response token (minus ``kl_coef`` x the per-token KL to the
+   reference when the KL is in the reward) and computes GAE over the tokens
+   (:func:`algorithms.advantages.token_gae`); its targets are the advantages plus its values;
+2. the actor whitens the advantages over the rollout batch and takes ``update_epochs`` x
+   ``num_minibatches`` optimizer steps on the clipped surrogate per token; the critic takes as
+   many on the clipped value loss (:func:`algorithms.losses.clipped_value_loss`), with its own
+   optimizer; for the first ``critic_warmup`` iterations only the critic trains.
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ import torch
 from rlinf_lightning.algorithms.advantages import gae
 from rlinf_lightning.algorithms.contract import Algorithm
 from rlinf_lightning.algorithms.losses import clipped_value_loss, ppo_clip_per_token
+from rlinf_lightning.algorithms.policy_gradient import PolicyGradient, kl_target_problems
 
 
 @dataclass
@@ -42,7 +55,22 @@ class PPO(Algorithm):
         norm_adv: normalise advantages over the iteration's batch.
         target_kl: stop the iteration's passes early once the approximate KL of a pass's last
             minibatch to the rollout policy exceeds this (CleanRL's ``target_kl``; ``None``: all
-            ``update_epochs`` passes).
+            ``update_epochs`` passes). Env steps only.
+
+    On tokens only (a language model with a critic):
+
+    Args:
+        kl_coef: weight of the KL to the frozen reference policy (0: none, and no reference
+            forward pass; InstructGPT: 0.02, in the reward).
+        kl_estimator: ``k1``, ``k2`` or ``k3`` (``algorithms.losses.kl_penalty``).
+        kl_in_reward: subtract the KL from each token's reward (InstructGPT) instead of adding it
+            to the loss.
+        kl_target: adapt ``kl_coef`` each iteration towards this KL per token (Ziegler et al.,
+            2019; ``None``: fixed).
+        kl_horizon: samples over which the adaptive coefficient corrects 20% of its error.
+        loss_agg: how per-token losses become one number (``algorithms.losses.aggregate``).
+        critic_warmup: iterations at the start in which only the critic trains (the actor takes
+            no step), so the first advantages come from a critic that has seen some returns.
     """
 
     gamma: float = 0.99
@@ -57,12 +85,52 @@ class PPO(Algorithm):
     num_minibatches: int = 4
     norm_adv: bool = True
     target_kl: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k1"
+    kl_in_reward: bool = True
+    kl_target: float | None = None
+    kl_horizon: int = 10000
+    loss_agg: str = "token-mean"
+    critic_warmup: int = 0
 
-    needs_reference = False
-    #: what it reads beyond the policy's log-probs (a workflow refuses an algorithm reading what it
-    #: does not provide): each step's reward, the critic's values and where episodes end. Option
-    #: ranges are checked by ``algorithms.options``.
-    reads = frozenset({"rewards", "values", "dones", "old_logprobs"})
+    @property
+    def needs_reference(self) -> bool:  # type: ignore[override]
+        return self.kl_coef > 0
+
+    @property
+    def reads(self) -> frozenset[str]:  # type: ignore[override]
+        """What it reads beyond the policy's log-probs (a workflow refuses an algorithm reading
+        what it does not provide): each step's reward, the critic's values, where episodes end,
+        and the reference's log-probs with a KL term. Option ranges: ``algorithms.options``."""
+        out = {"rewards", "values", "dones", "old_logprobs"}
+        return frozenset(out | {"ref_logprobs"} if self.needs_reference else out)
+
+    def problems(self) -> list[tuple[str, str]]:
+        """Options that contradict each other (ranges are checked by ``algorithms.options``)."""
+        return kl_target_problems(self)
+
+    def on_tokens(self) -> TokenPPO:
+        """These options as the reasoning workflow runs them: one step per response token."""
+        return TokenPPO(
+            gamma=self.gamma,
+            gae_lambda=self.gae_lambda,
+            clip_eps=self.clip_eps,
+            clip_eps_high=self.clip_eps_high,
+            dual_clip=self.dual_clip,
+            value_clip=self.value_clip,
+            vf_coef=self.vf_coef,
+            entropy_coef=self.ent_coef,
+            ppo_epochs=self.update_epochs,
+            num_mini_batches=self.num_minibatches,
+            norm_adv=self.norm_adv,
+            kl_coef=self.kl_coef,
+            kl_estimator=self.kl_estimator,
+            kl_in_reward=self.kl_in_reward,
+            kl_target=self.kl_target,
+            kl_horizon=self.kl_horizon,
+            loss_agg=self.loss_agg,
+            critic_warmup=self.critic_warmup,
+        )
 
     def compute_advantages(
         self,
@@ -110,3 +178,17 @@ class PPO(Algorithm):
             "approx_kl": ((log_ratio.exp() - 1) - log_ratio).mean(),
         }
         return per_sample.sum(), torch.tensor(float(len(per_sample))), metrics
+
+
+@dataclass
+class TokenPPO(PolicyGradient):
+    """PPO on a language model's tokens (:meth:`PPO.on_tokens`): the ``gae`` estimator over the
+    critic's per-token values and the clipped surrogate per token, plus what the critic stage
+    reads: ``gae_lambda``, ``value_clip``, ``vf_coef`` (the critic's loss weight) and
+    ``critic_warmup`` (see :class:`PPO` for each)."""
+
+    advantage_estimator: str = "gae"
+    gae_lambda: float = 0.95
+    value_clip: float | None = 0.2
+    vf_coef: float = 0.5
+    critic_warmup: int = 0

@@ -116,6 +116,16 @@ class Stage:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`."""
 
+    def extra_state(self) -> dict[str, Any]:
+        """State beyond the ``train`` role's :meth:`state_dict` that resuming exactly needs, of any
+        stage (an adaptive coefficient; a second model's weights and optimizer state): tensors and
+        plain containers, saved with every checkpoint (``stages/<name>.pt``) and handed back to
+        every replica on resume and re-plan. Called on the first replica; empty: nothing to save."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`extra_state` (called on every replica)."""
+
     def teardown(self) -> None:
         """Release what ``setup`` started (engines, process groups) when the run ends."""
 

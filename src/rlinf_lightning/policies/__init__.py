@@ -4,6 +4,7 @@
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.policies.mlp import MLPActorCritic
 from rlinf_lightning.policies.module import RLModule
+from rlinf_lightning.policies.value import ValueModel
 from rlinf_lightning.policies.vla import TinyVLA
 
-__all__ = ["LMPolicy", "MLPActorCritic", "RLModule", "TinyVLA"]
+__all__ = ["LMPolicy", "MLPActorCritic", "RLModule", "TinyVLA", "ValueModel"]

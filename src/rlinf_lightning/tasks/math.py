@@ -16,6 +16,7 @@ from rlinf_lightning.errors import ConfigError, DataError
 from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.policies.module import DTYPES
+from rlinf_lightning.policies.value import ValueModel
 from rlinf_lightning.prompts import PromptFormat
 from rlinf_lightning.tasks.base import RunSpec, Task
 from rlinf_lightning.tasks.data import Problem, is_pattern, load_problems
@@ -59,6 +60,10 @@ class MathTask(Task):
             sorted by length, as many per forward/backward as fit ``rows x longest row <= this``.
             Either way each micro-batch is trimmed to its longest prompt and response, so padding
             costs no compute.
+        critic: a value model for an algorithm that reads values (``trainer.algorithm: ppo``):
+            its own stage, placed by the plan like the others, with its own optimizer
+            (:class:`~rlinf_lightning.policies.ValueModel`; ``critic: {}`` in YAML takes its
+            defaults and the policy's ``model_path``; ``--task.critic.lr=...`` sets an option).
     """
 
     input_keys = ("prompt", "answer", "group_id")
@@ -84,6 +89,7 @@ class MathTask(Task):
         sampling: SamplingParams | None = None,
         train_micro_batch_size: int | None = None,
         train_max_tokens_per_micro_batch: int | None = None,
+        critic: ValueModel | None = None,
     ) -> None:
         self.train_path, self.test_path = str(train_path), str(test_path)
         self.group_size, self.rollout_batch_size = group_size, rollout_batch_size
@@ -96,6 +102,7 @@ class MathTask(Task):
         self.system_prompt = system_prompt
         self.reward, self.format_reward, self.format_weight = reward, format_reward, format_weight
         self.eval_size = eval_size
+        self.critic = critic
         self._train: list[Problem] | None = None
         self._test: list[Problem] | None = None
         self._orders: dict[tuple[int, int], list[int]] = {}
@@ -123,6 +130,8 @@ class MathTask(Task):
                 problems.append((key, REWARDS.unknown_message(name)))
         if self.eval_size is not None and self.eval_size < 1:
             problems.append(("eval_size", f"must be >= 1 or null, got {self.eval_size}"))
+        if self.critic is not None:
+            problems += [(f"critic.{k}", m) for k, m in self.critic.validate_config()]
         return problems + self._batch_problems() + self._rollout_problems()
 
     def _batch_problems(self) -> list[tuple[str, str]]:
@@ -247,6 +256,7 @@ class MathTask(Task):
             train_problems=[(p.prompt, p.answer) for p in self.train]
             if getattr(run.algorithm, "max_sampling_rounds", 0)
             else None,
+            critic=self.critic,
         )
 
     def _check_token_budget(self, policy: Any) -> None:

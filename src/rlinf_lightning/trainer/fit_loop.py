@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlinf_lightning.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint, set_rng_state
+from rlinf_lightning.checkpoint import (
+    load_checkpoint,
+    load_stage_states,
+    resolve_checkpoint,
+    save_checkpoint,
+    set_rng_state,
+)
 from rlinf_lightning.errors import CheckpointError
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.trace import write_chrome_trace
@@ -72,7 +78,7 @@ class FitLoop:
             if t.trace:
                 write_chrome_trace(t.trace, self.spans, self.plan)
 
-    def _read_checkpoint(self, ckpt_path: str | None) -> tuple[Path, Any, Any, Any] | None:
+    def _read_checkpoint(self, ckpt_path: str | None) -> tuple[Path, Any, Any, Any, Any] | None:
         """Read (safely) before any worker starts, so a bad file fails now."""
         if not ckpt_path:
             return None
@@ -86,9 +92,15 @@ class FitLoop:
             and (why := self.policy.check_state_dict(train_state["model"]))
         ):
             raise CheckpointError(f"{path}: {why}; resume with the policy that wrote it")
-        return path, train_state, state, rng
+        stage_states = load_stage_states(path)
+        if unknown := sorted(set(stage_states) - set(self.workflow.stages)):
+            raise CheckpointError(
+                f"{path}: holds the state of stage(s) {unknown}, which this run's workflow has not "
+                f"(stages: {', '.join(self.workflow.order)}); resume with the config that wrote it"
+            )
+        return path, train_state, state, rng, stage_states
 
-    def _start(self, resume: tuple[Path, Any, Any, Any] | None) -> int:
+    def _start(self, resume: tuple[Path, Any, Any, Any, Any] | None) -> int:
         """Report the train engine, load the checkpoint into the workers, evaluate the start;
         returns the last iteration already done."""
         if hasattr(self.workflow.stages[self.train], "engine_info"):  # what auto resolved to, on its device
@@ -99,11 +111,12 @@ class FitLoop:
             )  # fmt: skip
         start_it = 0
         if resume is not None:
-            path, train_state, state, rng = resume
+            path, train_state, state, rng, stage_states = resume
             if (path / "sharded").is_dir():
                 self.runtime.call(self.train, "load_sharded", str(path / "sharded"), replicas="all")
             else:
                 self.runtime.call(self.train, "load_state_dict", train_state, replicas="all")
+            self._load_extra_states(stage_states)
             self.runtime.resync()
             set_rng_state(rng)
             start_it, self.history = state["iteration"], state["eval_history"]
@@ -219,6 +232,7 @@ class FitLoop:
             write_extra=lambda tmp: self.runtime.call(
                 train, "save_sharded", str(tmp / "sharded"), replicas="all"
             ),
+            stage_states=self._extra_states(),
         )
         t.callback_connector.call("on_save_checkpoint", str(path))
 
@@ -251,6 +265,7 @@ class FitLoop:
         tmp, train = self.trainer.default_root_dir / ".replan", self.train
         sharded = self.runtime.call(train, "save_sharded", str(tmp), replicas="all")[0]
         state = None if sharded else self.runtime.call(train, "state_dict", replicas="all")[0]
+        extra = self._extra_states()
         self.runtime.shutdown()
         log.info("%s", plan.describe(self.workflow))
         self.runtime = self._launch(plan)
@@ -259,7 +274,17 @@ class FitLoop:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             self.runtime.call(train, "load_state_dict", state, replicas="all")
+        self._load_extra_states(extra)
         self.runtime.resync()
+
+    def _extra_states(self) -> dict[str, dict[str, Any]]:
+        """Every stage's ``extra_state`` that is not empty, by stage name."""
+        states = {name: self.runtime.call(name, "extra_state") for name in self.workflow.order}
+        return {name: state for name, state in states.items() if state}
+
+    def _load_extra_states(self, states: dict[str, dict[str, Any]]) -> None:
+        for name, state in states.items():
+            self.runtime.call(name, "load_extra_state", state, replicas="all")
 
     # -- the end ---------------------------------------------------------------------------------
     def _summary(self, start_it: int, wall_s: float, train_s: float, samples: int) -> dict[str, Any]:

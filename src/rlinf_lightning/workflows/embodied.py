@@ -556,6 +556,9 @@ def embodied_workflow(
     from rlinf_lightning.flow.workflow import Workflow
 
     ppo = advantage_mode(algorithm) == "gae"
+    if getattr(algorithm, "critic_warmup", 0):
+        why = "the embodied critic is the policy's value head, which trains with it; set it to 0"
+        raise ConfigError([("trainer.algorithm.critic_warmup", why)])
     advantage = GAEStage(algorithm) if ppo else EpisodeAdvantageStage(algorithm)
     loss = PPOLoss(algorithm) if ppo else EpisodeGRPOLoss(algorithm)
     actor = PPOActorStage(policy, algorithm, loss, train, num_envs * steps, seed)

@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-RESPONSE_KEYS = ("response_mask", "rollout_logprobs", "ref_logprobs", "old_logprobs", "advantage")
+RESPONSE_KEYS = (
+    "response_mask", "rollout_logprobs", "ref_logprobs", "old_logprobs", "advantage", "values", "returns",
+)  # fmt: skip
 
 
 def trim_padding(batch: TensorDict) -> TensorDict:

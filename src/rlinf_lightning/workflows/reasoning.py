@@ -3,6 +3,10 @@
     prompts -> rollout -> reward -> advantage -> inference -> actor  (stream)
     actor ==weights==> rollout                                        (sync, once per iteration)
 
+With a critic (``task.critic``, for PPO), the critic stage takes the advantage stage's place: it
+estimates each token's value, computes the advantages from them (GAE) and trains the value model
+on its own optimizer (``workflows/critic.py``). A KL in the reward puts the inference stage first.
+
 Each stage reads micro-batches of whole prompt groups, so every stage (the group-normalising
 advantage included) can work on a micro-batch as soon as it arrives, on whichever replica of its
 group took it. The actor trains and is checkpointed (role ``train``); the rollout evaluates (role
@@ -34,9 +38,11 @@ from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.policies.lora import lora_of
+from rlinf_lightning.policies.value import ValueModel
 from rlinf_lightning.prompts import PromptFormat
 from rlinf_lightning.rewards import RewardInput, close_judges, load_reward, score
 from rlinf_lightning.seeds import row_seed
+from rlinf_lightning.workflows.mini_batches import mini_batch_steps
 from rlinf_lightning.workflows.padding import micro_batches
 from rlinf_lightning.workflows.training import TrainStage
 
@@ -335,6 +341,9 @@ class AdvantageStage(Stage):
         self.in_keys = ("reward", "group_id", "response_mask") + (
             ("rollout_logprobs", "ref_logprobs") if self.kl_in_reward else ()
         )
+        if "values" in algorithm.reads:  # written by the critic stage that hosts this one
+            self.in_keys += ("values",)
+        self.adaptive_kl = self.kl_in_reward and getattr(algorithm, "kl_target", None) is not None
 
     def setup(self, ctx: StageContext) -> None:
         self.ctx, self.metrics = ctx, Metrics()
@@ -362,6 +371,8 @@ class AdvantageStage(Stage):
             "response_mask": mask,
             "token_rewards": token_rewards,
         }
+        if "values" in batch.keys():
+            inputs["values"] = batch["values"]
         adv = alg.compute_advantages(inputs)
         adv = adv[:, None].expand(mask.shape) if adv.dim() == 1 else adv
         batch["advantage"] = (adv * mask).float()
@@ -374,6 +385,13 @@ class AdvantageStage(Stage):
             self.metrics.mean("kl_coef", self.kl_coef)
             self.kl_seen.zero_()
         return self.metrics.take()
+
+    def extra_state(self) -> dict[str, Any]:
+        """The adaptive KL coefficient of a KL in the reward."""
+        return {"kl_coef": self.kl_coef} if self.adaptive_kl else {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.kl_coef = float(state["kl_coef"])
 
 
 def adapted_kl_coef(ctx: StageContext, algorithm: Any, coef: float, seen: torch.Tensor) -> float:
@@ -528,8 +546,11 @@ class ActorStage(TrainStage):
 
     def begin_iteration(self, iteration: int) -> None:
         self.iteration, self.buffer = iteration, []
+        self.warming_up = iteration <= getattr(self.algorithm, "critic_warmup", 0)
 
     def process(self, batch: TensorDict) -> None:
+        if self.warming_up:  # only the critic trains (PPO's critic_warmup)
+            return None
         if self.adaptive_kl:  # KL(rollout policy || reference) per token, what the controller steers
             alg, mask = self.algorithm, batch["response_mask"]
             kl = kl_penalty(batch["rollout_logprobs"], batch["ref_logprobs"], alg.kl_estimator) * mask
@@ -547,12 +568,22 @@ class ActorStage(TrainStage):
 
     def end_iteration(self) -> Metrics:
         metrics = self.metrics.take()
+        if self.warming_up:
+            metrics.mean("warmup", 1.0)
+            return metrics
         if self.keeps_batch:
             self._update_on_kept_batch(metrics)
         else:
             metrics.merge(self.engine.step())
         self._adapt_kl(metrics)
         return metrics
+
+    def extra_state(self) -> dict[str, Any]:
+        """The adaptive KL coefficient (the engine's state is the train role's checkpoint)."""
+        return {"kl_coef": self.loss.kl_coef} if self.adaptive_kl else {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.loss.kl_coef = float(state["kl_coef"])
 
     def _adapt_kl(self, metrics: Metrics) -> None:
         if not self.adaptive_kl:
@@ -585,30 +616,27 @@ class ActorStage(TrainStage):
                 b["old_logprobs"] = torch.zeros_like(b["rollout_logprobs"])
                 for chunk, lp in zip(chunks, self.engine.forward_all(chunks, self._behaviour)):
                     b["old_logprobs"][chunk["row"], : lp.shape[-1]] = lp.to(b["old_logprobs"].device)
-        per_pass = getattr(self.algorithm, "num_mini_batches", 1)
-        first = (self.iteration - 1) * self.prompts_per_iteration
-        for epoch in range(getattr(self.algorithm, "ppo_epochs", 1)):
-            g = torch.Generator().manual_seed(row_seed(self.seed, self.iteration, epoch))
-            position = torch.empty(self.prompts_per_iteration, dtype=torch.long)
-            position[torch.randperm(self.prompts_per_iteration, generator=g)] = torch.arange(
-                self.prompts_per_iteration
-            )
-            for m in range(per_pass):
-                for b in self.buffer:
-                    chosen = position[b["group_id"] - first] * per_pass // self.prompts_per_iteration == m
-                    if bool(chosen.any()):
-                        self._train_on(b[chosen], metrics)
-                metrics.merge(self.engine.step())
+        steps = mini_batch_steps(
+            self.buffer, self.algorithm, self.seed, self.iteration, self.prompts_per_iteration
+        )
+        for parts in steps:
+            for part in parts:
+                self._train_on(part, metrics)
+            metrics.merge(self.engine.step())
 
     def _behaviour(self, policy: LMPolicy, mb: TensorDict) -> torch.Tensor:
         return behaviour_logprobs(policy, mb, self.temperature)
 
 
-#: what the reasoning workflow gives an algorithm (``algorithms.contract``): no critic, so no
-#: values; an episode is one response, ending at its last token (``response_mask``)
+#: what the reasoning workflow gives an algorithm (``algorithms.contract``); an episode is one
+#: response, ending at its last token (``response_mask``). With a critic (``task.critic``) it also
+#: gives values (``CRITIC_PROVIDES``).
 PROVIDES = frozenset(
     {"rewards", "group_ids", "response_mask", "dones", "token_rewards", "old_logprobs", "ref_logprobs"}
 )
+CRITIC_PROVIDES = PROVIDES | {"values"}
+#: how to give the workflow a critic, for the refusal of an algorithm that reads values
+CRITIC_FIX = "; configure a critic: task.critic: {} in YAML, or --task.critic.lr=1e-4 (policies.ValueModel)"
 
 
 def reasoning_workflow(
@@ -632,11 +660,28 @@ def reasoning_workflow(
     max_prompt_tokens: int | None = None,
     eval_prompts: int = 0,
     train_problems: list[tuple[str, str]] | None = None,
+    critic: ValueModel | None = None,
 ) -> Workflow:
     """The stages for ``algorithm`` (``train_problems``: the reserve prompts of DAPO's dynamic
-    sampling); raises :class:`ConfigError` when the algorithm reads an input this workflow does not
-    provide (a critic's values) or cuts mini-batches the batch cannot give."""
-    problems = unserved(algorithm, type(algorithm).__name__, PROVIDES, "reasoning", " (it has no critic)")
+    sampling; ``critic``: the value model of an algorithm that reads values, whose stage then
+    takes the advantage stage's place); raises :class:`ConfigError` when the algorithm reads an
+    input this workflow does not provide (values without a critic), a critic is given to an
+    algorithm that reads no values, or mini-batches cannot be cut from the batch."""
+    given, name = algorithm, type(algorithm).__name__
+    if hasattr(algorithm, "on_tokens"):  # e.g. PPO: its options as one step per token
+        algorithm = algorithm.on_tokens()
+    provides = PROVIDES if critic is None else CRITIC_PROVIDES
+    problems = unserved(algorithm, name, provides, "reasoning", CRITIC_FIX if critic is None else "")
+    if critic is not None and "values" not in algorithm.reads:
+        problems.append(
+            (
+                "task.critic",
+                f"{name} reads no values, so a critic would train for nothing; remove task.critic "
+                "or use trainer.algorithm=ppo",
+            )
+        )
+    if getattr(given, "target_kl", None) is not None:
+        problems.append(("trainer.algorithm.target_kl", "stops env-step PPO early (embodied only); set null"))
     mini = getattr(algorithm, "num_mini_batches", 1)
     if prompts_per_iteration % mini:
         problems.append(
@@ -651,6 +696,18 @@ def reasoning_workflow(
     temperature = sampling.temperature if sampling.temperature > 0 else 1.0
     horizon = sampling.max_new_tokens
     advantage = AdvantageStage(algorithm, horizon)
+    if critic is not None:
+        from rlinf_lightning.workflows.critic import CriticStage
+
+        advantage = CriticStage(
+            critic.for_policy(policy.model_path),
+            advantage,
+            train,
+            critic.train_micro_batch_size or train_micro_batch_size,
+            train_max_tokens_per_micro_batch,
+            prompts_per_iteration,
+            seed,
+        )
     inference = InferenceStage(policy, algorithm, temperature)
     rounds = getattr(algorithm, "max_sampling_rounds", 0)
     dynamic = None

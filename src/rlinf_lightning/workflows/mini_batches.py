@@ -1,0 +1,40 @@
+"""The optimizer steps of several updates per rollout batch: which samples each step trains on.
+
+A learning stage that keeps its share of the rollout batch (the actor with ``ppo_epochs`` /
+``num_mini_batches``; the critic of token-level PPO) takes ``epochs`` passes of ``per_pass``
+optimizer steps over it. A mini-batch is a set of whole prompt groups, chosen by a permutation of
+the iteration's group positions seeded by seed, iteration and epoch, so every replica of a
+data-parallel group, under every plan, agrees on which of its samples belong to which step
+without exchanging them; each step then divides by its own count summed over the replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from rlinf_lightning.seeds import row_seed
+
+
+def mini_batch_steps(
+    kept: list[TensorDict], algorithm: Any, seed: int, iteration: int, prompts_per_iteration: int
+) -> Iterator[list[TensorDict]]:
+    """For each of the algorithm's ``ppo_epochs x num_mini_batches`` optimizer steps, the parts of
+    ``kept`` (micro-batches with ``group_id``, the prompt's position in the stream) that it trains
+    on (possibly none on this replica)."""
+    epochs, per_pass = getattr(algorithm, "ppo_epochs", 1), getattr(algorithm, "num_mini_batches", 1)
+    first = (iteration - 1) * prompts_per_iteration
+    for epoch in range(epochs):
+        g = torch.Generator().manual_seed(row_seed(seed, iteration, epoch))
+        position = torch.empty(prompts_per_iteration, dtype=torch.long)
+        position[torch.randperm(prompts_per_iteration, generator=g)] = torch.arange(prompts_per_iteration)
+        for m in range(per_pass):
+            parts = []
+            for b in kept:
+                chosen = position[b["group_id"] - first] * per_pass // prompts_per_iteration == m
+                if bool(chosen.any()):
+                    parts.append(b[chosen])
+            yield parts

@@ -68,7 +68,7 @@ from pathlib import Path
 from children import parse_args, recipe_assets, run_child
 
 WARMUP = 5
-PROFILING_ITERATIONS = 3  # auto on 2 slots: one slot at two micro-batch sizes, then both slots
+PROFILING_ITERATIONS = 3  # at most, auto on 2 slots: one slot at two micro-batch sizes, then both
 BARS = {"prediction_error_unprofiled": (max, 0.20), "auto_wall_over_best_fixed": (min, 0.90)}
 COLLOCATED = "rlinf_lightning.strategies.CollocatedStrategy"
 HYBRID = "rlinf_lightning.strategies.HybridStrategy"
@@ -245,7 +245,7 @@ def per_round(plans: dict, runs: dict[str, list[dict]], iterations: int) -> dict
             steady_gap = (iterations - WARMUP) * (steady_s(auto) - steady_s(runs[ref][r]))
             once = auto["wall_s"] - runs[ref][r]["wall_s"] - steady_gap
             row["profiling_fraction"] = once / auto["wall_s"]
-        k = PROFILING_ITERATIONS
+        k = next(i for i, p in enumerate(auto["predicted"]) if p is not None)  # profiling iterations
         row["profiling_iterations_share"] = (sum(auto["times"][:k]) + auto["replan_s"]) / (
             sum(auto["times"]) + auto["replan_s"]
         )

@@ -15,7 +15,7 @@ from rlinf_lightning.flow import BatchShape
 from rlinf_lightning.flow.stage import Stage
 from rlinf_lightning.flow.worker import Span
 from rlinf_lightning.flow.workflow import Workflow
-from rlinf_lightning.strategies import STRATEGIES, Resources, RunInfo
+from rlinf_lightning.strategies import STRATEGIES, Replan, Resources, RunInfo, Strategy
 from rlinf_lightning.strategies.auto import AutoStrategy
 from rlinf_lightning.strategies.auto.profile import Profile, StageCost
 from rlinf_lightning.strategies.auto.simulate import simulate
@@ -307,3 +307,103 @@ def test_rlinf_plan_ranks_a_cluster_from_a_saved_profile(assets, tmp_path, capsy
     (tmp_path / "broken.json").write_text("{")
     assert main([*argv[:3], "--profile", str(tmp_path / "broken.json"), *argv[5:]]) == 2
     assert "broken.json: not a readable profile" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("iterations, ahead", [(10, False), (1000, True)])
+def test_auto_starts_worker_processes_ahead_only_when_they_could_repay_it(tmp_path, iterations, ahead):
+    """After the first profiling iteration (~0.1 s on one slot), perfect scaling over two slots
+    could save 0.05 s per iteration: over 9 remaining iterations less than the 2 s start-up (no
+    head start), over 999 far more (the fastest multi-worker plan's workers start at once)."""
+    wf = SleepTask().build_workflow(None, None)
+    auto = AutoStrategy(launch_s=2.0, save_profile="")
+    plan = auto.plan(wf, Resources(2), BatchShape(BATCH, UNIT))
+    auto.on_launch(RunInfo(tmp_path, iterations, 0.01, separate_processes=True))
+    mb = plan.micro_batch_size[wf.source_edge.channel]
+    auto.observe(1, *_iteration(mb, 0.0), mb, queued=False)
+    got = auto.ahead()
+    assert (got is not None) == ahead
+    if ahead:
+        assert got.launcher is None and len(got.workers) == 2  # the trainer's launcher
+
+
+class _SwitchAhead(Strategy):
+    """One in-process worker; asks for two collocated worker processes ahead after iteration 1
+    and switches to them after iteration 3."""
+
+    def plan(self, workflow, resources, batch):
+        from rlinf_lightning.strategies.auto.search import one_worker_plan
+
+        self.target = STRATEGIES.get("collocated")().plan(workflow, resources, batch)
+        self.it, self.launch_s = 0, None
+        return one_worker_plan(workflow, resources, batch, 1)
+
+    def holds_after(self, iteration):
+        return iteration <= 3
+
+    def observe(self, iteration, seconds, spans, micro_batch, queued):
+        self.it = iteration
+        return Replan(self.target, "test") if iteration == 3 else None
+
+    def ahead(self):
+        return self.target if self.it < 3 else None
+
+    def on_relaunch(self, info):
+        self.launch_s = info.launch_s
+
+
+def test_a_switch_takes_the_workers_started_ahead(tmp_path):
+    """The switch after iteration 3 waits only for what is left of the start-up begun after
+    iteration 1, and the workers started then train the rest."""
+    strategy = _SwitchAhead()
+    trainer, rec = _trainer(tmp_path, strategy, iterations=6, launcher="processes")
+    summary = trainer.fit(_Policy(), SleepTask())
+    assert [r["learn/pid"] == os.getpid() for r in rec.rows] == [True] * 3 + [False] * 3
+    assert rec.rows[-1]["learn/steps"] == 6  # the training state came along
+    assert 0.0 < summary["replan_s"] < strategy.launch_s, (summary["replan_s"], strategy.launch_s)
+
+
+class _AheadThenStay(AutoStrategy):
+    """Asks for worker processes ahead after iterations 1-2, then for none: they must stop."""
+
+    def ahead(self):
+        if self.seen[-1].iteration <= 2:
+            return STRATEGIES.get("collocated")().plan(self.workflow, self.resources, self.batch)
+        return None
+
+
+def test_workers_started_ahead_and_not_taken_are_stopped(tmp_path, caplog):
+    import multiprocessing
+
+    caplog.set_level("INFO", logger="rlinf_lightning")
+    trainer, rec = _trainer(tmp_path, _AheadThenStay(launch_s=60.0, save_profile=""), 6, "processes")
+    trainer.fit(_Policy(), SleepTask())
+    assert caplog.text.count("starting ahead, in the background") == 1
+    assert trainer.plan.launcher == "inprocess"  # never switched to them
+    assert multiprocessing.active_children() == []
+
+
+class StickyGenerator(Generator):
+    sticky = True
+
+
+class StickyTask(SleepTask):
+    """The sleepers with a sticky first stage (as an env stage owning its envs): one granularity."""
+
+    def build_workflow(self, policy, run) -> Workflow:
+        return (
+            Workflow("sticky-sleepers")
+            .chain(StickyGenerator("gen", a=0.0005, b=0.001), Learner("learn", a=0.0005, b=0.0006))
+            .sync("learn", "gen", "weights")
+            .role("train", "learn")
+        )
+
+
+def test_one_granularity_is_profiled_in_two_iterations(tmp_path):
+    """A sticky first stage runs at one micro-batch size: iteration 1 on one slot, iteration 2
+    on every slot gives the speed-up and the end-of-iteration costs; the plan follows at 3."""
+    trainer, rec = _trainer(tmp_path, "auto", iterations=5)
+    trainer.fit(_Policy(), StickyTask())
+    assert [r["iteration"] for r in rec.rows if "auto/predicted_s" in r] == [3, 4, 5]
+    profile = Profile.load(tmp_path / "profile.json")
+    assert set(profile.speedup["2"]) == {"gen", "learn"}
+    assert profile.stages["learn"].end_s > 0 and profile.sync_s  # from the wide iteration

@@ -86,6 +86,12 @@ class Strategy(ABC):
         so that a new plan can take over right after it."""
         return False
 
+    def ahead(self) -> ExecutionPlan | None:
+        """A plan whose workers should be starting now, in the background, while the current ones
+        keep training: a later :class:`Replan` to its layout takes them over instead of starting
+        its own (asked after each iteration; ``None``, or another plan, stops those started)."""
+        return None
+
     def observe(
         self, iteration: int, seconds: float, spans: list[Span], micro_batch: int, queued: bool
     ) -> Replan | None:

@@ -407,3 +407,80 @@ def test_one_granularity_is_profiled_in_two_iterations(tmp_path):
     profile = Profile.load(tmp_path / "profile.json")
     assert set(profile.speedup["2"]) == {"gen", "learn"}
     assert profile.stages["learn"].end_s > 0 and profile.sync_s  # from the wide iteration
+
+
+def test_cost_curves_give_the_profile_and_scaling_they_state():
+    """gen: per-call seconds at two sample counts (a line); learn: seconds per iteration at 1 and
+    2 devices (2 devices take 0.040 s, not the 0.032 s of perfect scaling: each call costs 1.25x)."""
+    from rlinf_lightning.strategies.auto.curves import profile_from_curves
+
+    wf = SleepTask().build_workflow(None, None)
+    curves = {
+        "message_s": 0.0,
+        "stages": {"gen": {"call_s": {4: 0.005, 16: 0.017}}, "learn": {"devices": {1: 0.064, 2: 0.040}}},
+    }
+    p = profile_from_curves(curves, wf, BATCH)
+    assert p.stages["gen"].a == pytest.approx(0.001) and p.stages["gen"].b == pytest.approx(0.001)
+    assert p.stages["learn"].call_s(8) == pytest.approx(0.008)
+    assert [p.replicas_factor("learn", n) for n in (1, 2, 4)] == pytest.approx([1.0, 1.25, 1.5])
+    assert p.replicas_factor("gen", 8) == 1.0  # no device curve: scales as simulated
+    # collocated over 2 slots: each replica runs 4 micro-batches of 8 through gen, then learn at 1.25x
+    plan = STRATEGIES.get("collocated")().plan(wf, Resources(2), BatchShape(BATCH, UNIT, 8))
+    assert simulate(wf, plan, p, BATCH) == pytest.approx(4 * 0.009 + 4 * 0.008 * 1.25)
+
+
+@pytest.mark.parametrize(
+    "curves, message",
+    [
+        ({"stages": {"gen": {"call_s": {4: 0.005}}}}, r"stages \['learn'\] have no curve"),
+        (
+            {"stages": {"gen": {"call_s": {4: 0.1}}, "learn": {"devicez": {1: 1.0}}}},
+            r"stages.learn: expected",
+        ),
+        (
+            {"stages": {"gen": {"call_s": {0: 0.1}}, "learn": {"end_s": 1}}},
+            r"stages.gen.call_s: sample counts",
+        ),
+        (
+            {"stages": {"gen": {"call_s": {4: -1}}, "learn": {"end_s": 1}}},
+            r"stages.gen.call_s.4: expected sec",
+        ),
+        ({"stages": {"gen": {"call_s": {4: 1}}, "learn": {"end_s": 1}}}, r"stages.learn: needs call_s"),
+        ({"stages": {"gen": {"call_s": {4: 1}}, "learn": {"devices": {1: 1}}, "x": {}}}, r"\['x'\] not in"),
+        ({"workflow": "other", "stages": {}}, r"workflow 'other'; this config's is 'sleepers'"),
+        ({"stage": {}}, r"unknown keys \['stage'\]"),
+    ],
+)
+def test_bad_cost_curves_are_refused_naming_the_key(curves, message):
+    from rlinf_lightning.strategies.auto.curves import profile_from_curves
+
+    with pytest.raises(ValueError, match=message):
+        profile_from_curves(curves, SleepTask().build_workflow(None, None), BATCH)
+
+
+def test_rlinf_plan_ranks_a_cluster_from_cost_curves(assets, tmp_path, capsys):
+    from rlinf_lightning.cli import main
+    from rlinf_lightning.flow.placement import parse_placement
+
+    stages = ("rollout", "reward", "advantage", "inference", "actor")
+    curves = tmp_path / "curves.yaml"
+    curves.write_text(
+        "accelerator: cuda\nsamples: 128\nstages:\n"
+        "  rollout: {call_s: {16: 0.05, 64: 0.12}}\n  reward: {call_s: {64: 0.001}}\n"
+        "  advantage: {call_s: {64: 0.0005}}\n  inference: {devices: {1: 0.4, 4: 0.12}}\n"
+        "  actor: {devices: {1: 2.0, 2: 1.1, 4: 0.65}, end_s: 0.05}\n"
+    )
+    argv = ["plan", "--config", "configs/math_grpo_tiny.yaml", "--profile", str(curves)]
+    argv += ["--policy.model_path", str(assets["sft"]), "--task.train_path", str(assets["train"])]
+    argv += ["--task.test_path", str(assets["test"])]
+    assert main([*argv, "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "the device curves of inference, actor stop short of 8: extrapolated" in out
+    placement = next(ln for ln in out.splitlines() if ln.startswith("placement: "))[len("placement: ") :]
+    assert sorted(s for names, _ in parse_placement(placement, 8, stages) for s in names) == sorted(stages)
+
+    curves.write_text(curves.read_text().replace("0.05", "fast"))
+    assert main([*argv, "--devices", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    why = "stages.rollout.call_s.16: expected seconds (a number >= 0), got 'fast'"
+    assert err == [f"rlinf plan: --profile {curves}: {why}"]

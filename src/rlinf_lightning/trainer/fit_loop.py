@@ -236,9 +236,10 @@ class FitLoop:
         sharded checkpoint for a sharded engine) and the synced weights before they continue."""
         if self.plan.layout() != replan.plan.layout():
             t0 = time.perf_counter()
-            if self.ahead and self.ahead.layout != replan.plan.layout():
-                self._follow_ahead(None)  # not those: stop them before starting others
-            ahead, self.ahead = self.ahead, None
+            if self.ahead and self.ahead.layout != replan.plan.layout():  # not those: still wanted?
+                self._follow_ahead(self.strategy.ahead())  # if not, stopped before others start
+            ahead = self.ahead if self.ahead and self.ahead.layout == replan.plan.layout() else None
+            self.ahead = None if ahead else self.ahead
             waited = self._restart_workers(replan.plan, ahead)
             took = time.perf_counter() - t0
             self.replan_s += took
@@ -271,7 +272,7 @@ class FitLoop:
             self.ahead.discard()
             self.discarded.append(self.ahead)
             self.ahead = None
-        if plan is not None and layout != self.plan.layout():
+        if plan is not None and layout != self.plan.layout() and self._launcher(plan).background_start:
             log.info("starting ahead, in the background:\n%s", plan.describe())
             self.ahead = AheadLaunch(lambda: self._launch(plan), layout)
 

@@ -309,15 +309,20 @@ def test_rlinf_plan_ranks_a_cluster_from_a_saved_profile(assets, tmp_path, capsy
     assert "broken.json: not a readable profile" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("iterations, ahead", [(10, False), (1000, True)])
-def test_auto_starts_worker_processes_ahead_only_when_they_could_repay_it(tmp_path, iterations, ahead):
+@pytest.mark.parametrize(
+    "iterations, background, ahead", [(10, True, False), (1000, True, True), (1000, False, False)]
+)
+def test_auto_starts_worker_processes_ahead_only_when_they_could_repay_it(
+    tmp_path, iterations, background, ahead
+):
     """After the first profiling iteration (~0.1 s on one slot), perfect scaling over two slots
     could save 0.05 s per iteration: over 9 remaining iterations less than the 2 s start-up (no
-    head start), over 999 far more (the fastest multi-worker plan's workers start at once)."""
+    head start), over 999 far more (the fastest multi-worker plan's workers start at once, where
+    the launcher can start them in the background)."""
     wf = SleepTask().build_workflow(None, None)
     auto = AutoStrategy(launch_s=2.0, save_profile="")
     plan = auto.plan(wf, Resources(2), BatchShape(BATCH, UNIT))
-    auto.on_launch(RunInfo(tmp_path, iterations, 0.01, separate_processes=True))
+    auto.on_launch(RunInfo(tmp_path, iterations, 0.01, separate_processes=True, background_start=background))
     mb = plan.micro_batch_size[wf.source_edge.channel]
     auto.observe(1, *_iteration(mb, 0.0), mb, queued=False)
     got = auto.ahead()

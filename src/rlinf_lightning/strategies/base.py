@@ -41,12 +41,14 @@ class RunInfo:
     """What a strategy learns once the workers run: where the run writes, how long it is, how
     long starting the workers took (what a change of placement would cost again), and whether
     ``trainer.launcher`` starts each worker as a process of its own (``separate_processes``;
-    a plan may name another launcher: :attr:`ExecutionPlan.launcher`)."""
+    a plan may name another launcher: :attr:`ExecutionPlan.launcher`), and whether it can start
+    them in the background (``background_start``: :meth:`Strategy.ahead` is followed)."""
 
     run_dir: Path
     max_iterations: int
     launch_s: float
     separate_processes: bool = False
+    background_start: bool = False
 
 
 @dataclass

@@ -260,8 +260,14 @@ class FitLoop:
 
     def _run_info(self, launch_s: float) -> RunInfo:
         t = self.trainer
-        separate = LAUNCHERS.resolve(t.launcher).separate_processes
-        return RunInfo(t.default_root_dir, t.max_iterations, launch_s, separate)
+        launcher = LAUNCHERS.resolve(t.launcher)
+        return RunInfo(
+            t.default_root_dir,
+            t.max_iterations,
+            launch_s,
+            launcher.separate_processes,
+            launcher.background_start,
+        )
 
     def _follow_ahead(self, plan: ExecutionPlan | None) -> None:
         """Keep the workers started ahead for ``plan``, start them, or stop those of another."""

@@ -287,7 +287,10 @@ class AutoStrategy(Strategy):
         repay starting worker processes, start the fastest multi-worker plan's now (``ahead``),
         so that the start-up overlaps the rest of the profile instead of following it."""
         assert self.profile is not None
-        if not (self.info.separate_processes and self._in_process(self.current.plan)) or self._ahead:
+        info = self.info
+        if not (info.separate_processes and info.background_start and self._in_process(self.current.plan)):
+            return
+        if self._ahead:
             return
         first = Profile.from_dict(self.profile.to_dict())
         first.refit()

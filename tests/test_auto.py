@@ -489,3 +489,32 @@ def test_rlinf_plan_ranks_a_cluster_from_cost_curves(assets, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     why = "stages.rollout.call_s.16: expected seconds (a number >= 0), got 'fast'"
     assert err == [f"rlinf plan: --profile {curves}: {why}"]
+
+
+class _BreaksInItsOwnProcess(Learner):
+    def setup(self, ctx) -> None:
+        if ctx.own_process:
+            raise RuntimeError("learner cannot start in a worker process")
+        super().setup(ctx)
+
+
+class _BreakingTask(SleepTask):
+    def build_workflow(self, policy, run) -> Workflow:
+        return (
+            Workflow("sleepers")
+            .chain(Generator("gen", a=0.0005, b=0.001), _BreaksInItsOwnProcess("learn", a=0.0005, b=0.0006))
+            .sync("learn", "gen", "weights")
+            .role("train", "learn")
+        )
+
+
+def test_workers_failing_to_start_ahead_end_the_run_at_the_switch_with_their_error(tmp_path):
+    import multiprocessing
+
+    from rlinf_lightning.flow.worker import StageError
+
+    trainer, rec = _trainer(tmp_path, _SwitchAhead(), iterations=6, launcher="processes")
+    with pytest.raises(StageError, match="learner cannot start in a worker process"):
+        trainer.fit(_Policy(), _BreakingTask())
+    assert len(rec.rows) == 3  # trained in this process until the switch
+    assert multiprocessing.active_children() == []

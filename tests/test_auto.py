@@ -69,12 +69,13 @@ class Generator(Sleeper):
 
 
 class SleepTask(Task):
-    """A two-stage workflow whose generator's per-call cost jumps at ``change_at``."""
+    """A two-stage workflow whose generator's per-call cost jumps at ``change_at`` (``gen``,
+    ``learn``: the stages' classes)."""
 
     input_keys = ("x",)
 
-    def __init__(self, change_at: int = 10_000) -> None:
-        self.change_at = change_at
+    def __init__(self, change_at: int = 10_000, gen: type | None = None, learn: type | None = None) -> None:
+        self.change_at, self.gen, self.learn = change_at, gen or Generator, learn or Learner
 
     def batch_shape(self, run) -> BatchShape:
         return BatchShape(BATCH, UNIT, run.micro_batch_size)
@@ -83,8 +84,8 @@ class SleepTask(Task):
         return (
             Workflow("sleepers")
             .chain(
-                Generator("gen", a=0.0005, b=0.001, a_after=0.03, change_at=self.change_at),
-                Learner("learn", a=0.0005, b=0.0006),
+                self.gen("gen", a=0.0005, b=0.001, a_after=0.03, change_at=self.change_at),
+                self.learn("learn", a=0.0005, b=0.0006),
             )
             .sync("learn", "gen", "weights")
             .role("train", "learn")
@@ -388,26 +389,16 @@ def test_workers_started_ahead_and_not_taken_are_stopped(tmp_path, caplog):
 
 
 class StickyGenerator(Generator):
+    """The generator as an env stage is: state per micro-batch, so one granularity."""
+
     sticky = True
-
-
-class StickyTask(SleepTask):
-    """The sleepers with a sticky first stage (as an env stage owning its envs): one granularity."""
-
-    def build_workflow(self, policy, run) -> Workflow:
-        return (
-            Workflow("sticky-sleepers")
-            .chain(StickyGenerator("gen", a=0.0005, b=0.001), Learner("learn", a=0.0005, b=0.0006))
-            .sync("learn", "gen", "weights")
-            .role("train", "learn")
-        )
 
 
 def test_one_granularity_is_profiled_in_two_iterations(tmp_path):
     """A sticky first stage runs at one micro-batch size: iteration 1 on one slot, iteration 2
     on every slot gives the speed-up and the end-of-iteration costs; the plan follows at 3."""
     trainer, rec = _trainer(tmp_path, "auto", iterations=5)
-    trainer.fit(_Policy(), StickyTask())
+    trainer.fit(_Policy(), SleepTask(gen=StickyGenerator))
     assert [r["iteration"] for r in rec.rows if "auto/predicted_s" in r] == [3, 4, 5]
     profile = Profile.load(tmp_path / "profile.json")
     assert set(profile.speedup["2"]) == {"gen", "learn"}
@@ -498,16 +489,6 @@ class _BreaksInItsOwnProcess(Learner):
         super().setup(ctx)
 
 
-class _BreakingTask(SleepTask):
-    def build_workflow(self, policy, run) -> Workflow:
-        return (
-            Workflow("sleepers")
-            .chain(Generator("gen", a=0.0005, b=0.001), _BreaksInItsOwnProcess("learn", a=0.0005, b=0.0006))
-            .sync("learn", "gen", "weights")
-            .role("train", "learn")
-        )
-
-
 def test_workers_failing_to_start_ahead_end_the_run_at_the_switch_with_their_error(tmp_path):
     import multiprocessing
 
@@ -515,6 +496,6 @@ def test_workers_failing_to_start_ahead_end_the_run_at_the_switch_with_their_err
 
     trainer, rec = _trainer(tmp_path, _SwitchAhead(), iterations=6, launcher="processes")
     with pytest.raises(StageError, match="learner cannot start in a worker process"):
-        trainer.fit(_Policy(), _BreakingTask())
+        trainer.fit(_Policy(), SleepTask(learn=_BreaksInItsOwnProcess))
     assert len(rec.rows) == 3  # trained in this process until the switch
     assert multiprocessing.active_children() == []

@@ -1,20 +1,24 @@
 """Auto: measure the run's own stages, simulate every candidate plan, run the best, keep re-tuning.
 
 RLinf's auto placement is an offline tool (stage times measured by hand, typed into YAML, a
-script run, its placement pasted back). Here the first iterations (three with several slots)
-are the measurement:
+script run, its placement pasted back). Here the first iterations (three with several slots,
+two where the first stage runs at one granularity) are the measurement:
 
 1. They run under the profiling plan: one worker on one slot in the driver's process (nothing
    to spawn, so a short run pays no process start-up for the measurement; where one in-process
    worker is not a candidate, collocated with one replica per slot on the trainer's launcher).
    Each stage sits on one slot, as every candidate's groups are, at two granularities:
    iteration 1 at two micro-batches per replica of the collocated plan (its first call per stage
-   is set-up and is dropped), iteration 2 at one. With several slots, iteration 3 runs the same
-   worker on every slot (on CPU one thread per core) to measure each stage's speed-up over them.
-   They train like every other iteration: nothing is thrown away.
+   is set-up and is dropped), iteration 2 at one. With several slots, the next iteration runs the
+   same worker on every slot (on CPU one thread per core) to measure each stage's speed-up over
+   them: iteration 3, or 2 for a sticky first stage (one granularity: iteration 1 is its only
+   one-slot iteration, and the wide one also gives the end-of-iteration costs its set-up hid).
+   They train like every other iteration: nothing is thrown away. After iteration 1, when even
+   perfect scaling over every slot could repay starting worker processes, the fastest
+   multi-worker plan's workers start in the background (``ahead``) while profiling goes on.
 2. Each stage's time per call is fitted as ``a + b x micro_batch`` (``auto.profile``); the part
    of an iteration no stage call covers is calibrated so the profiling plan's simulation matches
-   its measured iteration 2.
+   its measured last one-granularity iteration (the wide one for a sticky first stage).
 3. Every candidate (``auto.search``: one in-process worker on one or every slot, collocated,
    every two-group split of stages and slots, every granularity; minus what memory refuses) is
    simulated (``auto.simulate``); the five fastest are printed. The plan taken is the one with

@@ -18,7 +18,7 @@ two where the first stage runs at one granularity) are the measurement:
    multi-worker plan's workers start in the background (``ahead``) while profiling goes on.
 2. Each stage's time per call is fitted as ``a + b x micro_batch`` (``auto.profile``); the part
    of an iteration no stage call covers is calibrated so the profiling plan's simulation matches
-   its measured last one-granularity iteration (the wide one for a sticky first stage).
+   its measured iteration 2 (for a sticky first stage, the simulation of the wide worker).
 3. Every candidate (``auto.search``: one in-process worker on one or every slot, collocated,
    every two-group split of stages and slots, every granularity; minus what memory refuses) is
    simulated (``auto.simulate``); the five fastest are printed. The plan taken is the one with

@@ -18,7 +18,8 @@ two where the first stage runs at one granularity) are the measurement:
    multi-worker plan's workers start in the background (``ahead``) while profiling goes on.
 2. Each stage's time per call is fitted as ``a + b x micro_batch`` (``auto.profile``); the part
    of an iteration no stage call covers is calibrated so the profiling plan's simulation matches
-   its measured iteration 2 (for a sticky first stage, the simulation of the wide worker).
+   its measured iteration 2 (for a sticky first stage, the part of iteration 1 no span covers:
+   the wide iteration may share the cores with workers started ahead).
 3. Every candidate (``auto.search``: one in-process worker on one or every slot, collocated,
    every two-group split of stages and slots, every granularity; minus what memory refuses) is
    simulated (``auto.simulate``); the five fastest are printed. The plan taken is the one with
@@ -258,7 +259,6 @@ class AutoStrategy(Strategy):
             if self._wide_ends:  # profiled at one granularity: its end-of-iteration costs too
                 self.profile.add_spans(spans, micro_batch, widths=dict.fromkeys(self.workflow.stages, n))
                 self.profile.refit()
-                self._recalibrate([self.seen[-1]])
             return self._profiled(iteration)
         self.profile.add_spans(spans, micro_batch, skip_first=iteration == 1)
         wide = self._wide_plan(micro_batch)
@@ -272,6 +272,8 @@ class AutoStrategy(Strategy):
         self.profile.refit()
         if iteration > 1:
             self._recalibrate([self.seen[-1]])
+        else:  # one worker, one thread: what no span covers (the wide iteration may share the cores)
+            self.profile.overhead_s = max(0.0, seconds - sum(s.end - s.start for s in spans))
         if wide is not None:
             self._wide, self._wide_ends, self.current = True, iteration == 1, Candidate("profiling", wide)
             return Replan(wide, f"profiling: the same worker on {n} slots, for its speed-up")

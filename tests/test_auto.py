@@ -499,3 +499,19 @@ def test_workers_failing_to_start_ahead_end_the_run_at_the_switch_with_their_err
         trainer.fit(_Policy(), SleepTask(learn=_BreaksInItsOwnProcess))
     assert len(rec.rows) == 3  # trained in this process until the switch
     assert multiprocessing.active_children() == []
+
+
+def test_while_workers_start_ahead_the_worker_on_every_slot_is_not_measured(tmp_path):
+    """Those workers take the cores it would be measured on: iteration 2 runs on one slot again,
+    and the profile (no speed-up measured) offers no in-process worker on every slot."""
+    wf = SleepTask(gen=StickyGenerator).build_workflow(None, None)
+    auto = AutoStrategy(launch_s=2.0, save_profile="")
+    plan = auto.plan(wf, Resources(2), BatchShape(BATCH, UNIT))
+    auto.on_launch(RunInfo(tmp_path, 1000, 0.01, separate_processes=True, background_start=True))
+    mb = plan.micro_batch_size[wf.source_edge.channel]
+    assert auto.observe(1, *_iteration(mb, 0.0), mb, queued=False) is None  # not the wide worker
+    assert auto.ahead() is not None
+    replan = auto.observe(2, *_iteration(mb, 1.0), mb, queued=False)
+    assert auto.profile.speedup == {}
+    assert replan is not None and replan.plan.launcher is None  # the workers started ahead
+    assert all(len(c.plan.groups[0].slots) == 1 for c in auto.ranked if c.plan.launcher == "inprocess")

@@ -15,7 +15,8 @@ two where the first stage runs at one granularity) are the measurement:
    one-slot iteration, and the wide one also gives the end-of-iteration costs its set-up hid).
    They train like every other iteration: nothing is thrown away. After iteration 1, when even
    perfect scaling over every slot could repay starting worker processes, the fastest
-   multi-worker plan's workers start in the background (``ahead``) while profiling goes on.
+   multi-worker plan's workers start in the background (``ahead``) while profiling goes on on
+   one slot (the worker on every slot is then not measured: those workers take its cores).
 2. Each stage's time per call is fitted as ``a + b x micro_batch`` (``auto.profile``); the part
    of an iteration no stage call covers is calibrated so the profiling plan's simulation matches
    its measured iteration 2 (for a sticky first stage, the part of iteration 1 no span covers:
@@ -261,9 +262,10 @@ class AutoStrategy(Strategy):
                 self.profile.refit()
             return self._profiled(iteration)
         self.profile.add_spans(spans, micro_batch, skip_first=iteration == 1)
-        wide = self._wide_plan(micro_batch)
         if iteration < PROFILING_ITERATIONS:
             self._start_ahead(iteration)
+        wide = self._wide_plan(micro_batch)
+        if iteration < PROFILING_ITERATIONS:
             second = self.batch.micro_batch_for(n)
             if not (self.workflow.stages[self.workflow.order[0]].sticky or second == micro_batch):
                 return Replan(self._at(second), f"profiling: micro-batch {micro_batch} -> {second}")
@@ -272,7 +274,7 @@ class AutoStrategy(Strategy):
         self.profile.refit()
         if iteration > 1:
             self._recalibrate([self.seen[-1]])
-        else:  # one worker, one thread: what no span covers (the wide iteration may share the cores)
+        else:  # one worker, one thread: what no span covers (the wide iteration uses every core)
             self.profile.overhead_s = max(0.0, seconds - sum(s.end - s.start for s in spans))
         if wide is not None:
             self._wide, self._wide_ends, self.current = True, iteration == 1, Candidate("profiling", wide)
@@ -280,9 +282,11 @@ class AutoStrategy(Strategy):
         return self._profiled(iteration)
 
     def _wide_plan(self, micro_batch: int) -> ExecutionPlan | None:
-        """The profiling worker on every slot, when it can run and the run has an iteration for it."""
+        """The profiling worker on every slot, when it can run and the run has an iteration for it.
+        Not while workers start ahead: on CPU they take the very cores it would be measured on
+        (its speed-up would be theirs; it is then no candidate)."""
         n, last = len(self.resources.slots), self.seen[-1].iteration >= self.info.max_iterations
-        if self.current.plan.launcher != IN_PROCESS or n == 1 or last:
+        if self.current.plan.launcher != IN_PROCESS or n == 1 or last or self._ahead:
             return None
         shape = BatchShape(self.batch.rollout_batch_size, self.batch.group_size, micro_batch)
         wide = one_worker_plan(self.workflow, self.resources, shape, n)
@@ -291,7 +295,8 @@ class AutoStrategy(Strategy):
     def _start_ahead(self, iteration: int) -> None:
         """After the first profiling iteration: when even perfect scaling over every slot could
         repay starting worker processes, start the fastest multi-worker plan's now (``ahead``),
-        so that the start-up overlaps the rest of the profile instead of following it."""
+        so that the start-up overlaps the rest of the profile instead of following it (which then
+        leaves out the worker on every slot: see ``_wide_plan``)."""
         assert self.profile is not None
         info = self.info
         if not (info.separate_processes and info.background_start and self._in_process(self.current.plan)):

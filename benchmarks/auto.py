@@ -37,9 +37,10 @@ as the median over rounds with its spread (``*_spread``: [min, max] over rounds)
   spanning a number of slots auto never measured) is listed there with the reason and left out
   of the median. The one-worker plans are the placements auto
   profiled in (``profiled: true``; ``PROFILED``): its run is separate, but auto measured one worker
-  on one slot (iterations 1-2, the overhead calibrated on the second) and on every slot (iteration
-  3, its speed-up). ``prediction_error_never_run`` is the median over the other plans only: those
-  whose placement auto never ran.
+  on one slot (math: iterations 1-2, the overhead calibrated on the second) and on every slot
+  (math: iteration 3, its speed-up; embodied, one granularity: iteration 1 on one slot, iteration
+  2 on both, the overhead calibrated on it). ``prediction_error_never_run`` is the median over
+  the other plans only: those whose placement auto never ran.
 - ``prediction_error_in_sample``: auto's own ``auto/predicted_s`` against its measured iterations
   after profiling, median: in sample (the overhead is calibrated on, and re-tuning re-fits from,
   the very iterations it is scored on); a check of the re-tuning loop, not of the simulator.
@@ -49,7 +50,8 @@ as the median over rounds with its spread (``*_spread``: [min, max] over rounds)
   everything auto does once: the profiling iterations, the search and simulations, a restart of
   the workers and the warm-up after it. Reported raw: negative when the noise between two runs
   exceeds the cost. ``profiling_iterations_share`` is the cruder share of the profiling iterations
-  and restarts in auto's iteration seconds.
+  and restarts in auto's iteration seconds (its profiling iterations: those without
+  ``auto/predicted_s``).
 - ``bars``: per figure with a bar (``BARS``), ``met`` (every round meets it), ``missed`` (no
   round does) or ``straddles`` (the spread crosses the bar: the median alone says which side).
 
@@ -68,7 +70,7 @@ from pathlib import Path
 from children import parse_args, recipe_assets, run_child
 
 WARMUP = 5
-PROFILING_ITERATIONS = 3  # auto on 2 slots: one slot at two micro-batch sizes, then both slots
+PROFILING_ITERATIONS = 3  # at most, auto on 2 slots: one slot at two micro-batch sizes, then both
 BARS = {"prediction_error_unprofiled": (max, 0.20), "auto_wall_over_best_fixed": (min, 0.90)}
 COLLOCATED = "rlinf_lightning.strategies.CollocatedStrategy"
 HYBRID = "rlinf_lightning.strategies.HybridStrategy"
@@ -245,7 +247,7 @@ def per_round(plans: dict, runs: dict[str, list[dict]], iterations: int) -> dict
             steady_gap = (iterations - WARMUP) * (steady_s(auto) - steady_s(runs[ref][r]))
             once = auto["wall_s"] - runs[ref][r]["wall_s"] - steady_gap
             row["profiling_fraction"] = once / auto["wall_s"]
-        k = PROFILING_ITERATIONS
+        k = next(i for i, p in enumerate(auto["predicted"]) if p is not None)  # profiling iterations
         row["profiling_iterations_share"] = (sum(auto["times"][:k]) + auto["replan_s"]) / (
             sum(auto["times"]) + auto["replan_s"]
         )

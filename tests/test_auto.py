@@ -16,7 +16,7 @@ from rlinf_lightning.flow.placement import parse_placement
 from rlinf_lightning.flow.stage import Stage
 from rlinf_lightning.flow.worker import Span
 from rlinf_lightning.flow.workflow import Workflow
-from rlinf_lightning.strategies import STRATEGIES, HybridStrategy, Resources, RunInfo
+from rlinf_lightning.strategies import STRATEGIES, HybridStrategy, Replan, Resources, RunInfo, Strategy
 from rlinf_lightning.strategies.auto import AutoStrategy
 from rlinf_lightning.strategies.auto.profile import Profile, StageCost
 from rlinf_lightning.strategies.auto.search import candidates
@@ -71,12 +71,13 @@ class Generator(Sleeper):
 
 
 class SleepTask(Task):
-    """A two-stage workflow whose generator's per-call cost jumps at ``change_at``."""
+    """A two-stage workflow whose generator's per-call cost jumps at ``change_at`` (``gen``,
+    ``learn``: the stages' classes)."""
 
     input_keys = ("x",)
 
-    def __init__(self, change_at: int = 10_000) -> None:
-        self.change_at = change_at
+    def __init__(self, change_at: int = 10_000, gen: type | None = None, learn: type | None = None) -> None:
+        self.change_at, self.gen, self.learn = change_at, gen or Generator, learn or Learner
 
     def batch_shape(self, run) -> BatchShape:
         return BatchShape(BATCH, UNIT, run.micro_batch_size)
@@ -85,8 +86,8 @@ class SleepTask(Task):
         return (
             Workflow("sleepers")
             .chain(
-                Generator("gen", a=0.0005, b=0.001, a_after=0.03, change_at=self.change_at),
-                Learner("learn", a=0.0005, b=0.0006),
+                self.gen("gen", a=0.0005, b=0.001, a_after=0.03, change_at=self.change_at),
+                self.learn("learn", a=0.0005, b=0.0006),
             )
             .sync("learn", "gen", "weights")
             .role("train", "learn")
@@ -337,3 +338,210 @@ def test_rlinf_plan_ranks_a_cluster_from_a_saved_profile(assets, tmp_path, capsy
     (tmp_path / "broken.json").write_text("{")
     assert main([*argv[:3], "--profile", str(tmp_path / "broken.json"), *argv[5:]]) == 2
     assert "broken.json: not a readable profile" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "iterations, background, ahead", [(10, True, False), (1000, True, True), (1000, False, False)]
+)
+def test_auto_starts_worker_processes_ahead_only_when_they_could_repay_it(
+    tmp_path, iterations, background, ahead
+):
+    """After the first profiling iteration (~0.1 s on one slot), perfect scaling over two slots
+    could save 0.05 s per iteration: over 9 remaining iterations less than the 2 s start-up (no
+    head start), over 999 far more (the fastest multi-worker plan's workers start at once, where
+    the launcher can start them in the background)."""
+    wf = SleepTask().build_workflow(None, None)
+    auto = AutoStrategy(launch_s=2.0, save_profile="")
+    plan = auto.plan(wf, Resources(2), BatchShape(BATCH, UNIT))
+    auto.on_launch(RunInfo(tmp_path, iterations, 0.01, separate_processes=True, background_start=background))
+    mb = plan.micro_batch_size[wf.source_edge.channel]
+    auto.observe(1, *_iteration(mb, 0.0), mb, queued=False)
+    got = auto.ahead()
+    assert (got is not None) == ahead
+    if ahead:
+        assert got.launcher is None and len(got.workers) == 2  # the trainer's launcher
+
+
+class _SwitchAhead(Strategy):
+    """One in-process worker; asks for two collocated worker processes ahead after iteration 1
+    and switches to them after iteration 3."""
+
+    def plan(self, workflow, resources, batch):
+        from rlinf_lightning.strategies.auto.search import one_worker_plan
+
+        self.target = STRATEGIES.get("collocated")().plan(workflow, resources, batch)
+        self.it, self.launch_s = 0, None
+        return one_worker_plan(workflow, resources, batch, 1)
+
+    def holds_after(self, iteration):
+        return iteration <= 3
+
+    def observe(self, iteration, seconds, spans, micro_batch, queued):
+        self.it = iteration
+        return Replan(self.target, "test") if iteration == 3 else None
+
+    def ahead(self):
+        return self.target if self.it < 3 else None
+
+    def on_relaunch(self, info):
+        self.launch_s = info.launch_s
+
+
+def test_a_switch_takes_the_workers_started_ahead(tmp_path):
+    """The switch after iteration 3 waits only for what is left of the start-up begun after
+    iteration 1, and the workers started then train the rest."""
+    strategy = _SwitchAhead()
+    trainer, rec = _trainer(tmp_path, strategy, iterations=6, launcher="processes")
+    summary = trainer.fit(_Policy(), SleepTask())
+    assert [r["learn/pid"] == os.getpid() for r in rec.rows] == [True] * 3 + [False] * 3
+    assert rec.rows[-1]["learn/steps"] == 6  # the training state came along
+    assert 0.0 < summary["replan_s"] < strategy.launch_s, (summary["replan_s"], strategy.launch_s)
+
+
+class _AheadThenStay(AutoStrategy):
+    """Asks for worker processes ahead after iterations 1-2, then for none: they must stop."""
+
+    def ahead(self):
+        if self.seen[-1].iteration <= 2:
+            return STRATEGIES.get("collocated")().plan(self.workflow, self.resources, self.batch)
+        return None
+
+
+def test_workers_started_ahead_and_not_taken_are_stopped(tmp_path, caplog):
+    import multiprocessing
+
+    caplog.set_level("INFO", logger="rlinf_lightning")
+    trainer, rec = _trainer(tmp_path, _AheadThenStay(launch_s=60.0, save_profile=""), 6, "processes")
+    trainer.fit(_Policy(), SleepTask())
+    assert caplog.text.count("starting ahead, in the background") == 1
+    assert trainer.plan.launcher == "inprocess"  # never switched to them
+    assert multiprocessing.active_children() == []
+
+
+class StickyGenerator(Generator):
+    """The generator as an env stage is: state per micro-batch, so one granularity."""
+
+    sticky = True
+
+
+def test_one_granularity_is_profiled_in_two_iterations(tmp_path):
+    """A sticky first stage runs at one micro-batch size: iteration 1 on one slot, iteration 2
+    on every slot gives the speed-up and the end-of-iteration costs; the plan follows at 3."""
+    trainer, rec = _trainer(tmp_path, "auto", iterations=5)
+    trainer.fit(_Policy(), SleepTask(gen=StickyGenerator))
+    assert [r["iteration"] for r in rec.rows if "auto/predicted_s" in r] == [3, 4, 5]
+    profile = Profile.load(tmp_path / "profile.json")
+    assert set(profile.speedup["2"]) == {"gen", "learn"}
+    assert profile.stages["learn"].end_s > 0 and profile.sync_s  # from the wide iteration
+
+
+def test_cost_curves_give_the_profile_and_scaling_they_state():
+    """gen: per-call seconds at two sample counts (a line); learn: seconds per iteration at 1 and
+    2 devices (2 devices take 0.040 s, not the 0.032 s of perfect scaling: each call costs 1.25x)."""
+    from rlinf_lightning.strategies.auto.curves import profile_from_curves
+
+    wf = SleepTask().build_workflow(None, None)
+    curves = {
+        "message_s": 0.0,
+        "stages": {"gen": {"call_s": {4: 0.005, 16: 0.017}}, "learn": {"devices": {1: 0.064, 2: 0.040}}},
+    }
+    p = profile_from_curves(curves, wf, BATCH)
+    assert p.stages["gen"].a == pytest.approx(0.001) and p.stages["gen"].b == pytest.approx(0.001)
+    assert p.stages["learn"].call_s(8) == pytest.approx(0.008)
+    assert [p.replicas_factor("learn", n) for n in (1, 2, 4)] == pytest.approx([1.0, 1.25, 1.5])
+    assert p.replicas_factor("gen", 8) == 1.0  # no device curve: scales as simulated
+    # collocated over 2 slots: each replica runs 4 micro-batches of 8 through gen, then learn at 1.25x
+    plan = STRATEGIES.get("collocated")().plan(wf, Resources(2), BatchShape(BATCH, UNIT, 8))
+    assert simulate(wf, plan, p, BATCH) == pytest.approx(4 * 0.009 + 4 * 0.008 * 1.25)
+
+
+@pytest.mark.parametrize(
+    "curves, message",
+    [
+        ({"stages": {"gen": {"call_s": {4: 0.005}}}}, r"stages \['learn'\] have no curve"),
+        (
+            {"stages": {"gen": {"call_s": {4: 0.1}}, "learn": {"devicez": {1: 1.0}}}},
+            r"stages.learn: expected",
+        ),
+        (
+            {"stages": {"gen": {"call_s": {0: 0.1}}, "learn": {"end_s": 1}}},
+            r"stages.gen.call_s: sample counts",
+        ),
+        (
+            {"stages": {"gen": {"call_s": {4: -1}}, "learn": {"end_s": 1}}},
+            r"stages.gen.call_s.4: expected sec",
+        ),
+        ({"stages": {"gen": {"call_s": {4: 1}}, "learn": {"end_s": 1}}}, r"stages.learn: needs call_s"),
+        ({"stages": {"gen": {"call_s": {4: 1}}, "learn": {"devices": {1: 1}}, "x": {}}}, r"\['x'\] not in"),
+        ({"workflow": "other", "stages": {}}, r"workflow 'other'; this config's is 'sleepers'"),
+        ({"stage": {}}, r"unknown keys \['stage'\]"),
+    ],
+)
+def test_bad_cost_curves_are_refused_naming_the_key(curves, message):
+    from rlinf_lightning.strategies.auto.curves import profile_from_curves
+
+    with pytest.raises(ValueError, match=message):
+        profile_from_curves(curves, SleepTask().build_workflow(None, None), BATCH)
+
+
+def test_rlinf_plan_ranks_a_cluster_from_cost_curves(assets, tmp_path, capsys):
+    from rlinf_lightning.cli import main
+    from rlinf_lightning.flow.placement import parse_placement
+
+    stages = ("rollout", "reward", "advantage", "inference", "actor")
+    curves = tmp_path / "curves.yaml"
+    curves.write_text(
+        "accelerator: cuda\nsamples: 128\nstages:\n"
+        "  rollout: {call_s: {16: 0.05, 64: 0.12}}\n  reward: {call_s: {64: 0.001}}\n"
+        "  advantage: {call_s: {64: 0.0005}}\n  inference: {devices: {1: 0.4, 4: 0.12}}\n"
+        "  actor: {devices: {1: 2.0, 2: 1.1, 4: 0.65}, end_s: 0.05}\n"
+    )
+    argv = ["plan", "--config", "configs/math_grpo_tiny.yaml", "--profile", str(curves)]
+    argv += ["--policy.model_path", str(assets["sft"]), "--task.train_path", str(assets["train"])]
+    argv += ["--task.test_path", str(assets["test"])]
+    assert main([*argv, "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "the device curves of inference, actor stop short of 8: extrapolated" in out
+    placement = next(ln for ln in out.splitlines() if ln.startswith("placement: "))[len("placement: ") :]
+    assert sorted(s for names, _ in parse_placement(placement, 8, stages) for s in names) == sorted(stages)
+
+    curves.write_text(curves.read_text().replace("0.05", "fast"))
+    assert main([*argv, "--devices", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    why = "stages.rollout.call_s.16: expected seconds (a number >= 0), got 'fast'"
+    assert err == [f"rlinf plan: --profile {curves}: {why}"]
+
+
+class _BreaksInItsOwnProcess(Learner):
+    def setup(self, ctx) -> None:
+        if ctx.own_process:
+            raise RuntimeError("learner cannot start in a worker process")
+        super().setup(ctx)
+
+
+def test_workers_failing_to_start_ahead_end_the_run_at_the_switch_with_their_error(tmp_path):
+    import multiprocessing
+
+    from rlinf_lightning.flow.worker import StageError
+
+    trainer, rec = _trainer(tmp_path, _SwitchAhead(), iterations=6, launcher="processes")
+    with pytest.raises(StageError, match="learner cannot start in a worker process"):
+        trainer.fit(_Policy(), SleepTask(learn=_BreaksInItsOwnProcess))
+    assert len(rec.rows) == 3  # trained in this process until the switch
+    assert multiprocessing.active_children() == []
+
+
+def test_while_workers_start_ahead_the_worker_on_every_slot_is_not_measured(tmp_path):
+    """Those workers take the cores it would be measured on: iteration 2 runs on one slot again,
+    and the profile (no speed-up measured) offers no in-process worker on every slot."""
+    wf = SleepTask(gen=StickyGenerator).build_workflow(None, None)
+    auto = AutoStrategy(launch_s=2.0, save_profile="")
+    plan = auto.plan(wf, Resources(2), BatchShape(BATCH, UNIT))
+    auto.on_launch(RunInfo(tmp_path, 1000, 0.01, separate_processes=True, background_start=True))
+    mb = plan.micro_batch_size[wf.source_edge.channel]
+    assert auto.observe(1, *_iteration(mb, 0.0), mb, queued=False) is None  # not the wide worker
+    assert auto.ahead() is not None
+    replan = auto.observe(2, *_iteration(mb, 1.0), mb, queued=False)
+    assert auto.profile.speedup == {}
+    assert replan is not None and replan.plan.launcher is None  # the workers started ahead
+    assert all(len(c.plan.groups[0].slots) == 1 for c in auto.ranked if c.plan.launcher == "inprocess")

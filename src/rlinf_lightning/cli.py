@@ -100,8 +100,14 @@ def _fit_parser() -> ArgumentParser:
 
 def _plan_parser() -> ArgumentParser:
     p = _fit_parser()
-    p.description = "Rank execution plans for a cluster from a saved auto profile."
-    p.add_argument("--profile", type=str, required=True, help="profile.json written by strategy auto")
+    p.description = "Rank execution plans for a cluster from a saved auto profile or cost curves."
+    p.add_argument(
+        "--profile",
+        type=str,
+        required=True,
+        help="profile.json written by strategy auto, or cost curves measured elsewhere (YAML: each "
+        "stage's seconds per call at sample counts and/or per iteration at device counts; docs/auto.md)",
+    )
     p.add_argument("--devices", type=int, default=None, help="slots per node (default trainer.devices)")
     p.add_argument("--num_nodes", type=int, default=None, help="nodes (default trainer.num_nodes)")
     p.add_argument(
@@ -116,19 +122,25 @@ def _plan_parser() -> ArgumentParser:
 
 
 def rank_plans(init, profile: str, devices: int | None, num_nodes: int | None, speedup, top: int) -> int:
-    """``rlinf plan``: simulate every candidate on the stated cluster from a saved profile."""
+    """``rlinf plan``: simulate every candidate on the stated cluster from a saved profile or
+    from cost curves (``auto.curves``)."""
     from rlinf_lightning.strategies import Resources
+    from rlinf_lightning.strategies.auto.curves import extrapolated, is_curves, load_curves
     from rlinf_lightning.strategies.auto.profile import Profile
     from rlinf_lightning.strategies.auto.search import candidates, describe, placement_syntax
 
     trainer, policy, task = init.trainer, init.policy, init.task
+    run = trainer.run_spec
+    workflow, batch = task.build_workflow(policy, run), task.batch_shape(run)
     try:
-        prof = Profile.load(profile).scaled(speedup)
+        if is_curves(profile):
+            prof = load_curves(profile, workflow, batch.rollout_batch_size)
+        else:
+            prof = Profile.load(profile)
+        prof = prof.scaled(speedup)
     except ValueError as exc:
         print(f"rlinf plan: --profile {exc}", file=sys.stderr)
         return 2
-    run = trainer.run_spec
-    workflow = task.build_workflow(policy, run)
     if prof.workflow != workflow.name:
         print(
             f"rlinf plan: --profile {profile} measured workflow {prof.workflow!r}; this config's is "
@@ -138,8 +150,10 @@ def rank_plans(init, profile: str, devices: int | None, num_nodes: int | None, s
         return 2
     accelerator = trainer.accelerator if trainer.accelerator != "auto" else prof.accelerator
     res = Resources(devices or trainer.devices, num_nodes or trainer.num_nodes, accelerator, 1)
-    ranked = candidates(workflow, res, task.batch_shape(run), prof)
+    ranked = candidates(workflow, res, batch, prof)
     print(f"plans for {res.num_nodes} node(s) x {res.devices} device(s), by predicted seconds per iteration:")
+    if beyond := extrapolated(prof, len(res.slots)):
+        print(f"  (the device curves of {', '.join(beyond)} stop short of {len(res.slots)}: extrapolated)")
     for i, c in enumerate(ranked[:top], 1):
         print(f"  {i}. {c.predicted_s:8.3f} s  {describe(c)}")
     best = ranked[0]

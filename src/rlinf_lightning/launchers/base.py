@@ -196,10 +196,13 @@ class Runtime(ABC):
 
 class Launcher(ABC):
     """Starts a plan's workers. ``separate_processes``: each worker is its own process;
-    ``multi_node``: it can place workers on other machines (else every slot is on this one)."""
+    ``multi_node``: it can place workers on other machines (else every slot is on this one);
+    ``background_start``: :meth:`launch` may run on a thread other than the main one (a
+    strategy's workers started ahead, ``trainer.ahead``)."""
 
     separate_processes: bool = True
     multi_node: bool = False
+    background_start: bool = True
 
     @abstractmethod
     def launch(self, workflow: Workflow, plan: ExecutionPlan, *, timeout_s: float) -> Runtime: ...

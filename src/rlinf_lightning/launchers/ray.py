@@ -311,6 +311,7 @@ class RayLauncher(Launcher):
     """
 
     multi_node = True
+    background_start = False  # ray.init off the main thread leaves the driver without its SIGTERM handler
 
     def __init__(self, address: str | None = None) -> None:
         self.address = address

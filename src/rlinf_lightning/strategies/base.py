@@ -41,12 +41,14 @@ class RunInfo:
     """What a strategy learns once the workers run: where the run writes, how long it is, how
     long starting the workers took (what a change of placement would cost again), and whether
     ``trainer.launcher`` starts each worker as a process of its own (``separate_processes``;
-    a plan may name another launcher: :attr:`ExecutionPlan.launcher`)."""
+    a plan may name another launcher: :attr:`ExecutionPlan.launcher`), and whether it can start
+    them in the background (``background_start``: :meth:`Strategy.ahead` is followed)."""
 
     run_dir: Path
     max_iterations: int
     launch_s: float
     separate_processes: bool = False
+    background_start: bool = False
 
 
 @dataclass
@@ -85,6 +87,12 @@ class Strategy(ABC):
         """Whether the workers must be idle after ``iteration`` (not start the next one early),
         so that a new plan can take over right after it."""
         return False
+
+    def ahead(self) -> ExecutionPlan | None:
+        """A plan whose workers should be starting now, in the background, while the current ones
+        keep training: a later :class:`Replan` to its layout takes them over instead of starting
+        its own (asked after each iteration; ``None``, or another plan, stops those started)."""
+        return None
 
     def observe(
         self, iteration: int, seconds: float, spans: list[Span], micro_batch: int, queued: bool

@@ -1,6 +1,7 @@
 """FitLoop: one fit of a policy on a task under a plan: launch the workers, resume, run the
 iterations (each queued while the previous one finishes, unless evaluation, a checkpoint or a
-strategy's re-plan needs the workers idle), evaluate, checkpoint, apply re-plans, summarise."""
+strategy's re-plan needs the workers idle), evaluate, checkpoint, apply re-plans (starting a new
+plan's workers ahead, in the background, when the strategy asks), summarise."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from rlinf_lightning.flow.trace import write_chrome_trace
 from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.policies.lora import checkpoint_mismatch
 from rlinf_lightning.strategies import Replan, RunInfo
+from rlinf_lightning.trainer.ahead import AheadLaunch
 from rlinf_lightning.trainer.logger_connector import hyperparameters
 
 if TYPE_CHECKING:
@@ -47,6 +49,8 @@ class FitLoop:
         self.spans: list[Any] = []  # every stage call, kept for the trace
         self.history: list[dict[str, float]] = []  # evaluations
         self.replan_s = 0.0  # seconds spent starting the workers of a new plan mid-run
+        self.ahead: AheadLaunch | None = None  # workers the strategy asked to start in the background
+        self.discarded: list[AheadLaunch] = []
 
     # -- the whole fit ---------------------------------------------------------------------------
     def run(self, ckpt_path: str | None) -> dict[str, Any]:
@@ -75,6 +79,9 @@ class FitLoop:
             raise
         finally:
             self.runtime.shutdown()
+            self._follow_ahead(None)
+            for a in self.discarded:
+                a.join()
             if t.trace:
                 write_chrome_trace(t.trace, self.spans, self.plan)
 
@@ -154,6 +161,7 @@ class FitLoop:
             self._after_iteration(it)
             if replan is not None and it < t.max_iterations:
                 self._replan(replan)
+            self._follow_ahead(self.strategy.ahead() if it < t.max_iterations else None)
         return train_s, samples
 
     def _start_iteration(self, it: int) -> int:
@@ -242,11 +250,19 @@ class FitLoop:
         sharded checkpoint for a sharded engine) and the synced weights before they continue."""
         if self.plan.layout() != replan.plan.layout():
             t0 = time.perf_counter()
-            self._restart_workers(replan.plan)
+            if self.ahead and self.ahead.layout != replan.plan.layout():  # not those: still wanted?
+                self._follow_ahead(self.strategy.ahead())  # if not, stopped before others start
+            ahead = self.ahead if self.ahead and self.ahead.layout == replan.plan.layout() else None
+            self.ahead = None if ahead else self.ahead
+            waited = self._restart_workers(replan.plan, ahead)
             took = time.perf_counter() - t0
             self.replan_s += took
-            log.info("new workers running in %.1f s", took)
-            self.strategy.on_relaunch(self._run_info(took))
+            if ahead is None:
+                log.info("new workers running in %.1f s", took)
+                self.strategy.on_relaunch(self._run_info(took))
+            else:  # what the switch would have taken without the head start
+                log.info("new workers (started %.1f s ahead) running after %.1f s", ahead.launch_s, took)
+                self.strategy.on_relaunch(self._run_info(took - waited + ahead.launch_s))
         self.plan = self.connector.plan = replan.plan
 
     def _launcher(self, plan: ExecutionPlan) -> Any:
@@ -258,17 +274,43 @@ class FitLoop:
 
     def _run_info(self, launch_s: float) -> RunInfo:
         t = self.trainer
-        separate = LAUNCHERS.resolve(t.launcher).separate_processes
-        return RunInfo(t.default_root_dir, t.max_iterations, launch_s, separate)
+        launcher = LAUNCHERS.resolve(t.launcher)
+        return RunInfo(
+            t.default_root_dir,
+            t.max_iterations,
+            launch_s,
+            launcher.separate_processes,
+            launcher.background_start,
+        )
 
-    def _restart_workers(self, plan: ExecutionPlan) -> None:
+    def _follow_ahead(self, plan: ExecutionPlan | None) -> None:
+        """Keep the workers started ahead for ``plan``, start them, or stop those of another."""
+        layout = None if plan is None else plan.layout()
+        if self.ahead is not None and self.ahead.layout == layout:
+            return
+        if self.ahead is not None:
+            self.ahead.discard()
+            self.discarded.append(self.ahead)
+            self.ahead = None
+        if plan is not None and layout != self.plan.layout() and self._launcher(plan).background_start:
+            log.info("starting ahead, in the background:\n%s", plan.describe(self.workflow))
+            self.ahead = AheadLaunch(lambda: self._launch(plan), layout)
+
+    def _restart_workers(self, plan: ExecutionPlan, ahead: AheadLaunch | None = None) -> float:
+        """Carry the training state to ``plan``'s workers (``ahead``'s, once set up, else new
+        ones); returns the seconds spent waiting for ``ahead``."""
         tmp, train = self.trainer.default_root_dir / ".replan", self.train
         sharded = self.runtime.call(train, "save_sharded", str(tmp), replicas="all")[0]
         state = None if sharded else self.runtime.call(train, "state_dict", replicas="all")[0]
         extra = self._extra_states()
         self.runtime.shutdown()
-        log.info("%s", plan.describe(self.workflow))
-        self.runtime = self._launch(plan)
+        t0 = time.perf_counter()
+        if ahead is None:
+            log.info("%s", plan.describe(self.workflow))
+            self.runtime = self._launch(plan)
+        else:
+            self.runtime = ahead.take()
+        waited = time.perf_counter() - t0 if ahead is not None else 0.0
         if sharded:
             self.runtime.call(train, "load_sharded", str(tmp), replicas="all")
             shutil.rmtree(tmp, ignore_errors=True)
@@ -276,6 +318,7 @@ class FitLoop:
             self.runtime.call(train, "load_state_dict", state, replicas="all")
         self._load_extra_states(extra)
         self.runtime.resync()
+        return waited
 
     def _extra_states(self) -> dict[str, dict[str, Any]]:
         """Every stage's ``extra_state`` that is not empty, by stage name."""

@@ -18,11 +18,17 @@ A replica spanning ``n`` slots (on CPU, one worker with ``n`` torch threads) is 
 the one-slot costs divided by each stage's measured ``speedup[n]``: one iteration of such a
 worker, timed per stage at a size the one-slot fit measured. Widths never measured are not
 predicted.
+
+A stage measured on another cluster at several device counts (``rlinf plan --profile curves.yaml``,
+``auto.curves``) also carries ``replica_cost``: how much more each of its calls costs in a group of
+``d`` data-parallel replicas than ``d`` perfectly scaling ones would (its all-reduce, stragglers),
+interpolated between the counts measured and extrapolated past them along the last two.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -88,6 +94,8 @@ class Profile:
         accelerator: what one slot was (``cpu``: a core, one torch thread; ``cuda``: a GPU).
         points: per stage, the ``(micro_batch, seconds)`` calls behind its fit.
         end_samples, sync_samples: per stage, the measured end-of-iteration and sync seconds.
+        replica_cost: per stage, per data-parallel replica count (as text), the factor on its
+            per-call and end-of-iteration seconds (cost curves only; see the module docstring).
     """
 
     workflow: str
@@ -103,6 +111,7 @@ class Profile:
     points: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     end_samples: dict[str, list[float]] = field(default_factory=dict)
     sync_samples: dict[str, list[float]] = field(default_factory=dict)
+    replica_cost: dict[str, dict[str, float]] = field(default_factory=dict)
 
     # -- from spans ----------------------------------------------------------------------------------
     def add_spans(
@@ -161,6 +170,21 @@ class Profile:
         """How many times faster ``stage`` runs on ``width`` slots than on one (``KeyError``: the
         width was never measured)."""
         return 1.0 if width == 1 else self.speedup[str(width)].get(stage, 1.0)
+
+    def replicas_factor(self, stage: str, replicas: int) -> float:
+        """The factor on ``stage``'s seconds in a group of ``replicas`` data-parallel replicas:
+        1 without a measured curve; else piecewise linear in log(replicas) through the measured
+        counts, and past them along the nearest two (at least 0.01)."""
+        curve = self.replica_cost.get(stage)
+        if not curve:
+            return 1.0
+        pts = sorted((math.log(int(d)), f) for d, f in curve.items())
+        if len(pts) == 1:
+            return pts[0][1]
+        x = math.log(replicas)
+        i = next((i for i in range(1, len(pts) - 1) if x < pts[i][0]), len(pts) - 1)
+        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        return max(0.01, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
     def refit(self) -> None:
         """Fit every stage from its points, end-of-iteration and sync samples."""
@@ -230,6 +254,7 @@ class Profile:
             points={k: [(int(n), float(t)) for n, t in v] for k, v in d["points"].items()},
             end_samples={k: list(v) for k, v in d["end_samples"].items()},
             sync_samples={k: list(v) for k, v in d["sync_samples"].items()},
+            replica_cost={k: dict(v) for k, v in d.get("replica_cost", {}).items()},
         )
 
     def save(self, path: str | Path) -> Path:

@@ -22,7 +22,9 @@ A replica spanning several slots (on CPU, a worker with several torch threads) r
 ``profile.factor(stage, width)`` times faster than one slot: how a stage speeds up over more
 slots (the threads' share of its work, their contention) is not something one slot shows, so it
 is the measured speed-up of that width (auto measures its one-worker width), and a plan with a
-width never measured is refused rather than predicted with one slot's costs.
+width never measured is refused rather than predicted with one slot's costs. A stage with a
+measured cost curve over device counts costs ``profile.replicas_factor(stage, replicas)`` times
+more per call (and per end of iteration) in a group of that many data-parallel replicas.
 """
 
 from __future__ import annotations
@@ -170,9 +172,10 @@ class _Sim:
 
     def _cost(self, stage: str, w: _Worker) -> float:
         c = self.profile.stages.get(stage)
-        return (
-            max(c.call_s(self.mb), 0.0) / self.profile.factor(stage, w.group.slots_per_replica) if c else 0.0
-        )
+        if c is None:
+            return 0.0
+        scale = self.profile.replicas_factor(stage, w.group.replicas)
+        return max(c.call_s(self.mb), 0.0) * scale / self.profile.factor(stage, w.group.slots_per_replica)
 
     def _process(self, w: _Worker, t: float, stage: str, link: Link, m: _Msg) -> None:
         self._queue(link, w.replica).remove(m)
@@ -218,6 +221,7 @@ class _Sim:
 
     def _end(self, w: _Worker, t: float, stage: str) -> None:
         cost = self.profile.stages[stage].end_s if stage in self.profile.stages else 0.0
+        cost *= self.profile.replicas_factor(stage, w.group.replicas)
         cost /= self.profile.factor(stage, w.group.slots_per_replica)
         if stage == self.train and w.group.replicas > 1:  # a collective step
             arrived = self.arrived.setdefault(stage, {})

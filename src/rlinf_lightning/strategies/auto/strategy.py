@@ -1,20 +1,26 @@
 """Auto: measure the run's own stages, simulate every candidate plan, run the best, keep re-tuning.
 
 RLinf's auto placement is an offline tool (stage times measured by hand, typed into YAML, a
-script run, its placement pasted back). Here the first iterations (three with several slots)
-are the measurement:
+script run, its placement pasted back). Here the first iterations (three with several slots,
+two where the first stage runs at one granularity) are the measurement:
 
 1. They run under the profiling plan: one worker on one slot in the driver's process (nothing
    to spawn, so a short run pays no process start-up for the measurement; where one in-process
    worker is not a candidate, collocated with one replica per slot on the trainer's launcher).
    Each stage sits on one slot, as every candidate's groups are, at two granularities:
    iteration 1 at two micro-batches per replica of the collocated plan (its first call per stage
-   is set-up and is dropped), iteration 2 at one. With several slots, iteration 3 runs the same
-   worker on every slot (on CPU one thread per core) to measure each stage's speed-up over them.
-   They train like every other iteration: nothing is thrown away.
+   is set-up and is dropped), iteration 2 at one. With several slots, the next iteration runs the
+   same worker on every slot (on CPU one thread per core) to measure each stage's speed-up over
+   them: iteration 3, or 2 for a sticky first stage (one granularity: iteration 1 is its only
+   one-slot iteration, and the wide one also gives the end-of-iteration costs its set-up hid).
+   They train like every other iteration: nothing is thrown away. After iteration 1, when even
+   perfect scaling over every slot could repay starting worker processes, the fastest
+   multi-worker plan's workers start in the background (``ahead``) while profiling goes on on
+   one slot (the worker on every slot is then not measured: those workers take its cores).
 2. Each stage's time per call is fitted as ``a + b x micro_batch`` (``auto.profile``); the part
    of an iteration no stage call covers is calibrated so the profiling plan's simulation matches
-   its measured iteration 2.
+   its measured iteration 2 (for a sticky first stage, the part of iteration 1 no span covers:
+   the wide iteration may share the cores with workers started ahead).
 3. Every candidate (``auto.search``: one in-process worker on one or every slot, collocated,
    every two-group split of stages and slots, every granularity; minus what memory refuses) is
    simulated (``auto.simulate``); the five fastest are printed. The plan taken is the one with
@@ -39,6 +45,7 @@ import dataclasses
 import logging
 import os
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,7 +151,7 @@ class AutoStrategy(Strategy):
     # -- planning ------------------------------------------------------------------------------------
     def plan(self, workflow: Workflow, resources: Resources, batch: BatchShape) -> ExecutionPlan:
         self.workflow, self.resources, self.batch = workflow, resources, batch
-        self._startup_s, self._wide = process_age_s(), False
+        self._startup_s, self._wide, self._wide_ends = process_age_s(), False, False
         if self.profile is not None:
             if self.profile.workflow != workflow.name:
                 raise ValueError(
@@ -179,6 +186,7 @@ class AutoStrategy(Strategy):
 
     def on_launch(self, info: RunInfo) -> None:
         self.info, self.queued = info, False
+        self._ahead: Candidate | None = None  # the plan whose workers start in the background
         self.seen: deque[_Seen] = deque(maxlen=self.retune_patience + 1)
         self._drift, self._probe_from = 0, None
         self.on_relaunch(info)
@@ -247,25 +255,73 @@ class AutoStrategy(Strategy):
         self, iteration: int, seconds: float, spans: list[Span], micro_batch: int
     ) -> Replan | None:
         assert self.profile is not None
+        n = len(self.resources.slots)
         if self._wide:  # the one worker on every slot ran: its speed-up over one slot
-            self.profile.add_speedup(len(self.resources.slots), spans, micro_batch)
+            self.profile.add_speedup(n, spans, micro_batch)
+            if self._wide_ends:  # profiled at one granularity: its end-of-iteration costs too
+                self.profile.add_spans(spans, micro_batch, widths=dict.fromkeys(self.workflow.stages, n))
+                self.profile.refit()
             return self._profiled(iteration)
         self.profile.add_spans(spans, micro_batch, skip_first=iteration == 1)
         if iteration < PROFILING_ITERATIONS:
-            second = self.batch.micro_batch_for(len(self.resources.slots))
-            if self.workflow.stages[self.workflow.order[0]].sticky or second == micro_batch:
+            self._start_ahead(iteration)
+        wide = self._wide_plan(micro_batch)
+        if iteration < PROFILING_ITERATIONS:
+            second = self.batch.micro_batch_for(n)
+            if not (self.workflow.stages[self.workflow.order[0]].sticky or second == micro_batch):
+                return Replan(self._at(second), f"profiling: micro-batch {micro_batch} -> {second}")
+            if wide is None:  # the same size again, for the costs the first iteration's set-up hid
                 return None
-            return Replan(self._at(second), f"profiling: micro-batch {micro_batch} -> {second}")
         self.profile.refit()
-        self._recalibrate([self.seen[-1]])
-        n = len(self.resources.slots)
-        if self.current.plan.launcher == IN_PROCESS and n > 1 and iteration < self.info.max_iterations:
-            shape = BatchShape(self.batch.rollout_batch_size, self.batch.group_size, micro_batch)
-            wide = one_worker_plan(self.workflow, self.resources, shape, n)
-            if self._fits(wide):
-                self._wide, self.current = True, Candidate("profiling", wide)
-                return Replan(wide, f"profiling: the same worker on {n} slots, for its speed-up")
+        if iteration > 1:
+            self._recalibrate([self.seen[-1]])
+        else:  # one worker, one thread: what no span covers (the wide iteration uses every core)
+            self.profile.overhead_s = max(0.0, seconds - sum(s.end - s.start for s in spans))
+        if wide is not None:
+            self._wide, self._wide_ends, self.current = True, iteration == 1, Candidate("profiling", wide)
+            return Replan(wide, f"profiling: the same worker on {n} slots, for its speed-up")
         return self._profiled(iteration)
+
+    def _wide_plan(self, micro_batch: int) -> ExecutionPlan | None:
+        """The profiling worker on every slot, when it can run and the run has an iteration for it.
+        Not while workers start ahead: on CPU they take the very cores it would be measured on
+        (its speed-up would be theirs; it is then no candidate)."""
+        n, last = len(self.resources.slots), self.seen[-1].iteration >= self.info.max_iterations
+        if self.current.plan.launcher != IN_PROCESS or n == 1 or last or self._ahead:
+            return None
+        shape = BatchShape(self.batch.rollout_batch_size, self.batch.group_size, micro_batch)
+        wide = one_worker_plan(self.workflow, self.resources, shape, n)
+        return wide if self._fits(wide) else None
+
+    def _start_ahead(self, iteration: int) -> None:
+        """After the first profiling iteration: when even perfect scaling over every slot could
+        repay starting worker processes, start the fastest multi-worker plan's now (``ahead``),
+        so that the start-up overlaps the rest of the profile instead of following it (which then
+        leaves out the worker on every slot: see ``_wide_plan``)."""
+        assert self.profile is not None
+        info = self.info
+        if not (info.separate_processes and info.background_start and self._in_process(self.current.plan)):
+            return
+        if self._ahead:
+            return
+        first = Profile.from_dict(self.profile.to_dict())
+        first.refit()
+        one_slot = self._predict(self.seen[-1].micro_batch, first)
+        n, remaining = len(self.resources.slots), self.info.max_iterations - iteration
+        if remaining * one_slot * (1 - 1 / n) <= self.profile.launch_s:
+            return
+        kinds = tuple(k for k in self.kinds if k != "one_worker")
+        ranked = candidates(self.workflow, self.resources, self.batch, first, self._fits, kinds)
+        if ranked:
+            self._ahead, self._ahead_t0 = ranked[0], time.perf_counter()
+            log.info(
+                "auto: iteration %d: %.3f s per iteration on one slot, %d to go: starting the workers "
+                "of %s now, while profiling goes on",
+                iteration, one_slot, remaining, describe(ranked[0]),
+            )  # fmt: skip
+
+    def ahead(self) -> ExecutionPlan | None:
+        return self._ahead.plan if self._ahead else None
 
     def _profiled(self, iteration: int) -> Replan | None:
         """The profile is complete: rank, save it, and take the best plan for the rest of the run."""
@@ -278,6 +334,7 @@ class AutoStrategy(Strategy):
             log.info("auto: profile saved to %s", self.profile.save(path))
         best = self._choose(self.ranked, iteration)
         if self._is_current(best):
+            self._ahead = None
             return None
         return self._switch(best, iteration, "the least predicted time for the remaining iterations")
 
@@ -326,6 +383,8 @@ class AutoStrategy(Strategy):
         assert self.profile is not None
         if c.plan.layout() == self.current.plan.layout():
             return 0.0
+        if self._ahead and c.plan.layout() == self._ahead.plan.layout():  # started: what is left
+            return max(0.0, self.profile.launch_s - (time.perf_counter() - self._ahead_t0))
         return self.profile.inprocess_launch_s if self._in_process(c.plan) else self.profile.launch_s
 
     def _in_process(self, plan: ExecutionPlan) -> bool:
@@ -333,7 +392,7 @@ class AutoStrategy(Strategy):
 
     def _switch(self, best: Candidate, iteration: int, why: str) -> Replan:
         old = self.current
-        self.current = best
+        self.current, self._ahead = best, None  # the workers started ahead take over, or go
         change = (
             f"micro-batch {old.micro_batch} -> {best.micro_batch}"
             if best.plan.layout() == old.plan.layout()
@@ -354,10 +413,12 @@ class AutoStrategy(Strategy):
     def _is_current(self, c: Candidate) -> bool:
         return c.plan.layout() == self.current.plan.layout() and c.micro_batch == self.current.micro_batch
 
-    def _predict(self, micro_batch: int) -> float:
-        """Predicted seconds of the current placement at ``micro_batch``."""
-        assert self.profile is not None
-        return simulate(self.workflow, self._at(micro_batch), self.profile, self.batch.rollout_batch_size)
+    def _predict(self, micro_batch: int, profile: Profile | None = None) -> float:
+        """Predicted seconds of the current placement at ``micro_batch`` (under ``profile``, by
+        default the current one)."""
+        profile = profile or self.profile
+        assert profile is not None
+        return simulate(self.workflow, self._at(micro_batch), profile, self.batch.rollout_batch_size)
 
     def _at(self, micro_batch: int) -> ExecutionPlan:
         """The current placement at granularity ``micro_batch``."""

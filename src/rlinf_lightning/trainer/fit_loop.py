@@ -1,6 +1,10 @@
 """FitLoop: one fit of a policy on a task under a plan: launch the workers, resume, run the
-iterations (each queued while the previous one finishes, unless evaluation, a checkpoint or a
-strategy's re-plan needs the workers idle), evaluate, checkpoint, apply re-plans, summarise."""
+iterations (each queued while the previous one finishes, or up to ``k + 1`` in flight under
+``max_staleness`` k, unless evaluation, a checkpoint or a strategy's re-plan needs the workers
+idle), evaluate, checkpoint, apply re-plans, summarise. Before an evaluation, a checkpoint or the
+end, a lagged weight sync is drained: the rollout takes the newest weights, so what is evaluated
+and saved is the newest policy, and a run resumed from the checkpoint continues exactly as the
+uninterrupted run does."""
 
 from __future__ import annotations
 
@@ -104,7 +108,7 @@ class FitLoop:
                 self.runtime.call(self.train, "load_sharded", str(path / "sharded"), replicas="all")
             else:
                 self.runtime.call(self.train, "load_state_dict", train_state, replicas="all")
-            self.runtime.resync()
+            self.runtime.resync(state["iteration"])
             set_rng_state(rng)
             start_it, self.history = state["iteration"], state["eval_history"]
             log.info("resumed from %s at iteration %d", path, start_it)
@@ -119,16 +123,18 @@ class FitLoop:
         t, calls = self.trainer, self.trainer.callback_connector
         per_iteration = self.task.batch_shape(self.run_spec).rollout_batch_size
         micro_batch: dict[int, int] = {}  # iteration -> its input's micro-batch size
-        train_s, samples, queued = 0.0, 0, False
+        train_s, samples, started = 0.0, 0, start_it  # started: the last iteration queued
         for it in range(start_it + 1, t.max_iterations + 1):
             t.iteration = it
             calls.call("on_iteration_start", it)
-            if not queued:
+            if started < it:
                 t_ready = time.perf_counter()
-                micro_batch[it] = self._start_iteration(it)
-            queued = not self._idle_after(it)
-            if queued:  # the workers start it the moment they finish this one
-                micro_batch[it + 1] = self._start_iteration(it + 1)
+                started, micro_batch[it] = it, self._start_iteration(it)
+            # the workers start the next ones the moment they finish this one
+            while started < it + self.runtime.in_flight - 1 and not self._idle_after(started):
+                started += 1
+                micro_batch[started] = self._start_iteration(started)
+            queued = started > it
             stage_metrics = self.runtime.finish_iteration()
             dt = time.perf_counter() - t_ready
             t_ready += dt
@@ -140,7 +146,7 @@ class FitLoop:
             calls.call("on_iteration_end", it, metrics)
             self._after_iteration(it)
             if replan is not None and it < t.max_iterations:
-                self._replan(replan)
+                self._replan(replan, it)
         return train_s, samples
 
     def _start_iteration(self, it: int) -> int:
@@ -162,7 +168,10 @@ class FitLoop:
     def _after_iteration(self, it: int) -> None:
         """Evaluate and checkpoint when their cadence (or the end) says so."""
         t, last = self.trainer, it == self.trainer.max_iterations
-        if last or (t.eval_every and it % t.eval_every == 0):
+        evaluate = last or bool(t.eval_every and it % t.eval_every == 0)
+        if evaluate or (t.ckpt_every and it % t.ckpt_every == 0):
+            self.runtime.drain(it)
+        if evaluate:
             self.history.append(self._evaluate(it))
         if last or (t.ckpt_every and it % t.ckpt_every == 0):
             self._save(it)
@@ -170,10 +179,13 @@ class FitLoop:
     def _metrics(
         self, stage_metrics: dict[str, dict[str, float]], spans: list[Any], dt: float, samples: int
     ) -> dict[str, float]:
-        """What one iteration logs: each stage's metrics as ``stage/name``, busy seconds per stage
+        """What one iteration logs: each stage's metrics as ``stage/name`` (a name that already has
+        a namespace, such as the learner's ``async/staleness``, as it is), busy seconds per stage
         (``time/stage``), throughput (``perf/*``, counts a stage reports as ``*_total`` per
         second), the strategy's metrics, and the train stage's MFU."""
-        metrics = {f"{st}/{k}": v for st, m in stage_metrics.items() for k, v in m.items()}
+        metrics = {
+            (k if "/" in k else f"{st}/{k}"): v for st, m in stage_metrics.items() for k, v in m.items()
+        }
         metrics.update(self._stage_seconds(spans))
         metrics.update(self.strategy.metrics)
         metrics["time/iteration"] = dt
@@ -222,13 +234,13 @@ class FitLoop:
         )
         t.callback_connector.call("on_save_checkpoint", str(path))
 
-    def _replan(self, replan: Replan) -> None:
+    def _replan(self, replan: Replan, it: int) -> None:
         """Run the next iterations under ``replan.plan``: the same groups take the new micro-batch
         sizes at once; other groups get new workers, which receive the training state (through a
         sharded checkpoint for a sharded engine) and the synced weights before they continue."""
         if self.plan.layout() != replan.plan.layout():
             t0 = time.perf_counter()
-            self._restart_workers(replan.plan)
+            self._restart_workers(replan.plan, it)
             took = time.perf_counter() - t0
             self.replan_s += took
             log.info("new workers running in %.1f s", took)
@@ -247,7 +259,7 @@ class FitLoop:
         separate = LAUNCHERS.resolve(t.launcher).separate_processes
         return RunInfo(t.default_root_dir, t.max_iterations, launch_s, separate)
 
-    def _restart_workers(self, plan: ExecutionPlan) -> None:
+    def _restart_workers(self, plan: ExecutionPlan, it: int) -> None:
         tmp, train = self.trainer.default_root_dir / ".replan", self.train
         sharded = self.runtime.call(train, "save_sharded", str(tmp), replicas="all")[0]
         state = None if sharded else self.runtime.call(train, "state_dict", replicas="all")[0]
@@ -259,7 +271,7 @@ class FitLoop:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             self.runtime.call(train, "load_state_dict", state, replicas="all")
-        self.runtime.resync()
+        self.runtime.resync(it)
 
     # -- the end ---------------------------------------------------------------------------------
     def _summary(self, start_it: int, wall_s: float, train_s: float, samples: int) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning import LMPolicy, RLTrainer
+from rlinf_lightning import Callback, LMPolicy, RLTrainer
 from rlinf_lightning.algorithms import GRPO, OFF_POLICY_CORRECTIONS, PPO
 from rlinf_lightning.algorithms.options import option_problems
 from rlinf_lightning.errors import ConfigError
@@ -75,6 +75,12 @@ class Learner(Stage):
     def record(self):
         return self.seen
 
+    def state_dict(self):
+        return {"w": self.w.clone()}
+
+    def load_state_dict(self, state):
+        self.w = state["w"].clone()
+
 
 def _toy(k: int, plan: str, launcher: str, iterations: int, sleep_s: float = 0.0):
     wf = (
@@ -118,6 +124,50 @@ def test_every_sample_is_at_most_k_versions_behind_on_every_launcher(launcher, k
             assert set(versions) == {expected}, (plan, it, versions)
             assert set(weights) == {float(expected)}, (plan, it, weights)
         assert before == (6 - k, float(6 - k)) and after == (6, 6.0), plan
+
+
+@pytest.mark.parametrize("launcher", LAUNCHER_NAMES)
+def test_new_workers_given_the_held_back_versions_lag_as_the_old_ones_would(launcher):
+    """k = 2: after 3 iterations the sampler holds version 1 and has not applied 2 and 3;
+    new workers (a resume) given the learner's state and those held-back versions run
+    iterations 4-6 on versions 1, 2, 3, exactly as the first workers would have."""
+    wf = (
+        Workflow("toy")
+        .chain(Sampler(), Learner())
+        .sync("learner", "sampler", "weights", staleness=2)
+        .role("train", "learner")
+    )
+    plan = STRATEGIES.resolve("disaggregated").plan(
+        wf, Resources(devices=2, threads_per_slot=1), BatchShape(8, 4)
+    )
+
+    def iterations(runtime, first, last):
+        for it in range(first, last + 1):
+            runtime.run_iteration(it, [TensorDict({"x": torch.zeros(4)}, [4])])
+
+    first = LAUNCHERS.resolve(launcher).launch(wf, plan, timeout_s=60)
+    try:
+        iterations(first, 1, 3)
+        held = first.held_back(3)
+        state = first.call("learner", "state_dict")
+        assert first.call("sampler", "holds") == (1, 1.0)  # reading the backlog applied nothing
+    finally:
+        first.shutdown()
+    assert [(v, None if s is None else float(s["w"])) for v, s in held["weights"]] == [(1, 1.0), (2, 2.0)]
+    second = LAUNCHERS.resolve(launcher).launch(wf, plan, timeout_s=60)
+    try:
+        second.call("learner", "load_state_dict", state)
+        second.resync(3, held)
+        assert second.call("sampler", "holds") == (1, 1.0)
+        iterations(second, 4, 6)
+        seen = second.call("learner", "record")
+    finally:
+        second.shutdown()
+    assert [(it, versions[0], weights[0]) for it, versions, weights in seen] == [
+        (4, 1, 1.0),
+        (5, 2, 2.0),
+        (6, 3, 3.0),
+    ]
 
 
 @pytest.mark.parametrize("launcher", ["inprocess", "processes"])
@@ -227,10 +277,10 @@ def test_bad_correction_options_are_named():
 KEYS = ("actor/loss", "actor/grad_norm", "reward/reward", "async/staleness", "async/staleness_max")
 
 
-def _fit(assets, root, ckpt_path=None, **over):
+def _fit(assets, root, ckpt_path=None, extra_callbacks=(), **over):
     rec = MetricsRecorder(keys=KEYS)
     kw = tiny_trainer_kwargs(root, **{"devices": 2, "num_threads": 1, "precision": "32-true", **over})
-    trainer = RLTrainer(**{**kw, "callbacks": [rec]})
+    trainer = RLTrainer(**{**kw, "callbacks": [rec, *extra_callbacks]})
     task = tiny_task(assets, format_reward="number_format", format_weight=1.0, eval_size=8)
     summary = trainer.fit(LMPolicy(str(assets["sft"]), lr=1e-3), task, ckpt_path=ckpt_path)
     return summary, rec.metrics
@@ -259,21 +309,40 @@ def test_math_grpo_with_k2_is_the_same_under_every_plan_and_differs_from_k0_only
     assert math.isfinite(one["eval_accuracy_after"])
 
 
+class Crash(Exception):
+    pass
+
+
+class CrashAt(Callback):
+    """Ends the fit (as a crash would) when iteration ``at`` starts, the one before it queued."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_iteration_start(self, trainer, iteration):
+        if iteration == self.at:
+            raise Crash(f"crash at iteration {iteration}")
+
+
 def test_resume_with_k2_gives_the_uninterrupted_runs_metrics(assets, tmp_path):
-    """A checkpoint at iteration 2 of a k = 2 run (a synchronisation point: the rollout takes the
-    newest weights first); resuming from it gives iterations 3-5 the uninterrupted run's metrics,
-    with the bound intact (staleness restarts from 0 and grows back to 2)."""
-    common = dict(max_staleness=2, algorithm=GRPO(off_policy_correction="decoupled"), ckpt_every=2,
-                  strategy="disaggregated", logger=True)  # fmt: skip
-    _fit(assets, tmp_path / "full", max_iterations=5, **common)
-    _fit(assets, tmp_path / "split", max_iterations=2, **common)
-    resumed, _ = _fit(assets, tmp_path / "split", ckpt_path="last", max_iterations=5, **common)
-    assert resumed["resumed_from_iteration"] == 2
+    """k = 2, a run that crashes after its checkpoint at iteration 3 (rollout at version 1, versions
+    2 and 3 held back and saved) resumes with the bound intact and the same stream: iterations 4-6
+    log the metrics of an uninterrupted run that never checkpointed (a checkpoint does not disturb
+    the lag), staleness 2 throughout."""
+    common = dict(max_staleness=2, algorithm=GRPO(off_policy_correction="decoupled"),
+                  strategy="disaggregated", logger=True, max_iterations=6)  # fmt: skip
+    _fit(assets, tmp_path / "full", **common)
+    with pytest.raises(Crash):
+        _fit(assets, tmp_path / "split", ckpt_every=3, extra_callbacks=[CrashAt(5)], **common)
+    assert (tmp_path / "split" / "run" / "checkpoints" / "iter-000003" / "sync_backlog.pt").is_file()
+    resumed, _ = _fit(assets, tmp_path / "split", ckpt_path="last", ckpt_every=3, **common)
+    assert resumed["resumed_from_iteration"] == 3
     a, b = logged_metrics(tmp_path / "full" / "run"), logged_metrics(tmp_path / "split" / "run", version=1)
-    assert [float(a[it]["async/staleness_max"]) for it in (1, 2, 3, 4, 5)] == [0, 1, 0, 1, 2]
-    for it in (3, 4, 5):
+    assert [float(a[it]["async/staleness_max"]) for it in range(1, 7)] == [0, 1, 2, 2, 2, 2]
+    for it in (4, 5, 6):
         for key in KEYS:
             assert a[it][key] == b[it][key], (it, key)
+    assert sorted(b) == [4, 5, 6]
 
 
 def test_a_task_that_ignores_max_staleness_is_refused(assets, tmp_path):

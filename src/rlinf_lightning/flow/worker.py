@@ -135,6 +135,8 @@ class Worker:
         self.iteration = 0  # the iteration being run (the version this worker's sync sources send)
         # per sync edge into a hosted stage: the version it holds
         self.versions = {e.channel: 0 for e in workflow.edges_of("sync") if e.dst in self.stages}
+        self._backlog: dict[str, dict[int, Any]] = {ch: {} for ch in self.versions}  # read, not applied
+        self._applied: dict[str, Any] = {}  # per lagged edge, the state its target applied last
 
     # -- what runs when --------------------------------------------------------------------------
 
@@ -176,7 +178,7 @@ class Worker:
     # -- commands (the same for every launcher) ----------------------------------------------------
     def handle(self, cmd: str, args: tuple = ()) -> Any:
         """Run one driver command: ``setup``, ``run_iteration``, ``call``, ``resync``, ``drain``,
-        ``shutdown``."""
+        ``held_back``, ``shutdown``."""
         if cmd == "setup":
             return self.setup()
         if cmd == "run_iteration":
@@ -188,6 +190,8 @@ class Worker:
             return self.resync(*args)
         if cmd == "drain":
             return self.drain(*args)
+        if cmd == "held_back":
+            return self.held_back(*args)
         if cmd == "shutdown":
             return self.teardown()
         raise ValueError(f"unknown worker command {cmd!r}")
@@ -379,13 +383,17 @@ class Worker:
         """After ``iteration``: every sync edge into a hosted stage applies the versions it is due,
         up to ``iteration - staleness`` (exactly one, version ``iteration``, on a synchronous edge;
         none while a lagged edge is within its bound)."""
-        for e in self.workflow.edges_of("sync"):
-            if e.dst in self.stages:
-                while self.versions[e.channel] < iteration - e.staleness:
-                    self._apply_version(e, self.versions[e.channel] + 1)
+        for e in self._sync_into():
+            while self.versions[e.channel] < iteration - e.staleness:
+                self._apply_version(e, self.versions[e.channel] + 1)
 
-    def _apply_version(self, e: Any, version: int) -> None:
-        """Take version ``version`` of sync edge ``e`` from its queue set and apply it."""
+    def _sync_into(self) -> list[Any]:
+        return [e for e in self.workflow.edges_of("sync") if e.dst in self.stages]
+
+    def _read_version(self, e: Any, version: int) -> Any:
+        """Version ``version`` of sync edge ``e``: from the backlog, else from its queue set."""
+        if version in self._backlog[e.channel]:
+            return self._backlog[e.channel].pop(version)
         from tensordict import TensorDict
 
         from rlinf_lightning.flow.collective import broadcast_tensors
@@ -402,30 +410,64 @@ class Worker:
             for (name, _, _), t in zip(meta, tensors):
                 state.set(name, t)
             self.spans.append(Span(self.name, e.dst, "sync_receive", t0, time.time()))
+        return state
+
+    def _apply_version(self, e: Any, version: int, state: Any = None) -> None:
+        """Apply version ``version`` of sync edge ``e`` (``state``, else read it)."""
+        state = self._read_version(e, version) if state is None else state
         stage = self.stages[e.dst]
         self._switch([e.dst], "onload")
         self._timed(e.dst, "apply_sync", stage.apply_sync, e.src, state)
         self._switch([e.dst], "offload")
         stage.policy_version = self.versions[e.channel] = version
+        if e.staleness:  # what a checkpoint saves of a lagging target (see held_back)
+            self._applied[e.channel] = state
 
     def drain(self, version: int) -> None:
         """Apply every version up to ``version`` that a lagged sync edge still holds back (the
-        driver asks when the workers are idle after iteration ``version``: before an evaluation,
-        a checkpoint or the end, so they see, and save, the newest weights)."""
-        for e in self.workflow.edges_of("sync"):
-            if e.dst in self.stages:
-                while self.versions[e.channel] < version:
-                    self._apply_version(e, self.versions[e.channel] + 1)
+        driver asks when the workers are idle after iteration ``version``, before an evaluation
+        or the end, so they evaluate the newest weights)."""
+        for e in self._sync_into():
+            while self.versions[e.channel] < version:
+                self._apply_version(e, self.versions[e.channel] + 1)
 
-    def resync(self, version: int = 0) -> None:
+    def held_back(self, version: int) -> dict[str, list[tuple[int, Any]]]:
+        """Per lagged sync edge into a hosted stage, idle after iteration ``version``: the version
+        its target holds and those it has not applied yet, below ``version`` (the source sends
+        ``version`` itself again when resumed), each ``(version, state)`` (``None``: the initial
+        weights, never synced). What a checkpoint saves so that a resumed run lags exactly as the
+        uninterrupted one; the versions stay where they were, for this run to go on."""
+        out = {}
+        for e in self._sync_into():
+            if e.staleness:
+                held = self.versions[e.channel]
+                for v in range(held + 1, version + 1):  # into the backlog, out of the queues
+                    self._backlog[e.channel][v] = self._read_version(e, v)
+                out[e.channel] = [(held, self._applied.get(e.channel))] + [
+                    (v, self._backlog[e.channel][v]) for v in range(held + 1, version)
+                ]
+        return out
+
+    def resync(self, version: int = 0, held_back: dict[str, list[tuple[int, Any]]] | None = None) -> None:
         """Every sync edge once, outside an iteration, as version ``version`` (after restoring the
-        checkpoint of iteration ``version``, or moving to new workers; every worker is idle)."""
+        checkpoint of iteration ``version``, or moving to new workers; every worker is idle). A
+        lagged edge whose checkpoint saved what its target held back (:meth:`held_back`) takes
+        those versions again instead (then as many more as its bound requires)."""
         self.iteration, self.ports = version, self.port_sets[version % len(self.port_sets)]
         for name in self.stages:
             self._switch([name], "onload")
             self._send_sync(name)
             self._switch([name], "offload")
         self._flush_broadcasts()
-        for e in self.workflow.edges_of("sync"):
-            if e.dst in self.stages:
+        for e in self._sync_into():
+            saved = (held_back or {}).get(e.channel)
+            if not saved:
                 self._apply_version(e, version)
+                continue
+            (held, state), *later = saved
+            if state is not None:
+                self._apply_version(e, held, state)
+            self.stages[e.dst].policy_version = self.versions[e.channel] = held
+            self._backlog[e.channel].update(dict(later))
+            self._backlog[e.channel][version] = self._read_version(e, version)
+        self._receive_sync(version)

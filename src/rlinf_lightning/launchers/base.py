@@ -180,10 +180,24 @@ class Runtime(ABC):
         answers = [out[w] for w in workers]
         return answers[0] if replicas == "first" else answers
 
-    def resync(self, version: int) -> None:
+    def resync(self, version: int, held_back: dict[str, list[tuple[int, Any]]] | None = None) -> None:
         """Run every sync edge once, as version ``version`` (after the checkpoint of iteration
-        ``version`` was loaded into the sending stages, or the training state moved to new workers)."""
-        self._command(self.workers, "resync", version)
+        ``version`` was loaded into the sending stages, or the training state moved to new
+        workers); lagged targets take the versions they held back (:meth:`held_back`) again."""
+        self._command(self.workers, "resync", version, held_back)
+
+    def held_back(self, version: int) -> dict[str, list[tuple[int, Any]]]:
+        """Per lagged sync edge, ``(version, state)`` of what its targets hold and have not applied
+        yet, idle after iteration ``version`` (``Worker.held_back``; a group's replicas hold the
+        same versions, its first one answers); empty without a lagged sync."""
+        if not self.workflow.max_staleness:
+            return {}
+        answers = self._command(self.workers, "held_back", version)
+        out: dict[str, list[tuple[int, Any]]] = {}
+        for worker in self.workers:
+            for channel, versions in answers[worker].items():
+                out.setdefault(channel, versions)
+        return out
 
     def drain(self, version: int) -> None:
         """Every lagged sync target applies the versions up to ``version`` it still holds back

@@ -1,10 +1,10 @@
 """FitLoop: one fit of a policy on a task under a plan: launch the workers, resume, run the
 iterations (each queued while the previous one finishes, or up to ``k + 1`` in flight under
 ``max_staleness`` k, unless evaluation, a checkpoint or a strategy's re-plan needs the workers
-idle), evaluate, checkpoint, apply re-plans, summarise. Before an evaluation, a checkpoint or the
-end, a lagged weight sync is drained: the rollout takes the newest weights, so what is evaluated
-and saved is the newest policy, and a run resumed from the checkpoint continues exactly as the
-uninterrupted run does."""
+idle), evaluate, checkpoint, apply re-plans, summarise. Before an evaluation or the end, a lagged
+weight sync is drained (the rollout takes the newest weights, so what is evaluated is the newest
+policy); a checkpoint instead saves the versions the rollout holds back, so a run resumed from it
+lags, and samples, exactly as the uninterrupted run does."""
 
 from __future__ import annotations
 
@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlinf_lightning.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint, set_rng_state
+from rlinf_lightning.checkpoint import (
+    load_checkpoint,
+    load_sync_backlog,
+    resolve_checkpoint,
+    save_checkpoint,
+    save_sync_backlog,
+    set_rng_state,
+)
 from rlinf_lightning.errors import CheckpointError
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.trace import write_chrome_trace
@@ -108,7 +115,7 @@ class FitLoop:
                 self.runtime.call(self.train, "load_sharded", str(path / "sharded"), replicas="all")
             else:
                 self.runtime.call(self.train, "load_state_dict", train_state, replicas="all")
-            self.runtime.resync(state["iteration"])
+            self.runtime.resync(state["iteration"], load_sync_backlog(path))
             set_rng_state(rng)
             start_it, self.history = state["iteration"], state["eval_history"]
             log.info("resumed from %s at iteration %d", path, start_it)
@@ -168,10 +175,8 @@ class FitLoop:
     def _after_iteration(self, it: int) -> None:
         """Evaluate and checkpoint when their cadence (or the end) says so."""
         t, last = self.trainer, it == self.trainer.max_iterations
-        evaluate = last or bool(t.eval_every and it % t.eval_every == 0)
-        if evaluate or (t.ckpt_every and it % t.ckpt_every == 0):
+        if last or (t.eval_every and it % t.eval_every == 0):
             self.runtime.drain(it)
-        if evaluate:
             self.history.append(self._evaluate(it))
         if last or (t.ckpt_every and it % t.ckpt_every == 0):
             self._save(it)
@@ -223,14 +228,19 @@ class FitLoop:
 
     def _save(self, it: int) -> None:
         t, train = self.trainer, self.train
+        held_back = self.runtime.held_back(it)
+
+        def write_extra(tmp: Path) -> None:
+            self.runtime.call(train, "save_sharded", str(tmp / "sharded"), replicas="all")
+            if held_back:
+                save_sync_backlog(tmp, held_back)
+
         path = save_checkpoint(
             t.ckpt_dir,
             it,
             self.runtime.call(train, "state_dict", replicas="all")[0],
             {"eval_history": self.history, "seed": t.seed},
-            write_extra=lambda tmp: self.runtime.call(
-                train, "save_sharded", str(tmp / "sharded"), replicas="all"
-            ),
+            write_extra=write_extra,
         )
         t.callback_connector.call("on_save_checkpoint", str(path))
 
@@ -263,6 +273,7 @@ class FitLoop:
         tmp, train = self.trainer.default_root_dir / ".replan", self.train
         sharded = self.runtime.call(train, "save_sharded", str(tmp), replicas="all")[0]
         state = None if sharded else self.runtime.call(train, "state_dict", replicas="all")[0]
+        held_back = self.runtime.held_back(it)  # a lagging rollout lags on the new workers too
         self.runtime.shutdown()
         log.info("%s", plan.describe())
         self.runtime = self._launch(plan)
@@ -271,7 +282,7 @@ class FitLoop:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             self.runtime.call(train, "load_state_dict", state, replicas="all")
-        self.runtime.resync(it)
+        self.runtime.resync(it, held_back)
 
     # -- the end ---------------------------------------------------------------------------------
     def _summary(self, start_it: int, wall_s: float, train_s: float, samples: int) -> dict[str, Any]:

@@ -395,3 +395,94 @@ def test_a_failing_learner_mid_async_ends_the_run_with_its_traceback(launcher):
     finally:
         runtime.shutdown()
     assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("launcher", ["processes", "ray"])
+def test_a_learner_killed_mid_async_ends_the_run_naming_it_and_leaves_no_process(launcher):
+    """k = 2, three iterations in flight, the sampler iterations ahead of a slow learner: killing
+    the learner's process ends the run within seconds naming it, and no worker process survives."""
+    import os
+    import signal
+    import threading
+
+    import psutil
+
+    from rlinf_lightning.launchers import WorkerDied
+    from rlinf_lightning.launchers.base import ABORT_GRACE_S
+
+    wf = (
+        Workflow("toy")
+        .chain(Sampler(), Learner(sleep_s=60))
+        .sync("learner", "sampler", "weights", staleness=2)
+        .role("train", "learner")
+    )
+    plan = STRATEGIES.resolve("disaggregated").plan(
+        wf, Resources(devices=2, threads_per_slot=1), BatchShape(8, 4)
+    )
+    runtime = LAUNCHERS.resolve(launcher).launch(wf, plan, timeout_s=120)
+    pids = [info["pid"] for info in runtime.info.values()]
+    learner = runtime.info["train/0"]["pid"]
+    killed: list[float] = []
+    threading.Timer(2.0, lambda: (killed.append(time.monotonic()), os.kill(learner, signal.SIGKILL))).start()
+    try:
+        for it in (1, 2, 3):
+            runtime.start_iteration(it, [TensorDict({"x": torch.zeros(4)}, [4])])
+        with pytest.raises(WorkerDied, match="worker 'train/0' hosting stage\\(s\\) learner died"):
+            runtime.finish_iteration()
+        ended = time.monotonic() - killed[0]
+    finally:
+        runtime.shutdown()
+    # within the grace the other workers get to come back (ABORT_GRACE_S), not a channel timeout
+    assert ended < ABORT_GRACE_S + 5.0, f"the run ended {ended:.2f} s after the kill"
+    time.sleep(1.0)
+    assert not [
+        p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
+
+
+# -- embodied PPO ---------------------------------------------------------------------------------
+def _embodied(root, strategy, **over):
+    from rlinf_lightning.policies import MLPActorCritic
+    from rlinf_lightning.tasks import EmbodiedTask
+
+    rec = MetricsRecorder()
+    trainer = RLTrainer(
+        algorithm=PPO(update_epochs=2, num_minibatches=2, off_policy_correction="decoupled"),
+        strategy=strategy,
+        precision="32-true",
+        devices=2,
+        num_threads=1,
+        max_iterations=4,
+        default_root_dir=str(root),
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[rec],
+        timeout_s=120,
+        **over,
+    )
+    task = EmbodiedTask("FetchReachDense-v4", env_kwargs={"max_episode_steps": 4}, num_envs=8, steps=6,
+                        eval_episodes=2)  # fmt: skip
+    trainer.fit(MLPActorCritic(hidden_sizes=(32, 32)), task)
+    return rec.metrics
+
+
+def test_embodied_ppo_with_k2_is_the_same_under_every_plan(tmp_path):
+    """Embodied PPO, k = 2, decoupled: each env step's sample carries the version that acted, the
+    steps of iterations 1-4 are 0, 1, 2, 2 versions stale, the behaviour weight is logged (1 at
+    staleness 0: the rollout's log-probs are the actor's), and the env/rollout pipeline on its own
+    worker computes what the one-worker plan does."""
+    one = _embodied(tmp_path / "one", CollocatedStrategy(replicas=1), max_staleness=2)
+    two = _embodied(tmp_path / "two", "disaggregated", max_staleness=2)
+    assert [m["async/staleness_max"] for m in one] == [0.0, 1.0, 2.0, 2.0]
+    assert one[0]["async/behaviour_weight"] == pytest.approx(1.0, abs=1e-5)
+    assert abs(one[3]["async/behaviour_weight"] - 1.0) > 1e-4  # the weights that acted were older
+    for it in range(4):
+        for key in (
+            "actor/loss",
+            "actor/grad_norm",
+            "async/staleness",
+            "async/behaviour_weight",
+            "env/return",
+        ):
+            if key in one[it]:
+                assert two[it][key] == pytest.approx(one[it][key], abs=1e-4), (it, key)

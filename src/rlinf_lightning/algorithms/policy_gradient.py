@@ -139,7 +139,10 @@ class PolicyGradient(Algorithm):
             )
             if getattr(self, key) not in registry
         ]
-        if self.tis_cap is not None and self.off_policy_correction != "none":
+        corrects = (
+            self.off_policy_correction in OFF_POLICY_CORRECTIONS and self.off_policy_correction != "none"
+        )
+        if corrects and self.tis_cap is not None and self.tis_cap > 0:  # (else a name or range says)
             p.append(
                 (
                     "tis_cap",

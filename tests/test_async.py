@@ -82,16 +82,21 @@ class Learner(Stage):
         self.w = state["w"].clone()
 
 
-def _toy(k: int, plan: str, launcher: str, iterations: int, sleep_s: float = 0.0):
+def _launch(launcher: str, k: int, learner: Learner, plan: str = "disaggregated", timeout_s: float = 60):
+    """Sampler -> learner with a weight sync lagging ``k``, on one worker or on two (disaggregated)."""
     wf = (
         Workflow("toy")
-        .chain(Sampler(), Learner(sleep_s))
+        .chain(Sampler(), learner)
         .sync("learner", "sampler", "weights", staleness=k)
         .role("train", "learner")
     )
     strategy = CollocatedStrategy(replicas=1) if plan == "one_worker" else STRATEGIES.resolve(plan)
-    plan = strategy.plan(wf, Resources(devices=2, threads_per_slot=1), BatchShape(8, 4))
-    runtime = LAUNCHERS.resolve(launcher).launch(wf, plan, timeout_s=60)
+    placed = strategy.plan(wf, Resources(devices=2, threads_per_slot=1), BatchShape(8, 4))
+    return LAUNCHERS.resolve(launcher).launch(wf, placed, timeout_s=timeout_s)
+
+
+def _toy(k: int, plan: str, launcher: str, iterations: int, sleep_s: float = 0.0):
+    runtime = _launch(launcher, k, Learner(sleep_s), plan)
     try:
         started = 0
         for it in range(1, iterations + 1):  # as the fit loop queues: up to in_flight outstanding
@@ -131,21 +136,12 @@ def test_new_workers_given_the_held_back_versions_lag_as_the_old_ones_would(laun
     """k = 2: after 3 iterations the sampler holds version 1 and has not applied 2 and 3;
     new workers (a resume) given the learner's state and those held-back versions run
     iterations 4-6 on versions 1, 2, 3, exactly as the first workers would have."""
-    wf = (
-        Workflow("toy")
-        .chain(Sampler(), Learner())
-        .sync("learner", "sampler", "weights", staleness=2)
-        .role("train", "learner")
-    )
-    plan = STRATEGIES.resolve("disaggregated").plan(
-        wf, Resources(devices=2, threads_per_slot=1), BatchShape(8, 4)
-    )
 
     def iterations(runtime, first, last):
         for it in range(first, last + 1):
             runtime.run_iteration(it, [TensorDict({"x": torch.zeros(4)}, [4])])
 
-    first = LAUNCHERS.resolve(launcher).launch(wf, plan, timeout_s=60)
+    first = _launch(launcher, 2, Learner())
     try:
         iterations(first, 1, 3)
         held = first.held_back(3)
@@ -154,7 +150,7 @@ def test_new_workers_given_the_held_back_versions_lag_as_the_old_ones_would(laun
     finally:
         first.shutdown()
     assert [(v, None if s is None else float(s["w"])) for v, s in held["weights"]] == [(1, 1.0), (2, 2.0)]
-    second = LAUNCHERS.resolve(launcher).launch(wf, plan, timeout_s=60)
+    second = _launch(launcher, 2, Learner())
     try:
         second.call("learner", "load_state_dict", state)
         second.resync(3, held)
@@ -187,12 +183,8 @@ def test_a_lagged_sync_lets_the_rollout_run_while_the_learner_trains(launcher):
 
 
 def test_the_driver_bounds_the_iterations_in_flight():
-    wf = Workflow("toy").chain(Sampler(), Learner()).sync("learner", "sampler", "w", staleness=2)
-    assert wf.in_flight == 3 and Workflow("plain").in_flight == 2
-    plan = STRATEGIES.resolve("disaggregated").plan(
-        wf, Resources(devices=2, threads_per_slot=1), BatchShape(8, 4)
-    )
-    runtime = LAUNCHERS.resolve("inprocess").launch(wf, plan, timeout_s=60)
+    runtime = _launch("inprocess", 2, Learner())
+    assert runtime.in_flight == 3 and Workflow("plain").in_flight == 2
     try:
         for it in (1, 2, 3):
             runtime.start_iteration(it, [TensorDict({"x": torch.zeros(4)}, [4])])
@@ -374,16 +366,7 @@ class DiesOnIteration3(Learner):
 def test_a_failing_learner_mid_async_ends_the_run_with_its_traceback(launcher):
     """k = 2 with three iterations in flight: the learner raising at iteration 3 ends the run within
     seconds with its own traceback, while the sampler is iterations ahead."""
-    wf = (
-        Workflow("toy")
-        .chain(Sampler(), DiesOnIteration3())
-        .sync("learner", "sampler", "weights", staleness=2)
-        .role("train", "learner")
-    )
-    plan = STRATEGIES.resolve("disaggregated").plan(
-        wf, Resources(devices=2, threads_per_slot=1), BatchShape(8, 4)
-    )
-    runtime = LAUNCHERS.resolve(launcher).launch(wf, plan, timeout_s=60)
+    runtime = _launch(launcher, 2, DiesOnIteration3())
     t0 = time.monotonic()
     try:
         for it in (1, 2, 3):
@@ -410,16 +393,7 @@ def test_a_learner_killed_mid_async_ends_the_run_naming_it_and_leaves_no_process
     from rlinf_lightning.launchers import WorkerDied
     from rlinf_lightning.launchers.base import ABORT_GRACE_S
 
-    wf = (
-        Workflow("toy")
-        .chain(Sampler(), Learner(sleep_s=60))
-        .sync("learner", "sampler", "weights", staleness=2)
-        .role("train", "learner")
-    )
-    plan = STRATEGIES.resolve("disaggregated").plan(
-        wf, Resources(devices=2, threads_per_slot=1), BatchShape(8, 4)
-    )
-    runtime = LAUNCHERS.resolve(launcher).launch(wf, plan, timeout_s=120)
+    runtime = _launch(launcher, 2, Learner(sleep_s=60), timeout_s=120)
     pids = [info["pid"] for info in runtime.info.values()]
     learner = runtime.info["train/0"]["pid"]
     killed: list[float] = []

@@ -15,18 +15,17 @@ algorithm adds its KL and entropy terms and aggregates (``aggregate``).
 
 :data:`OFF_POLICY_CORRECTIONS` holds how a loss treats samples of an older policy (asynchronous
 RL, ``trainer.max_staleness``), by name (an algorithm's ``off_policy_correction`` option picks one).
-Each is a function ``(logprobs, old_logprobs, proximal_logprobs, behaviour_logprobs, mask, config)
--> (denominator, weight, metrics)``: the policy loss takes ``denominator`` as its ratio's, and each
-token's loss is multiplied by ``weight`` (``None``: by 1). ``behaviour_logprobs`` are the policy's
-that sampled (the rollout's, possibly versions old); ``proximal_logprobs`` the actor's before its
-update (recomputed by the actor, AReaL's pi_prox); ``old_logprobs`` the ratio's denominator
-without a correction.
+Each is a function ``(CorrectionInputs, config) -> (denominator, weight, metrics)``: the policy loss
+takes ``denominator`` as its ratio's, and each token's loss is multiplied by ``weight`` (``None``:
+by 1). The behaviour log-probs are the policy's that sampled (the rollout's, possibly versions
+old); the proximal ones the actor's before its update (recomputed by the actor, AReaL's pi_prox);
+``old`` the ratio's denominator without a correction.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -40,8 +39,25 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 KLEstimator = Literal["k1", "k2", "k3"]
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
-Correction = Callable[..., tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]]
-OFF_POLICY_CORRECTIONS: Registry[Correction] = Registry("off-policy correction")
+#: a correction's answer: the ratio's denominator, the per-token weight (``None``: 1), metrics
+Corrected = tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]
+
+
+class CorrectionInputs(NamedTuple):
+    """What an off-policy correction weighs, per token (``[B, T]``): the learner's log-probs (with
+    gradient), the loss's ratio denominator without a correction, the proximal policy's (the actor
+    before its update; ``None`` where not computed), the behaviour policy's, and the mask."""
+
+    logprobs: torch.Tensor
+    old: torch.Tensor
+    proximal: torch.Tensor | None
+    behaviour: torch.Tensor
+    mask: torch.Tensor
+
+
+OFF_POLICY_CORRECTIONS: Registry[Callable[[CorrectionInputs, Any], Corrected]] = Registry(
+    "off-policy correction"
+)
 
 
 def ppo_clip_per_token(
@@ -220,7 +236,7 @@ def correct(
     proximal_logprobs: torch.Tensor | None,
     behaviour_logprobs: torch.Tensor,
     mask: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+) -> Corrected:
     """``config.off_policy_correction``'s ``(denominator, weight, metrics)``; raises when it reads
     proximal log-probs that the caller did not compute."""
     correction = OFF_POLICY_CORRECTIONS.get(config.off_policy_correction)
@@ -228,7 +244,8 @@ def correct(
         raise ValueError(
             f"{config.off_policy_correction} needs proximal_logprobs (the actor's, before its update)"
         )
-    return correction(logprobs, old_logprobs, proximal_logprobs, behaviour_logprobs, mask, config)
+    inputs = CorrectionInputs(logprobs, old_logprobs, proximal_logprobs, behaviour_logprobs, mask)
+    return correction(inputs, config)
 
 
 def _weight_metrics(
@@ -242,76 +259,45 @@ def _weight_metrics(
 
 @OFF_POLICY_CORRECTIONS.register("none")
 @reads("old_logprobs")
-def no_correction(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    proximal_logprobs: torch.Tensor | None,
-    behaviour_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    config: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+def no_correction(lp: CorrectionInputs, config: Any) -> Corrected:
     """The loss as it is: the ratio against ``old_logprobs``, no weight (exact on-policy at k = 0)."""
-    return old_logprobs, None, {}
+    return lp.old, None, {}
 
 
 @OFF_POLICY_CORRECTIONS.register("decoupled")
 @reads("old_logprobs", "proximal_logprobs")
-def decoupled_correction(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    proximal_logprobs: torch.Tensor | None,
-    behaviour_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    config: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+def decoupled_correction(lp: CorrectionInputs, config: Any) -> Corrected:
     """Decoupled PPO (Hilton et al., 2022; AReaL, Fu et al., 2025, arXiv 2505.24298): the ratio is
     ``pi_theta / pi_prox``, clipped around the policy the actor holds (not the stale one that
     sampled), and each token's loss is weighted by ``pi_prox / pi_behave`` truncated at
     ``config.behaviour_weight_cap``, which corrects for the sampler being older."""
-    weight = behaviour_weight(proximal_logprobs, behaviour_logprobs)
+    weight = behaviour_weight(lp.proximal, lp.behaviour)
     capped = weight.clamp(max=config.behaviour_weight_cap)
-    return proximal_logprobs, capped, _weight_metrics(weight, capped != weight, mask)
+    return lp.proximal, capped, _weight_metrics(weight, capped != weight, lp.mask)
 
 
 @OFF_POLICY_CORRECTIONS.register("truncated_is")
 @reads("old_logprobs")
-def truncated_is_correction(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    proximal_logprobs: torch.Tensor | None,
-    behaviour_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    config: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+def truncated_is_correction(lp: CorrectionInputs, config: Any) -> Corrected:
     """Truncated importance sampling (IMPALA, Espeholt et al., 2018): no proximal policy and no
     clip; the policy gradient ``A grad log pi_theta`` is weighted by the truncated importance
     ratio ``min(pi_theta / pi_behave, behaviour_weight_cap)`` (a constant), so a token the learner
     finds far likelier than the sampler did counts at most ``cap`` times. The ratio handed to the
     loss is 1 (the denominator is ``logprobs`` themselves, detached), where PPO's clip is idle."""
-    current = logprobs.detach()
-    weight = behaviour_weight(current, behaviour_logprobs)
+    current = lp.logprobs.detach()
+    weight = behaviour_weight(current, lp.behaviour)
     capped = weight.clamp(max=config.behaviour_weight_cap)
-    return current, capped, _weight_metrics(weight, capped != weight, mask)
+    return current, capped, _weight_metrics(weight, capped != weight, lp.mask)
 
 
 @OFF_POLICY_CORRECTIONS.register("mask")
 @reads("old_logprobs", "proximal_logprobs")
-def mask_correction(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    proximal_logprobs: torch.Tensor | None,
-    behaviour_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    config: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+def mask_correction(lp: CorrectionInputs, config: Any) -> Corrected:
     """Masking (AReaL's behaviour-weight filter; IcePop): decoupled PPO's ratio against the
     proximal policy, and tokens whose behaviour weight ``pi_prox / pi_behave`` lies outside
     ``[1 / cap, cap]`` dropped (weight 0); the others keep their weight."""
-    weight = behaviour_weight(proximal_logprobs, behaviour_logprobs)
+    weight = behaviour_weight(lp.proximal, lp.behaviour)
     cap = config.behaviour_weight_cap
     keep = (weight >= 1.0 / cap) & (weight <= cap)
-    return (
-        proximal_logprobs,
-        torch.where(keep, weight, torch.zeros_like(weight)),
-        _weight_metrics(weight, ~keep, mask),
-    )
+    kept = torch.where(keep, weight, torch.zeros_like(weight))
+    return lp.proximal, kept, _weight_metrics(weight, ~keep, lp.mask)

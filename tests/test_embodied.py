@@ -263,6 +263,7 @@ def test_grpo_groups_share_reset_seeds_and_score_whole_episodes():
             "action": torch.zeros(n, steps, 4),
             "logprob": torch.zeros(n, steps),
             "value": torch.zeros(n, steps),
+            "policy_version": torch.zeros(n, steps, dtype=torch.long),
             "mask": torch.tensor([[True, True, False]] * n),  # the first episode ended after step 1
             "score": torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1]),
             "group_id": torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]),
@@ -389,8 +390,8 @@ def test_a_policy_that_cannot_serve_the_envs_actions_is_refused_naming_the_env_a
 def test_every_ppo_option_out_of_range_is_refused_with_one_line_naming_it():
     bad = {"gamma": 1.5, "gae_lambda": -0.1, "clip_eps": 0.0, "clip_eps_high": -0.2, "dual_clip": 1.0,
            "value_clip": 0.0, "vf_coef": -1.0, "ent_coef": -0.01, "update_epochs": 0, "num_minibatches": 0,
-           "target_kl": 0.0}  # fmt: skip
-    assert set(bad) == {f.name for f in dataclasses.fields(PPO)} - {"norm_adv"}  # every numeric option
+           "target_kl": 0.0, "behaviour_weight_cap": 1.0, "off_policy_correction": "decoupld"}  # fmt: skip
+    assert set(bad) == {f.name for f in dataclasses.fields(PPO)} - {"norm_adv"}  # every option but the switch
     RLTrainer(algorithm=PPO(**{k: None for k in ("clip_eps_high", "dual_clip", "value_clip")})).validate()
     for key, value in bad.items():
         with pytest.raises(ConfigError) as info:

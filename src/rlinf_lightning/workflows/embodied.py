@@ -442,16 +442,20 @@ class PPOLoss:
 
     def __call__(self, policy: RLModule, mb: TensorDict):
         logprob, entropy, value = policy.evaluate(mb)
+        # with a proximal policy the value clip, too, is around the critic the actor holds
+        old_value = mb["proximal_value"] if "proximal_value" in mb.keys() else mb["value"]
         return self.algorithm.loss(
-            logprob, mb["logprob"], mb["advantage"], value, mb["value"], mb["return"], entropy,
+            logprob, mb["logprob"], mb["advantage"], value, old_value, mb["return"], entropy,
             proximal_logprobs=mb.get("proximal_logprob", None),
         )  # fmt: skip
 
 
-def proximal_logprob(policy: RLModule, mb: TensorDict) -> torch.Tensor:
-    """The log-probs of ``mb``'s actions under ``policy`` as it is (no gradient: the caller runs it
-    through ``engine.forward_all``); module-level, so a distributed engine's ranks can run it."""
-    return policy.evaluate(mb)[0]
+def proximal_outputs(policy: RLModule, mb: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probs of ``mb``'s actions and the values under ``policy`` as it is (no gradient: the
+    caller runs it through ``engine.forward_all``); module-level, so a distributed engine's ranks
+    can run it."""
+    logprob, _, value = policy.evaluate(mb)
+    return logprob, value
 
 
 class PPOActorStage(TrainStage):
@@ -533,9 +537,10 @@ class PPOActorStage(TrainStage):
             self._normalize(data)
         if "proximal_logprobs" in self.algorithm.reads:  # the actor before its steps (every rank calls)
             chunks = [] if data is None else list(data.split(max(1, -(-len(data) // self.num_minibatches))))
-            proximal = self.engine.forward_all(chunks, proximal_logprob)
+            proximal = self.engine.forward_all(chunks, proximal_outputs)
             if data is not None:
-                data["proximal_logprob"] = torch.cat([lp.cpu() for lp in proximal])
+                data["proximal_logprob"] = torch.cat([lp.cpu() for lp, _ in proximal])
+                data["proximal_value"] = torch.cat([v.cpu() for _, v in proximal])
         epochs = 0
         for epoch in range(self.update_epochs):
             g = torch.Generator().manual_seed(row_seed(self.seed, self.iteration, epoch))

@@ -29,6 +29,7 @@ def test_a_compiled_actor_trains_as_eager_and_reports_compile_seconds(assets):
         spec = TrainSpec("single", compile=compiled)
         actor = ActorStage(LMPolicy(str(assets["sft"]), lr=1e-3), GRPO(), spec, 0.8, None)
         actor.setup(StageContext())
+        actor.begin_iteration(1)
         metrics, grads = [], None
         for batch in batches:
             actor.process(batch[:8])

@@ -266,6 +266,7 @@ def test_grpo_groups_share_reset_seeds_and_score_whole_episodes():
             "action": torch.zeros(n, steps, 4),
             "logprob": torch.zeros(n, steps),
             "value": torch.zeros(n, steps),
+            "policy_version": torch.zeros(n, steps, dtype=torch.long),
             "mask": torch.tensor([[True, True, False]] * n),  # the first episode ended after step 1
             "score": torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1]),
             "group_id": torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]),
@@ -397,7 +398,8 @@ def test_every_ppo_option_out_of_range_is_refused_with_one_line_naming_it():
     bad = {"gamma": 1.5, "gae_lambda": -0.1, "clip_eps": 0.0, "clip_eps_high": -0.2, "dual_clip": 1.0,
            "value_clip": 0.0, "vf_coef": -1.0, "ent_coef": -0.01, "update_epochs": 0, "num_minibatches": 0,
            "target_kl": 0.0, "kl_coef": -1.0, "kl_estimator": "k9", "kl_target": 0.0, "kl_horizon": 0,
-           "loss_agg": "nope", "critic_warmup": -1}  # fmt: skip
+           "loss_agg": "nope", "critic_warmup": -1, "behaviour_weight_cap": 1.0,
+           "off_policy_correction": "decoupld"}  # fmt: skip
     switches = {"norm_adv", "kl_in_reward"}
     assert set(bad) == {f.name for f in dataclasses.fields(PPO)} - switches  # every numeric option
     RLTrainer(algorithm=PPO(**{k: None for k in ("clip_eps_high", "dual_clip", "value_clip")})).validate()

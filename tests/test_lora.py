@@ -39,12 +39,14 @@ def _rollout(engine: HFRolloutEngine, tok, temperature: float = 0.8, seed: int =
     )
     batch = TensorDict(pack_samples(ids, outs, tok.pad_token_id), batch_size=[4 * len(PROMPTS)])
     batch["advantage"] = torch.randn(len(batch), generator=torch.Generator().manual_seed(seed))
+    batch["policy_version"] = torch.zeros(len(batch), dtype=torch.long)  # sampled by the initial weights
     return batch
 
 
 def _actor(path, lora: LoRA | None, lr: float = 1e-2) -> ActorStage:
     stage = ActorStage(LMPolicy(str(path), lr=lr, lora=lora), GRPO(), TrainSpec("single"), 0.8, None)
     stage.setup(StageContext())
+    stage.begin_iteration(1)  # as a worker does before the first micro-batch
     return stage
 
 
@@ -214,6 +216,7 @@ def test_lora_trains_the_same_adapters_on_two_data_parallel_ranks(assets, engine
         rt = _launch_actor(assets, name, replicas)
         try:
             for it, batch in enumerate(batches):
+                batch["policy_version"] = torch.full((len(batch),), it)  # the weights before it
                 rt.run_iteration(it + 1, [batch[:8], batch[8:]])
             results[name] = (
                 rt.call("actor", "state_dict", replicas="all")[0]["model"],

@@ -8,6 +8,8 @@ Sharded train engines (``ddp``, ``fsdp``) add ``sharded/``: ``torch.distributed.
 of weights and optimizer state, loadable on any number of ranks (then there is no optimizer.pt).
 ``stages/<name>.pt`` holds what a stage needs beyond that (``Stage.extra_state``: a critic's weights
 and optimizer state, an adaptive KL coefficient).
+An asynchronous run (``trainer.max_staleness``) adds ``sync_backlog.pt``: the weight versions its
+rollout held and had not applied yet, so that a resumed run lags exactly as the uninterrupted one.
 ``<root>/last`` names the newest complete checkpoint; it is replaced atomically too, so a crash at
 any moment leaves either the previous or the new checkpoint, never a torn one.
 
@@ -193,6 +195,32 @@ def _load_pt(path: Path) -> Any:
         return torch.load(path, weights_only=True)
     except Exception as exc:  # noqa: BLE001 (truncated files, pickles with code, ...)
         raise CheckpointError(f"{path}: cannot be loaded safely ({type(exc).__name__}: {exc})") from None
+
+
+SYNC_BACKLOG = "sync_backlog.pt"
+
+
+def save_sync_backlog(directory: Path, held_back: dict[str, list[tuple[int, Any]]]) -> None:
+    """Write what lagged sync targets held back (``Runtime.held_back``) as plain tensors."""
+    plain = {
+        channel: [(v, None if state is None else dict(state.items())) for v, state in versions]
+        for channel, versions in held_back.items()
+    }
+    torch.save(plain, directory / SYNC_BACKLOG)
+
+
+def load_sync_backlog(path: str | Path) -> dict[str, list[tuple[int, Any]]] | None:
+    """What :func:`save_sync_backlog` wrote into checkpoint ``path``, states as TensorDicts;
+    ``None`` when the checkpoint has none (a synchronous run's, or one taken after a drain)."""
+    from tensordict import TensorDict
+
+    file = Path(path) / SYNC_BACKLOG
+    if not file.is_file():
+        return None
+    return {
+        channel: [(v, None if s is None else TensorDict(s, batch_size=[])) for v, s in versions]
+        for channel, versions in _load_pt(file).items()
+    }
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

@@ -1,12 +1,13 @@
 """Algorithms, looked up by name in :data:`ALGORITHMS`: named presets (an advantage estimator from
 :data:`ADVANTAGE_ESTIMATORS`, a policy loss from :data:`POLICY_LOSSES`, an aggregation and
-options) and PPO with a critic. All three registries are extended by plugins like the
-built-ins; what each entry reads is declared (``algorithms.contract``) and checked against what
-the task's workflow provides before anything loads."""
+options) and PPO with a critic; off-policy corrections for asynchronous RL from
+:data:`OFF_POLICY_CORRECTIONS`. All these registries are extended by plugins like the built-ins;
+what each entry reads is declared (``algorithms.contract``) and checked against what the task's
+workflow provides before anything loads."""
 
 from rlinf_lightning.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from rlinf_lightning.algorithms.contract import Algorithm
-from rlinf_lightning.algorithms.losses import POLICY_LOSSES
+from rlinf_lightning.algorithms.losses import OFF_POLICY_CORRECTIONS, POLICY_LOSSES
 from rlinf_lightning.algorithms.policy_gradient import PolicyGradient
 from rlinf_lightning.algorithms.ppo import PPO
 from rlinf_lightning.algorithms.presets import (
@@ -35,6 +36,7 @@ __all__ = [
     "DAPO",
     "GRPO",
     "GSPO",
+    "OFF_POLICY_CORRECTIONS",
     "POLICY_LOSSES",
     "PPO",
     "RLOO",

@@ -1,7 +1,8 @@
 """What an estimator or a policy loss reads, and what a workflow provides.
 
-Every entry of :data:`~rlinf_lightning.algorithms.ADVANTAGE_ESTIMATORS` and
-:data:`~rlinf_lightning.algorithms.POLICY_LOSSES` declares the inputs it reads (:func:`reads`), by
+Every entry of :data:`~rlinf_lightning.algorithms.ADVANTAGE_ESTIMATORS`,
+:data:`~rlinf_lightning.algorithms.POLICY_LOSSES` and
+:data:`~rlinf_lightning.algorithms.OFF_POLICY_CORRECTIONS` declares the inputs it reads (:func:`reads`), by
 the names of :data:`INPUTS`; an algorithm reads the union of its parts' (``Algorithm.reads``). A
 workflow states what it provides, and :func:`unserved` turns the difference into one line naming
 the missing input, so ``algorithm: ppo`` on a task without a critic is refused at validation,
@@ -24,6 +25,7 @@ INPUTS: dict[str, str] = {
     "token_rewards": "per-token rewards (the outcome on the last token, a KL penalty in the reward)",
     "values": "a critic's value estimates (a value model)",
     "old_logprobs": "log-probs of the behaviour policy that sampled",
+    "proximal_logprobs": "log-probs of the actor's weights before its update (recomputed by the actor)",
     "ref_logprobs": "log-probs of the frozen reference policy",
 }
 

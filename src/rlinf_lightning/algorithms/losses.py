@@ -12,22 +12,52 @@ algorithm's ``policy_loss`` option picks one; plugins register more): each is a 
 tensors (advantages ``[B, T]`` or ``[B, 1]``), ``config`` being the algorithm object whose options
 it reads, declaring what it reads with :func:`~rlinf_lightning.algorithms.contract.reads`. The
 algorithm adds its KL and entropy terms and aggregates (``aggregate``).
+
+:data:`OFF_POLICY_CORRECTIONS` holds how a loss treats samples of an older policy (asynchronous
+RL, ``trainer.max_staleness``), by name (an algorithm's ``off_policy_correction`` option picks one).
+Each is a function ``(CorrectionInputs, config) -> (denominator, weight, metrics)``: the policy loss
+takes ``denominator`` as its ratio's, and each token's loss is multiplied by ``weight`` (``None``:
+by 1). The behaviour log-probs are the policy's that sampled (the rollout's, possibly versions
+old); the proximal ones the actor's before its update (recomputed by the actor, AReaL's pi_prox);
+``old`` the ratio's denominator without a correction.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
-from rlinf_lightning.algorithms.contract import reads
+from rlinf_lightning.algorithms.contract import reads, reads_of
 from rlinf_lightning.registry import Registry
+
+# the behaviour weight's metric names (logged as they are: ``async/...``)
+WEIGHT_METRIC, DROPPED_METRIC = "async/behaviour_weight", "async/behaviour_weight_clipped_frac"
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+#: a correction's answer: the ratio's denominator, the per-token weight (``None``: 1), metrics
+Corrected = tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]
+
+
+class CorrectionInputs(NamedTuple):
+    """What an off-policy correction weighs, per token (``[B, T]``): the learner's log-probs (with
+    gradient), the loss's ratio denominator without a correction, the proximal policy's (the actor
+    before its update; ``None`` where not computed), the behaviour policy's, and the mask."""
+
+    logprobs: torch.Tensor
+    old: torch.Tensor
+    proximal: torch.Tensor | None
+    behaviour: torch.Tensor
+    mask: torch.Tensor
+
+
+OFF_POLICY_CORRECTIONS: Registry[Callable[[CorrectionInputs, Any], Corrected]] = Registry(
+    "off-policy correction"
+)
 
 
 def ppo_clip_per_token(
@@ -190,3 +220,84 @@ def aggregate(
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mask = mask.to(values.dtype)
     return (values * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+# -- off-policy corrections (asynchronous RL) -----------------------------------------------------
+def behaviour_weight(proximal: torch.Tensor, behaviour: torch.Tensor) -> torch.Tensor:
+    """``pi_prox / pi_behave`` per token: how much likelier the learner's policy finds the sample
+    than the (older) policy that drew it."""
+    return torch.exp(proximal - behaviour)
+
+
+def correct(
+    config: Any,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor | None,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+) -> Corrected:
+    """``config.off_policy_correction``'s ``(denominator, weight, metrics)``; raises when it reads
+    proximal log-probs that the caller did not compute."""
+    correction = OFF_POLICY_CORRECTIONS.get(config.off_policy_correction)
+    if "proximal_logprobs" in reads_of(correction) and proximal_logprobs is None:
+        raise ValueError(
+            f"{config.off_policy_correction} needs proximal_logprobs (the actor's, before its update)"
+        )
+    inputs = CorrectionInputs(logprobs, old_logprobs, proximal_logprobs, behaviour_logprobs, mask)
+    return correction(inputs, config)
+
+
+def _weight_metrics(
+    weight: torch.Tensor, changed: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    return {
+        WEIGHT_METRIC: masked_mean(weight, mask).detach(),
+        DROPPED_METRIC: masked_mean(changed.to(weight.dtype), mask).detach(),
+    }
+
+
+@OFF_POLICY_CORRECTIONS.register("none")
+@reads("old_logprobs")
+def no_correction(lp: CorrectionInputs, config: Any) -> Corrected:
+    """The loss as it is: the ratio against ``old_logprobs``, no weight (exact on-policy at k = 0)."""
+    return lp.old, None, {}
+
+
+@OFF_POLICY_CORRECTIONS.register("decoupled")
+@reads("old_logprobs", "proximal_logprobs")
+def decoupled_correction(lp: CorrectionInputs, config: Any) -> Corrected:
+    """Decoupled PPO (Hilton et al., 2022; AReaL, Fu et al., 2025, arXiv 2505.24298): the ratio is
+    ``pi_theta / pi_prox``, clipped around the policy the actor holds (not the stale one that
+    sampled), and each token's loss is weighted by ``pi_prox / pi_behave`` truncated at
+    ``config.behaviour_weight_cap``, which corrects for the sampler being older."""
+    weight = behaviour_weight(lp.proximal, lp.behaviour)
+    capped = weight.clamp(max=config.behaviour_weight_cap)
+    return lp.proximal, capped, _weight_metrics(weight, capped != weight, lp.mask)
+
+
+@OFF_POLICY_CORRECTIONS.register("truncated_is")
+@reads("old_logprobs")
+def truncated_is_correction(lp: CorrectionInputs, config: Any) -> Corrected:
+    """Truncated importance sampling (IMPALA, Espeholt et al., 2018): no proximal policy and no
+    clip; the policy gradient ``A grad log pi_theta`` is weighted by the truncated importance
+    ratio ``min(pi_theta / pi_behave, behaviour_weight_cap)`` (a constant), so a token the learner
+    finds far likelier than the sampler did counts at most ``cap`` times. The ratio handed to the
+    loss is 1 (the denominator is ``logprobs`` themselves, detached), where PPO's clip is idle."""
+    current = lp.logprobs.detach()
+    weight = behaviour_weight(current, lp.behaviour)
+    capped = weight.clamp(max=config.behaviour_weight_cap)
+    return current, capped, _weight_metrics(weight, capped != weight, lp.mask)
+
+
+@OFF_POLICY_CORRECTIONS.register("mask")
+@reads("old_logprobs", "proximal_logprobs")
+def mask_correction(lp: CorrectionInputs, config: Any) -> Corrected:
+    """Masking (AReaL's behaviour-weight filter; IcePop): decoupled PPO's ratio against the
+    proximal policy, and tokens whose behaviour weight ``pi_prox / pi_behave`` lies outside
+    ``[1 / cap, cap]`` dropped (weight 0); the others keep their weight."""
+    weight = behaviour_weight(lp.proximal, lp.behaviour)
+    cap = config.behaviour_weight_cap
+    keep = (weight >= 1.0 / cap) & (weight <= cap)
+    kept = torch.where(keep, weight, torch.zeros_like(weight))
+    return lp.proximal, kept, _weight_metrics(weight, ~keep, lp.mask)

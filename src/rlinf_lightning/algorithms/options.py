@@ -74,6 +74,8 @@ OPTION_RANGES: dict[str, Range] = {
         choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
     ),
     "tis_cap": Range(0.0, open_low=True, nullable=True, why="null: no correction"),
+    # off-policy corrections (asynchronous RL)
+    "behaviour_weight_cap": Range(1.0, open_low=True, why="a cap on pi_prox / pi_behave above 1"),
     # advantages
     "gamma": _FRACTION,
     "gae_lambda": _FRACTION,

@@ -22,8 +22,11 @@ import torch
 from rlinf_lightning.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from rlinf_lightning.algorithms.contract import Algorithm, reads_of
 from rlinf_lightning.algorithms.losses import (
+    OFF_POLICY_CORRECTIONS,
     POLICY_LOSSES,
     aggregate,
+    behaviour_weight,
+    correct,
     kl_k3,
     kl_penalty,
     masked_mean,
@@ -72,6 +75,12 @@ class PolicyGradient(Algorithm):
             taken before its first step, and each token's loss is weighted by
             ``min(pi_actor / pi_rollout, tis_cap)``. ``None``: the ratio against the rollout's
             log-probs when the actor steps once per rollout batch, no weight.
+        off_policy_correction: how the loss treats samples of an older policy under
+            ``trainer.max_staleness`` (the ``OFF_POLICY_CORRECTIONS`` entry): ``none`` (the loss as
+            it is), ``decoupled`` (AReaL's decoupled PPO), ``truncated_is`` or ``mask``
+            (``docs/async.md``).
+        behaviour_weight_cap: the behaviour weight ``pi_prox / pi_behave``'s cap (``decoupled``,
+            ``truncated_is``) or range ``[1 / cap, cap]`` (``mask``).
         ppo_epochs: passes over each rollout batch.
         num_mini_batches: optimizer steps per pass (whole prompt groups each; must divide the
             prompts per iteration).
@@ -100,6 +109,8 @@ class PolicyGradient(Algorithm):
     kl_horizon: int = 10000
     entropy_coef: float = 0.0
     tis_cap: float | None = None
+    off_policy_correction: str = "none"
+    behaviour_weight_cap: float = 2.0
     ppo_epochs: int = 1
     num_mini_batches: int = 1
     overlong_buffer: float = 0.0
@@ -119,6 +130,7 @@ class PolicyGradient(Algorithm):
         """The inputs its estimator, its loss and its KL term read (``algorithms.contract``)."""
         out = set(reads_of(ADVANTAGE_ESTIMATORS.get(self.advantage_estimator)))
         out |= reads_of(POLICY_LOSSES.get(self.policy_loss))
+        out |= reads_of(OFF_POLICY_CORRECTIONS.get(self.off_policy_correction))
         if self.needs_reference:
             out.add("ref_logprobs")
         return frozenset(out)
@@ -131,9 +143,21 @@ class PolicyGradient(Algorithm):
             for key, registry in (
                 ("advantage_estimator", ADVANTAGE_ESTIMATORS),
                 ("policy_loss", POLICY_LOSSES),
+                ("off_policy_correction", OFF_POLICY_CORRECTIONS),
             )
             if getattr(self, key) not in registry
         ]
+        corrects = (
+            self.off_policy_correction in OFF_POLICY_CORRECTIONS and self.off_policy_correction != "none"
+        )
+        if corrects and self.tis_cap is not None and self.tis_cap > 0:  # (else a name or range says)
+            p.append(
+                (
+                    "tis_cap",
+                    f"weights tokens like off_policy_correction={self.off_policy_correction!r} does; "
+                    "set one of them (tis_cap: null, or off_policy_correction: none)",
+                )
+            )
         return p + kl_target_problems(self)
 
     # -- rewards and advantages ------------------------------------------------------------------
@@ -173,6 +197,7 @@ class PolicyGradient(Algorithm):
         ref_logprobs: torch.Tensor | None = None,
         *,
         rollout_logprobs: torch.Tensor | None = None,
+        proximal_logprobs: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
         kl_coef: float | None = None,
         horizon: int | None = None,
@@ -181,17 +206,27 @@ class PolicyGradient(Algorithm):
         ``[B]``, ``[B, 1]`` or ``[B, T]``.
 
         ``old_logprobs`` are the behaviour policy's (the ratio's denominator); with ``tis_cap``,
-        ``rollout_logprobs`` are the rollout engine's, weighted against. ``entropy`` (per token,
+        ``rollout_logprobs`` are the rollout engine's, weighted against. The off-policy correction
+        may replace the denominator and weight each token (``algorithms.losses``), from the
+        rollout's log-probs (else ``old_logprobs``) as the behaviour policy's and
+        ``proximal_logprobs``, the actor's before its update. ``entropy`` (per token,
         with its gradient) is needed for an entropy bonus; ``kl_coef`` overrides the option (an
         adaptive coefficient's current value); ``horizon`` is the longest response allowed (for
         ``seq-mean-token-sum-norm``)."""
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(-1)
-        pg, metrics = POLICY_LOSSES.get(self.policy_loss)(logprobs, old_logprobs, advantages, mask, self)
+        behaviour = old_logprobs if rollout_logprobs is None else rollout_logprobs
+        ratio_of, behaviour_w, corrected = correct(
+            self, logprobs, old_logprobs, proximal_logprobs, behaviour, mask
+        )
+        pg, metrics = POLICY_LOSSES.get(self.policy_loss)(logprobs, ratio_of, advantages, mask, self)
+        metrics.update(corrected)
+        if behaviour_w is not None:
+            pg = pg * behaviour_w
         if self.tis_cap is not None:
             if rollout_logprobs is None:
                 raise ValueError("tis_cap needs rollout_logprobs (the rollout engine's)")
-            weight = torch.exp(old_logprobs - rollout_logprobs).clamp(max=self.tis_cap)
+            weight = behaviour_weight(old_logprobs, rollout_logprobs).clamp(max=self.tis_cap)
             pg = pg * weight
             metrics["tis_weight"] = masked_mean(weight, mask)
         # KL(rollout policy || actor), k3 on the rollout's samples: the rollout engine's numeric

@@ -7,10 +7,11 @@ One update, as the embodied workflow runs it (``workflows/embodied.py``):
    rewards, terminations, truncations with the value of the final observation);
 2. ``AdvantageStage`` -> :meth:`PPO.compute_advantages` (:func:`algorithms.advantages.gae`);
 3. ``PPOActorStage.end_iteration``: the critic's explained variance of the returns, advantages
-   normalised over the whole batch, then ``update_epochs`` passes over ``num_minibatches``
-   minibatches, each an optimizer step on :meth:`PPO.loss` (``policy.evaluate`` gives new
-   log-probs, entropy and values); with ``target_kl``, no further pass once the last minibatch's
-   approximate KL exceeds it (CleanRL's early stop).
+   normalised over the whole batch, the proximal log-probs recomputed when the off-policy
+   correction reads them (``algorithms.losses.OFF_POLICY_CORRECTIONS``), then ``update_epochs``
+   passes over ``num_minibatches`` minibatches, each an optimizer step on :meth:`PPO.loss`
+   (``policy.evaluate`` gives new log-probs, entropy and values); with ``target_kl``, no further
+   pass once the last minibatch's approximate KL exceeds it (CleanRL's early stop).
 
 On a language model (``workflows/reasoning.py``, with a critic: ``task.critic``) the same options
 run token-level PPO as InstructGPT (Ouyang et al., 2022) does, through :meth:`PPO.on_tokens`:
@@ -32,8 +33,13 @@ from dataclasses import dataclass
 import torch
 
 from rlinf_lightning.algorithms.advantages import gae
-from rlinf_lightning.algorithms.contract import Algorithm
-from rlinf_lightning.algorithms.losses import clipped_value_loss, ppo_clip_per_token
+from rlinf_lightning.algorithms.contract import Algorithm, reads_of
+from rlinf_lightning.algorithms.losses import (
+    OFF_POLICY_CORRECTIONS,
+    clipped_value_loss,
+    correct,
+    ppo_clip_per_token,
+)
 from rlinf_lightning.algorithms.policy_gradient import PolicyGradient, kl_target_problems
 
 
@@ -56,6 +62,11 @@ class PPO(Algorithm):
         target_kl: stop the iteration's passes early once the approximate KL of a pass's last
             minibatch to the rollout policy exceeds this (CleanRL's ``target_kl``; ``None``: all
             ``update_epochs`` passes). Env steps only.
+        off_policy_correction: how the loss treats samples of an older policy under
+            ``trainer.max_staleness``: ``none``, ``decoupled``, ``truncated_is`` or ``mask``
+            (``algorithms.losses.OFF_POLICY_CORRECTIONS``; ``docs/async.md``).
+        behaviour_weight_cap: the behaviour weight ``pi_prox / pi_behave``'s cap (``decoupled``,
+            ``truncated_is``) or range ``[1 / cap, cap]`` (``mask``).
 
     On tokens only (a language model with a critic):
 
@@ -92,6 +103,8 @@ class PPO(Algorithm):
     kl_horizon: int = 10000
     loss_agg: str = "token-mean"
     critic_warmup: int = 0
+    off_policy_correction: str = "none"
+    behaviour_weight_cap: float = 2.0
 
     @property
     def needs_reference(self) -> bool:  # type: ignore[override]
@@ -101,13 +114,20 @@ class PPO(Algorithm):
     def reads(self) -> frozenset[str]:  # type: ignore[override]
         """What it reads beyond the policy's log-probs (a workflow refuses an algorithm reading
         what it does not provide): each step's reward, the critic's values, where episodes end,
-        and the reference's log-probs with a KL term. Option ranges: ``algorithms.options``."""
-        out = {"rewards", "values", "dones", "old_logprobs"}
+        the reference's log-probs with a KL term, and what its off-policy correction reads. Option
+        ranges: ``algorithms.options``."""
+        correction = OFF_POLICY_CORRECTIONS.get(self.off_policy_correction)
+        out = {"rewards", "values", "dones", "old_logprobs"} | reads_of(correction)
         return frozenset(out | {"ref_logprobs"} if self.needs_reference else out)
 
     def problems(self) -> list[tuple[str, str]]:
-        """Options that contradict each other (ranges are checked by ``algorithms.options``)."""
-        return kl_target_problems(self)
+        """Options that contradict each other or name nothing registered (ranges are checked by
+        ``algorithms.options``)."""
+        p = kl_target_problems(self)
+        if self.off_policy_correction not in OFF_POLICY_CORRECTIONS:
+            unknown = OFF_POLICY_CORRECTIONS.unknown_message(self.off_policy_correction)
+            p.append(("off_policy_correction", unknown))
+        return p
 
     def on_tokens(self) -> TokenPPO:
         """These options as the reasoning workflow runs them: one step per response token."""
@@ -130,6 +150,8 @@ class PPO(Algorithm):
             kl_horizon=self.kl_horizon,
             loss_agg=self.loss_agg,
             critic_warmup=self.critic_warmup,
+            off_policy_correction=self.off_policy_correction,
+            behaviour_weight_cap=self.behaviour_weight_cap,
         )
 
     def compute_advantages(
@@ -161,16 +183,25 @@ class PPO(Algorithm):
         old_values: torch.Tensor,
         returns: torch.Tensor,
         entropy: torch.Tensor,
+        proximal_logprobs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """``(loss_sum, count, metrics)`` over a minibatch of samples (all tensors ``[B]``)."""
+        """``(loss_sum, count, metrics)`` over a minibatch of samples (all tensors ``[B]``);
+        ``old_logprobs`` are the behaviour policy's, ``proximal_logprobs`` the actor's before the
+        iteration's first step (needed by a correction that reads them)."""
         hi = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
-        pg, clipped = ppo_clip_per_token(
-            logprobs, old_logprobs, advantages, clip_low=self.clip_eps, clip_high=hi, dual_clip=self.dual_clip
+        ratio_of, weight, corrected = correct(
+            self, logprobs, old_logprobs, proximal_logprobs, old_logprobs, torch.ones_like(logprobs)
         )
+        pg, clipped = ppo_clip_per_token(
+            logprobs, ratio_of, advantages, clip_low=self.clip_eps, clip_high=hi, dual_clip=self.dual_clip
+        )
+        if weight is not None:
+            pg = pg * weight
         v_loss = clipped_value_loss(values, old_values, returns, self.value_clip)
         per_sample = pg + self.vf_coef * v_loss - self.ent_coef * entropy
-        log_ratio = (logprobs - old_logprobs).detach()
+        log_ratio = (logprobs - ratio_of).detach()
         metrics = {
+            **corrected,
             "pg_loss": pg.detach().mean(),
             "value_loss": v_loss.detach().mean(),
             "entropy": entropy.detach().mean(),

@@ -48,6 +48,11 @@ class Stage:
             stages, before anything is measured (e.g. generation 1.0, a reward 0.15): how the
             hybrid strategy splits the stages over two halves of the slots without a placement.
             The auto strategy measures instead.
+
+    Attribute set by the worker:
+        policy_version: the version of the sync state this stage last applied (how many
+            iterations the source had finished: 0 before the first); a rollout stage stamps it on
+            its samples, so the learner sees how stale each sample is.
     """
 
     name: str = "stage"
@@ -55,6 +60,7 @@ class Stage:
     out_keys: tuple[str, ...] = ()
     sticky: bool = False
     cost_hint: float = 0.1
+    policy_version: int = 0
 
     def setup(self, ctx: StageContext) -> None:
         """Build heavy state (models, engines) on the hosting worker."""

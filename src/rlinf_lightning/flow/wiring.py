@@ -22,11 +22,16 @@ End of iteration: each producer replica marks the end on every queue it may writ
 replica is done with an edge when it has seen one mark per producer that writes its queue (for a
 ``shared`` queue a producer writes one mark per consumer, so every consumer gets its count).
 
-Every cross-worker queue exists twice, one per iteration parity: iteration ``i`` uses set ``i % 2``.
-So the driver can queue iteration ``i + 1`` while ``i`` runs, and a replica that has finished ``i``
-and started ``i + 1`` never takes a micro-batch or an end mark that a slower replica still needs
-for ``i`` (no replica can be two iterations ahead: the driver starts ``i + 2`` only after every
-worker finished ``i``).
+Every cross-worker queue exists once per iteration that may be outstanding (``S`` =
+``Workflow.in_flight``: 2, or ``k + 1`` with a sync lagging ``k`` versions): iteration ``i`` uses
+set ``i % S``. So the driver can queue iterations ahead while ``i`` runs, and a replica that has
+finished ``i`` and started a later one never takes a micro-batch or an end mark that a slower
+replica still needs for ``i`` (no replica can be ``S`` iterations ahead: the driver starts
+``i + S`` only after every worker finished ``i``). A sync edge's version ``v`` travels in set
+``v % S``, where its target looks for it.
+
+A lagged sync (``staleness`` > 0) never broadcasts: a broadcast holds the sender until its
+receivers join, and a lagged receiver joins iterations later.
 """
 
 from __future__ import annotations
@@ -51,12 +56,13 @@ class Link:
     producers: int
     consumers: int
     broadcast: bool = False  # a sync edge whose tensors go by broadcast (see the module docstring)
+    sets: int = 2  # iterations that may be outstanding: one set of queues each
 
     def queue_names(self, parity: int | None = None) -> list[str]:
         """The names of the cross-worker queues a launcher creates for this link (none if local):
-        of one iteration parity, or of both when ``parity`` is ``None``."""
+        of one set (``parity``: an iteration modulo :attr:`sets`), or of all sets when ``None``."""
         if parity is None:
-            return self.queue_names(0) + self.queue_names(1)
+            return [n for p in range(self.sets) for n in self.queue_names(p)]
         if self.mode == "shared":
             return [f"{self.edge.channel}@{parity}"]
         if self.mode == "keyed":
@@ -103,8 +109,8 @@ def wire(workflow: Workflow, plan: ExecutionPlan) -> dict[str, Link]:
             mode = "keyed"
         else:
             mode = "shared"
-        broadcast = e.kind == "sync" and mode == "keyed" and plan.broadcasts_sync
-        links[e.channel] = Link(e, mode, producers, dst.replicas, broadcast)
+        broadcast = e.kind == "sync" and mode == "keyed" and plan.broadcasts_sync and not e.staleness
+        links[e.channel] = Link(e, mode, producers, dst.replicas, broadcast, workflow.in_flight)
     return links
 
 
@@ -121,8 +127,8 @@ def worker_queues(links: dict[str, Link], plan: ExecutionPlan, group: str) -> li
 
 
 class Port:
-    """One worker's end of a link for one iteration parity: what it reads, how it writes and
-    marks the end."""
+    """One worker's end of a link for one set of queues (``parity``: an iteration modulo
+    ``link.sets``): what it reads, how it writes and marks the end."""
 
     def __init__(
         self, link: Link, queues: dict[str, Channel], replica: int, local: Channel | None, parity: int = 0
@@ -131,6 +137,11 @@ class Port:
         names = link.queue_names(parity)
         self._out = [local] if link.mode == "local" else [queues[n] for n in names if n in queues]
         self.inbox = local if link.mode == "local" else queues.get(link.reads(replica, parity) or "")
+
+    @property
+    def passes_objects(self) -> bool:
+        """Whether what is put arrives as the same object (an in-process queue: no copy on the way)."""
+        return all(q.transport == "object" for q in self._out)
 
     def put(self, msg: Message, target: int | None = None) -> None:
         if self.link.mode == "keyed":

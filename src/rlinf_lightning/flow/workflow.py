@@ -5,7 +5,11 @@ Three kinds of edges:
 - **stream** edges carry micro-batches, in order of arrival, from one stage to the next; a stage
   reads at most one stream and writes at most one (``chain`` builds them);
 - **sync** edges carry state once per iteration, after the source stage's last micro-batch (new
-  weights from the actor to the rollout);
+  weights from the actor to the rollout); each state is a *version* (version ``v`` is what the
+  source held after iteration ``v``; version 0 the start). A sync edge with ``staleness`` k lets
+  its target run k versions behind: after iteration ``i`` it applies version ``i - k``, so the
+  rollout of iteration ``i + 1`` uses the weights of version ``i - k`` (asynchronous RL with bounded
+  staleness; k = 0 is the synchronous flow);
 - a **loop** is an edge pair between a *head* and a *body* stage that every micro-batch travels
   ``turns`` times per iteration before it leaves the head downstream (an env emits observations,
   the policy returns actions, the env steps; after ``turns`` steps the env emits the trajectory).
@@ -51,13 +55,15 @@ class Edge:
     """``src`` feeds ``dst`` through channel ``channel``.
 
     ``kind``: ``stream`` (micro-batches), ``sync`` (state once per iteration), ``loop`` (head to
-    body of a loop) or ``return`` (body back to the head).
+    body of a loop) or ``return`` (body back to the head). ``staleness``: how many versions a sync
+    edge's target may lag behind its source (see the module docstring).
     """
 
     src: str
     dst: str
     channel: str
     kind: EdgeKind = "stream"
+    staleness: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,10 +113,13 @@ class Workflow:
         self.edges.append(Edge(src, dst, f"{src}->{dst}"))
         return self
 
-    def sync(self, src: str, dst: str, channel: str) -> Workflow:
-        """Hand ``src``'s :meth:`Stage.sync_state` to ``dst``'s :meth:`Stage.apply_sync` each iteration."""
+    def sync(self, src: str, dst: str, channel: str, staleness: int = 0) -> Workflow:
+        """Hand ``src``'s :meth:`Stage.sync_state` to ``dst``'s :meth:`Stage.apply_sync` each
+        iteration; ``dst`` may run up to ``staleness`` versions behind ``src``."""
         self._known(src, dst)
-        self.edges.append(Edge(src, dst, channel, kind="sync"))
+        if staleness < 0:
+            raise ValueError(f"sync {src!r} -> {dst!r}: staleness must be >= 0, got {staleness}")
+        self.edges.append(Edge(src, dst, channel, kind="sync", staleness=staleness))
         return self
 
     def loop(self, head: str, body: str, turns: int) -> Workflow:
@@ -158,6 +167,18 @@ class Workflow:
 
     def loop_of(self, stage: str) -> Loop | None:
         return next((lp for lp in self.loops if stage in (lp.head, lp.body)), None)
+
+    @property
+    def max_staleness(self) -> int:
+        """The largest lag any sync edge allows (0: every sync is synchronous)."""
+        return max((e.staleness for e in self.edges_of("sync")), default=0)
+
+    @property
+    def in_flight(self) -> int:
+        """How many iterations may be outstanding at once: the one finishing and the next (queued
+        while it finishes), or, with a lagged sync, enough that the target of a sync lagging k
+        versions never waits for its source (``k + 1``)."""
+        return max(2, self.max_staleness + 1)
 
     @property
     def source_edge(self) -> Edge:

@@ -132,13 +132,18 @@ class Runtime(ABC):
     def start_iteration(self, iteration: int, batches: list[TensorDict]) -> None:
         """Queue iteration ``iteration`` with its input ``batches`` and return at once.
 
-        At most two iterations are outstanding: the one running and the next, which the workers
-        start the moment they finish the first (see ``flow.wiring`` for why that is safe). The
-        driver meanwhile logs, off the workers' critical path."""
-        if len(self._running) == 2:
-            raise RuntimeError("two iterations are already outstanding; finish_iteration() first")
+        At most :attr:`in_flight` iterations are outstanding: the one running and the next, which
+        the workers start the moment they finish the first (see ``flow.wiring`` for why that is
+        safe), or more under a lagged sync. The driver meanwhile logs, off the workers' critical
+        path."""
+        if len(self._running) == self.in_flight:
+            raise RuntimeError(
+                f"{self.in_flight} iterations are already outstanding; finish_iteration() first"
+            )
         self._running.append(self._submit(self.workers, "run_iteration", iteration))
-        source = Port(self.links[self.workflow.source_edge.channel], self.queues, 0, None, iteration % 2)
+        source = Port(
+            self.links[self.workflow.source_edge.channel], self.queues, 0, None, iteration % self.in_flight
+        )
         for i, b in enumerate(batches):
             source.put(Message(b, key=i))
         source.end()
@@ -157,6 +162,16 @@ class Runtime(ABC):
         self.start_iteration(iteration, batches)
         return self.finish_iteration()
 
+    @property
+    def in_flight(self) -> int:
+        """How many iterations may be outstanding at once (``Workflow.in_flight``)."""
+        return self.workflow.in_flight
+
+    @property
+    def outstanding(self) -> int:
+        """Iterations started and not yet finished."""
+        return len(self._running)
+
     def replicas_of(self, stage: str) -> list[str]:
         g = self.plan.group_of(stage)
         return [g.worker_name(r) for r in range(g.replicas)]
@@ -172,9 +187,30 @@ class Runtime(ABC):
         answers = [out[w] for w in workers]
         return answers[0] if replicas == "first" else answers
 
-    def resync(self) -> None:
-        """Run every sync edge once (after a checkpoint was loaded into the sending stages)."""
-        self._command(self.workers, "resync")
+    def resync(self, version: int, held_back: dict[str, list[tuple[int, Any]]] | None = None) -> None:
+        """Run every sync edge once, as version ``version`` (after the checkpoint of iteration
+        ``version`` was loaded into the sending stages, or the training state moved to new
+        workers); lagged targets take the versions they held back (:meth:`held_back`) again."""
+        self._command(self.workers, "resync", version, held_back)
+
+    def held_back(self, version: int) -> dict[str, list[tuple[int, Any]]]:
+        """Per lagged sync edge, ``(version, state)`` of what its targets hold and have not applied
+        yet, idle after iteration ``version`` (``Worker.held_back``; a group's replicas hold the
+        same versions, its first one answers); empty without a lagged sync."""
+        if not self.workflow.max_staleness:
+            return {}
+        answers = self._command(self.workers, "held_back", version)
+        out: dict[str, list[tuple[int, Any]]] = {}
+        for worker in self.workers:
+            for channel, versions in answers[worker].items():
+                out.setdefault(channel, versions)
+        return out
+
+    def drain(self, version: int) -> None:
+        """Every lagged sync target applies the versions up to ``version`` it still holds back
+        (nothing to do without a lagged sync). Only when no iteration is outstanding."""
+        if self.workflow.max_staleness:
+            self._command(self.workers, "drain", version)
 
     def pop_spans(self) -> list[Span]:
         """Spans of the iterations run since the last call, from every worker."""

@@ -1,13 +1,15 @@
 """In-process launcher: every worker is a thread of this process, channels pass objects.
 
 The embedded default for one machine and for tests. A plan with one worker runs in the calling
-thread; with several, each command runs on every worker in its own thread when the driver collects
-it (so iterations run one at a time here), except ``setup``, which runs one worker after another
-in the calling thread (loading a ``transformers`` model is not
-thread-safe), so stages on thread replicas make their process group on first use, not in
-``setup``. Replicas share the process's torch thread pool (set to the largest per-replica thread
-count) and each has its own copy of its stages; a data-parallel group's replicas meet in private
-gloo groups (enough for ``ddp``; ``fsdp`` needs one process per replica).
+thread; with several, each command runs on every worker in its own thread: an iteration starts at
+once, each worker's after its previous one (so a worker that finished iteration ``i`` starts the
+queued next one while the others still run ``i``), any other command when the driver collects it
+(the workers are idle then); ``setup`` runs one worker after another in the calling thread
+(loading a ``transformers`` model is not thread-safe), so stages on thread replicas make their
+process group on first use, not in ``setup``. Replicas share the process's torch thread pool (set
+to the largest per-replica thread count) and each has its own copy of its stages; a data-parallel
+group's replicas meet in private gloo groups (enough for ``ddp``; ``fsdp`` needs one process per
+replica).
 """
 
 from __future__ import annotations
@@ -32,13 +34,16 @@ JOIN_SLICE_S = 0.01  # the driver waits this long on one worker thread, then loo
 class _Call:
     """One command on one worker, run in a thread (or inline, see ``InProcessRuntime``)."""
 
-    def __init__(self, worker: Worker, cmd: str, args: tuple) -> None:
-        self.worker, self.cmd, self.args = worker, cmd, args
+    def __init__(self, worker: Worker, cmd: str, args: tuple, after: _Call | None = None) -> None:
+        self.worker, self.cmd, self.args, self.after = worker, cmd, args, after
         self.result: Any = None
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
 
     def run(self) -> None:
+        if self.after is not None and self.after.thread is not None:  # the worker's previous iteration
+            self.after.thread.join()
+            self.after = None  # (its call, result and all, is not kept alive by this one)
         try:
             self.result = self.worker.handle(self.cmd, self.args)
         except BaseException as exc:
@@ -70,6 +75,7 @@ class InProcessRuntime(Runtime):
             if link.broadcast
         }
         self.objects: dict[str, Worker] = {}
+        self._last_run: dict[str, _Call] = {}  # per worker, its latest iteration's call
         for g, r in plan.workers:
             slots = g.replica_slots(r)
             ctx = StageContext(
@@ -83,9 +89,15 @@ class InProcessRuntime(Runtime):
         self._setup()
 
     def _submit(self, workers: list[str], cmd: str, *args: Any) -> list[_Call]:
-        """Nothing runs yet: threads share the worker objects, so a command runs when collected
-        (after an iteration's input is fed, and one iteration at a time)."""
-        return [_Call(self.objects[w], cmd, args) for w in workers]
+        """An iteration on several workers starts now, each worker's call after its previous
+        iteration's; anything else runs when collected (in the calling thread for one worker)."""
+        if cmd != "run_iteration" or len(workers) == 1:
+            return [_Call(self.objects[w], cmd, args) for w in workers]
+        calls = [_Call(self.objects[w], cmd, args, self._last_run.get(w)) for w in workers]
+        for w, c in zip(workers, calls):
+            self._last_run[w] = c
+            c.start()
+        return calls
 
     def _collect(self, calls: list[_Call], deadline_s: float | None = None) -> dict[str, Any]:
         if len(calls) == 1 or calls[0].cmd == "setup":  # here, in this thread, one after another
@@ -95,7 +107,8 @@ class InProcessRuntime(Runtime):
                     break
         else:
             for c in calls:
-                c.start()
+                if c.thread is None:
+                    c.start()
             wait_s = deadline_s or self.timeout_s + REPLY_MARGIN_S
             deadline = time.monotonic() + wait_s
             grace_end = None

@@ -28,12 +28,16 @@ class RunSpec:
         seed: seeds data order, sampling and initialisation (``trainer.seed``).
         micro_batch_size: samples per message between stages, as requested
             (``trainer.micro_batch_size``; ``None``: the strategy chooses).
+        max_staleness: how many versions the rollout's weights may lag behind the synchronous
+            flow's (``trainer.max_staleness``): the workflow's weight sync takes it as its
+            ``staleness``, its learner checks it against the versions its samples carry.
     """
 
     algorithm: Any = None
     train: TrainSpec = field(default_factory=TrainSpec)
     seed: int = 0
     micro_batch_size: int | None = None
+    max_staleness: int = 0
 
 
 class Task:

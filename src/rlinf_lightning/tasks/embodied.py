@@ -136,6 +136,7 @@ class EmbodiedTask(Task):
             group_size=self.group_size if self._episodic(run) else 1,
             train=run.train,
             seed=run.seed,
+            max_staleness=run.max_staleness,
         )
 
     def inputs(self, iteration: int, micro_batch_size: int, run: RunSpec) -> list[TensorDict]:

@@ -250,6 +250,7 @@ class MathTask(Task):
             format_reward=self.format_reward,
             format_weight=self.format_weight,
             seed=run.seed,
+            max_staleness=run.max_staleness,
             prompt_format=self.prompt_format,
             max_prompt_tokens=self.longest_prompt_tokens(policy),
             eval_prompts=len(self.test),

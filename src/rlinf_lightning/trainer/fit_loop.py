@@ -1,7 +1,11 @@
 """FitLoop: one fit of a policy on a task under a plan: launch the workers, resume, run the
-iterations (each queued while the previous one finishes, unless evaluation, a checkpoint or a
-strategy's re-plan needs the workers idle), evaluate, checkpoint, apply re-plans (starting a new
-plan's workers ahead, in the background, when the strategy asks), summarise."""
+iterations (each queued while the previous one finishes, or up to ``k + 1`` in flight under
+``max_staleness`` k, unless evaluation, a checkpoint or a strategy's re-plan needs the workers
+idle), evaluate, checkpoint, apply re-plans (starting a new plan's workers ahead, in the
+background, when the strategy asks), summarise. Before an evaluation or the end, a lagged weight
+sync is drained (the rollout takes the newest weights, so what is evaluated is the newest policy);
+a checkpoint instead saves the versions the rollout holds back, so a run resumed from it lags, and
+samples, exactly as the uninterrupted run does."""
 
 from __future__ import annotations
 
@@ -17,8 +21,10 @@ import torch
 from rlinf_lightning.checkpoint import (
     load_checkpoint,
     load_stage_states,
+    load_sync_backlog,
     resolve_checkpoint,
     save_checkpoint,
+    save_sync_backlog,
     set_rng_state,
 )
 from rlinf_lightning.errors import CheckpointError
@@ -124,7 +130,7 @@ class FitLoop:
             else:
                 self.runtime.call(self.train, "load_state_dict", train_state, replicas="all")
             self._load_extra_states(stage_states)
-            self.runtime.resync()
+            self.runtime.resync(state["iteration"], load_sync_backlog(path))
             set_rng_state(rng)
             start_it, self.history = state["iteration"], state["eval_history"]
             log.info("resumed from %s at iteration %d", path, start_it)
@@ -139,16 +145,18 @@ class FitLoop:
         t, calls = self.trainer, self.trainer.callback_connector
         per_iteration = self.task.batch_shape(self.run_spec).rollout_batch_size
         micro_batch: dict[int, int] = {}  # iteration -> its input's micro-batch size
-        train_s, samples, queued = 0.0, 0, False
+        train_s, samples, started = 0.0, 0, start_it  # started: the last iteration queued
         for it in range(start_it + 1, t.max_iterations + 1):
             t.iteration = it
             calls.call("on_iteration_start", it)
-            if not queued:
+            if started < it:
                 t_ready = time.perf_counter()
-                micro_batch[it] = self._start_iteration(it)
-            queued = not self._idle_after(it)
-            if queued:  # the workers start it the moment they finish this one
-                micro_batch[it + 1] = self._start_iteration(it + 1)
+                started, micro_batch[it] = it, self._start_iteration(it)
+            # the workers start the next ones the moment they finish this one
+            while started < it + self.runtime.in_flight - 1 and not self._idle_after(started):
+                started += 1
+                micro_batch[started] = self._start_iteration(started)
+            queued = started > it
             stage_metrics = self.runtime.finish_iteration()
             dt = time.perf_counter() - t_ready
             t_ready += dt
@@ -160,7 +168,7 @@ class FitLoop:
             calls.call("on_iteration_end", it, metrics)
             self._after_iteration(it)
             if replan is not None and it < t.max_iterations:
-                self._replan(replan)
+                self._replan(replan, it)
             self._follow_ahead(self.strategy.ahead() if it < t.max_iterations else None)
         return train_s, samples
 
@@ -184,6 +192,7 @@ class FitLoop:
         """Evaluate and checkpoint when their cadence (or the end) says so."""
         t, last = self.trainer, it == self.trainer.max_iterations
         if last or (t.eval_every and it % t.eval_every == 0):
+            self.runtime.drain(it)
             self.history.append(self._evaluate(it))
         if last or (t.ckpt_every and it % t.ckpt_every == 0):
             self._save(it)
@@ -191,10 +200,13 @@ class FitLoop:
     def _metrics(
         self, stage_metrics: dict[str, dict[str, float]], spans: list[Any], dt: float, samples: int
     ) -> dict[str, float]:
-        """What one iteration logs: each stage's metrics as ``stage/name``, busy seconds per stage
+        """What one iteration logs: each stage's metrics as ``stage/name`` (a name that already has
+        a namespace, such as the learner's ``async/staleness``, as it is), busy seconds per stage
         (``time/stage``), throughput (``perf/*``, counts a stage reports as ``*_total`` per
         second), the strategy's metrics, and the train stage's MFU."""
-        metrics = {f"{st}/{k}": v for st, m in stage_metrics.items() for k, v in m.items()}
+        metrics = {
+            (k if "/" in k else f"{st}/{k}"): v for st, m in stage_metrics.items() for k, v in m.items()
+        }
         metrics.update(self._stage_seconds(spans))
         metrics.update(self.strategy.metrics)
         metrics["time/iteration"] = dt
@@ -232,19 +244,24 @@ class FitLoop:
 
     def _save(self, it: int) -> None:
         t, train = self.trainer, self.train
+        held_back = self.runtime.held_back(it)
+
+        def write_extra(tmp: Path) -> None:
+            self.runtime.call(train, "save_sharded", str(tmp / "sharded"), replicas="all")
+            if held_back:
+                save_sync_backlog(tmp, held_back)
+
         path = save_checkpoint(
             t.ckpt_dir,
             it,
             self.runtime.call(train, "state_dict", replicas="all")[0],
             {"eval_history": self.history, "seed": t.seed},
-            write_extra=lambda tmp: self.runtime.call(
-                train, "save_sharded", str(tmp / "sharded"), replicas="all"
-            ),
+            write_extra=write_extra,
             stage_states=self._extra_states(),
         )
         t.callback_connector.call("on_save_checkpoint", str(path))
 
-    def _replan(self, replan: Replan) -> None:
+    def _replan(self, replan: Replan, it: int) -> None:
         """Run the next iterations under ``replan.plan``: the same groups take the new micro-batch
         sizes at once; other groups get new workers, which receive the training state (through a
         sharded checkpoint for a sharded engine) and the synced weights before they continue."""
@@ -254,7 +271,7 @@ class FitLoop:
                 self._follow_ahead(self.strategy.ahead())  # if not, stopped before others start
             ahead = self.ahead if self.ahead and self.ahead.layout == replan.plan.layout() else None
             self.ahead = None if ahead else self.ahead
-            waited = self._restart_workers(replan.plan, ahead)
+            waited = self._restart_workers(replan.plan, it, ahead)
             took = time.perf_counter() - t0
             self.replan_s += took
             if ahead is None:
@@ -296,13 +313,14 @@ class FitLoop:
             log.info("starting ahead, in the background:\n%s", plan.describe(self.workflow))
             self.ahead = AheadLaunch(lambda: self._launch(plan), layout)
 
-    def _restart_workers(self, plan: ExecutionPlan, ahead: AheadLaunch | None = None) -> float:
+    def _restart_workers(self, plan: ExecutionPlan, it: int, ahead: AheadLaunch | None = None) -> float:
         """Carry the training state to ``plan``'s workers (``ahead``'s, once set up, else new
         ones); returns the seconds spent waiting for ``ahead``."""
         tmp, train = self.trainer.default_root_dir / ".replan", self.train
         sharded = self.runtime.call(train, "save_sharded", str(tmp), replicas="all")[0]
         state = None if sharded else self.runtime.call(train, "state_dict", replicas="all")[0]
         extra = self._extra_states()
+        held_back = self.runtime.held_back(it)  # a lagging rollout lags on the new workers too
         self.runtime.shutdown()
         t0 = time.perf_counter()
         if ahead is None:
@@ -317,7 +335,7 @@ class FitLoop:
         else:
             self.runtime.call(train, "load_state_dict", state, replicas="all")
         self._load_extra_states(extra)
-        self.runtime.resync()
+        self.runtime.resync(it, held_back)
         return waited
 
     def _extra_states(self) -> dict[str, dict[str, Any]]:

@@ -58,6 +58,18 @@ class PlanConnector:
         workflow.check_keys(task.input_keys)
         if "train" not in workflow.roles:
             raise ValueError(f"workflow {workflow.name!r} names no stage with role 'train'")
+        if workflow.max_staleness != run.max_staleness:
+            raise ConfigError(
+                [
+                    (
+                        "trainer.max_staleness",
+                        f"{run.max_staleness}, but the {type(task).__name__} task's workflow "
+                        f"{workflow.name!r} lets its weight sync lag {workflow.max_staleness} "
+                        "(its build_workflow must pass run.max_staleness to Workflow.sync); "
+                        "use trainer.max_staleness=0 with this task",
+                    )
+                ]
+            )
         self.strategy = STRATEGIES.resolve(self.trainer.strategy)
         plan = self.strategy.plan(workflow, self.resources, task.batch_shape(run))
         plan.validate(workflow, len(self.resources.slots))

@@ -71,6 +71,14 @@ class RLTrainer:
             for collocated, a quarter for pipelined).
         eval_every: evaluate on the held-out split every this many iterations (0: only before and after).
         ckpt_every: checkpoint every this many iterations (0: only at the end).
+        max_staleness: asynchronous RL with bounded staleness: the rollout of iteration ``i`` may
+            use weights ``k`` versions older than the synchronous flow's (version ``i - 1 - k``
+            instead of ``i - 1``, version ``v`` being the weights after ``v`` updates), so it
+            runs while the actor still trains on earlier iterations; up to ``k + 1`` iterations
+            are in flight. Every sample carries the version that produced it; the actor checks the
+            bound and logs ``async/staleness_mean`` and ``_max``. 0: synchronous (on-policy).
+            Pair it with an off-policy correction (``trainer.algorithm.off_policy_correction``,
+            see ``docs/async.md``).
         default_root_dir: run directory (logs, checkpoints, ``summary.json``).
         logger: ``True`` for a CSVLogger (``<default_root_dir>/logs/version_N/metrics.csv``; a resumed
             run writes the next version, so nothing is overwritten), ``False`` for none, a name
@@ -100,6 +108,7 @@ class RLTrainer:
         micro_batch_size: int | None = None,
         eval_every: int = 0,
         ckpt_every: int = 0,
+        max_staleness: int = 0,
         default_root_dir: str = "runs/default",
         logger: LoggerSpec = True,
         callbacks: list[Any] | None = None,
@@ -115,6 +124,7 @@ class RLTrainer:
         self.devices, self.num_nodes = devices, num_nodes
         self.max_iterations, self.micro_batch_size = max_iterations, micro_batch_size
         self.eval_every, self.ckpt_every = eval_every, ckpt_every
+        self.max_staleness = max_staleness
         self.default_root_dir = Path(default_root_dir)
         self.callbacks: list[Any] = list(callbacks or [])
         self.enable_progress_bar, self.seed = enable_progress_bar, seed
@@ -135,6 +145,7 @@ class RLTrainer:
             train=TrainSpec(self.train_engine, self.train_engine_options, self.precision, self.compile),
             seed=self.seed,
             micro_batch_size=self.micro_batch_size,
+            max_staleness=self.max_staleness,
         )
 
     @property
@@ -183,7 +194,7 @@ class RLTrainer:
         for key in ("devices", "num_nodes", "max_iterations", "micro_batch_size"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 p.append((f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}"))
-        for key in ("eval_every", "ckpt_every", "num_threads"):
+        for key in ("eval_every", "ckpt_every", "num_threads", "max_staleness"):
             if getattr(self, key) < 0:
                 p.append((f"trainer.{key}", f"must be >= 0, got {getattr(self, key)}"))
         if self.timeout_s <= 0:

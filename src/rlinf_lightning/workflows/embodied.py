@@ -50,8 +50,8 @@ EVAL_MAX_STEPS = 10_000
 #: what the workflow gives an algorithm, by the way it computes advantages: GAE over each step's
 #: reward with the critic's values, or one score per episode compared within a group of envs
 PROVIDES = {
-    "gae": frozenset({"rewards", "values", "dones", "old_logprobs"}),
-    "episodes": frozenset({"rewards", "group_ids", "response_mask", "old_logprobs"}),
+    "gae": frozenset({"rewards", "values", "dones", "old_logprobs", "proximal_logprobs"}),
+    "episodes": frozenset({"rewards", "group_ids", "response_mask", "old_logprobs", "proximal_logprobs"}),
 }
 
 
@@ -130,7 +130,7 @@ class EnvStage(Stage):
     # round the loop: observations; downstream: each shard's trajectory
     out_keys = ("obs", "final_obs", "bootstrap", "env_id", "step", "action", "logprob", "value", "reward",
                 "terminated", "truncated", "final_value", "next_value", "mask", "score",
-                "group_id")  # fmt: skip
+                "group_id", "policy_version")  # fmt: skip
 
     def __init__(
         self,
@@ -171,8 +171,8 @@ class EnvStage(Stage):
             env = s.env if s is not None else make_env(self.env_name, n, **self.env_kwargs)
             s = self.shards[shard] = _Shard(env, shard, first_env, env.reset(self._seeds(first_env, n)))
             s.episode_return, s.episode_length = torch.zeros(n), torch.zeros(n, dtype=torch.long)
-        s.t, s.steps = 0, {k: [] for k in ("obs", "action", "logprob", "value", "reward", "terminated",
-                                          "truncated", "final_value", "mask")}  # fmt: skip
+        s.t, s.steps = 0, {k: [] for k in ("obs", "action", "logprob", "value", "policy_version", "reward",
+                                          "terminated", "truncated", "final_value", "mask")}  # fmt: skip
         s.succeeded, s.running = torch.zeros(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool)
         return self._observation(s)
 
@@ -196,7 +196,7 @@ class EnvStage(Stage):
             s.steps["final_value"].append(answer["final_value"])
         if s.t == self.steps:  # the extra turn: the value of the last observation, then the trajectory
             return self._trajectory(s, answer["value"])
-        for key in ("action", "logprob", "value"):
+        for key in ("action", "logprob", "value", "policy_version"):
             s.steps[key].append(answer[key])
         s.steps["obs"].append(s.obs)
         self._step(s, answer["action"])
@@ -261,7 +261,7 @@ class EnvRolloutStage(Stage):
 
     name = "rollout"
     in_keys = ("obs", "final_obs", "bootstrap", "env_id", "step")
-    out_keys = ("action", "logprob", "value", "final_value", "shard")
+    out_keys = ("action", "logprob", "value", "final_value", "shard", "policy_version")
 
     def __init__(self, policy: RLModule, seed: int = 0, chunk: int = 1) -> None:
         self.policy, self.seed, self.chunk = policy, seed, chunk
@@ -293,6 +293,7 @@ class EnvRolloutStage(Stage):
             final_value[rows] = self.net.value(batch["final_obs"][rows])
         out["final_value"] = final_value
         out["shard"] = batch["shard"]  # which of the env stage's shards asked
+        out["policy_version"] = torch.full_like(batch["shard"], self.policy_version)
         return out.to("cpu")
 
     def apply_sync(self, source: str, state: TensorDict) -> None:
@@ -335,7 +336,8 @@ class GAEStage(Stage):
     """GAE over each shard's trajectory; emits its steps as samples (with a global sample id)."""
 
     name = "advantage"
-    in_keys = ("reward", "value", "terminated", "truncated", "final_value", "next_value", "env_id")
+    in_keys = ("reward", "value", "terminated", "truncated", "final_value", "next_value", "env_id",
+               "policy_version")  # fmt: skip
     out_keys = ("advantage", "return", "sample_id")
 
     def __init__(self, algorithm: Any) -> None:
@@ -356,6 +358,7 @@ class GAEStage(Stage):
                 "action": traj["action"],
                 "logprob": traj["logprob"],
                 "value": traj["value"],
+                "policy_version": traj["policy_version"],
                 "advantage": adv,
                 "return": ret,
                 "sample_id": traj["env_id"][:, None] * steps + torch.arange(steps),
@@ -371,7 +374,7 @@ class EpisodeAdvantageStage(Stage):
     whose scores are all equal carry no signal and are dropped (masked out)."""
 
     name = "advantage"
-    in_keys = ("score", "group_id", "mask", "env_id")
+    in_keys = ("score", "group_id", "mask", "env_id", "policy_version")
     out_keys = ("advantage", "mask", "sample_id")
 
     def __init__(self, algorithm: Any) -> None:
@@ -393,6 +396,7 @@ class EpisodeAdvantageStage(Stage):
                 "action": traj["action"],
                 "logprob": traj["logprob"],
                 "value": traj["value"],
+                "policy_version": traj["policy_version"],
                 "advantage": adv[:, None].expand(n, steps),
                 "mask": traj["mask"] & signal[:, None],
                 "sample_id": traj["env_id"][:, None] * steps + torch.arange(steps),
@@ -408,7 +412,7 @@ class EpisodeAdvantageStage(Stage):
 class EpisodeGRPOLoss:
     """GRPO's clipped surrogate on the masked steps (no critic); picklable, for every rank."""
 
-    in_keys = ("obs", "action", "logprob", "advantage", "mask", "sample_id")
+    in_keys = ("obs", "action", "logprob", "advantage", "mask", "sample_id", "policy_version")
 
     def __init__(self, algorithm: Any) -> None:
         self.algorithm = algorithm
@@ -416,8 +420,13 @@ class EpisodeGRPOLoss:
     def __call__(self, policy: RLModule, mb: TensorDict):
         logprob, entropy, _ = policy.evaluate(mb)
         mask = mb["mask"].float()[:, None]
+        proximal = mb.get("proximal_logprob", None)
         loss_sum, count, metrics = self.algorithm.loss(
-            logprob[:, None], mb["logprob"][:, None], mb["advantage"], mask
+            logprob[:, None],
+            mb["logprob"][:, None],
+            mb["advantage"],
+            mask,
+            proximal_logprobs=None if proximal is None else proximal[:, None],
         )
         mean_entropy = (entropy.detach() * mask[:, 0]).sum() / mask.sum().clamp_min(1.0)
         return loss_sum, count, {**metrics, "entropy": mean_entropy}
@@ -426,16 +435,27 @@ class EpisodeGRPOLoss:
 class PPOLoss:
     """``(policy, minibatch) -> (loss_sum, count, metrics)``; picklable, for every rank."""
 
-    in_keys = ("obs", "action", "logprob", "value", "advantage", "return", "sample_id")
+    in_keys = ("obs", "action", "logprob", "value", "advantage", "return", "sample_id", "policy_version")
 
     def __init__(self, algorithm: Any) -> None:
         self.algorithm = algorithm
 
     def __call__(self, policy: RLModule, mb: TensorDict):
         logprob, entropy, value = policy.evaluate(mb)
+        # with a proximal policy the value clip, too, is around the critic the actor holds
+        old_value = mb["proximal_value"] if "proximal_value" in mb.keys() else mb["value"]
         return self.algorithm.loss(
-            logprob, mb["logprob"], mb["advantage"], value, mb["value"], mb["return"], entropy
-        )
+            logprob, mb["logprob"], mb["advantage"], value, old_value, mb["return"], entropy,
+            proximal_logprobs=mb.get("proximal_logprob", None),
+        )  # fmt: skip
+
+
+def proximal_outputs(policy: RLModule, mb: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probs of ``mb``'s actions and the values under ``policy`` as it is (no gradient: the
+    caller runs it through ``engine.forward_all``); module-level, so a distributed engine's ranks
+    can run it."""
+    logprob, _, value = policy.evaluate(mb)
+    return logprob, value
 
 
 class PPOActorStage(TrainStage):
@@ -456,8 +476,9 @@ class PPOActorStage(TrainStage):
         train: TrainSpec,
         total_samples: int,
         seed: int = 0,
+        max_staleness: int = 0,
     ) -> None:
-        super().__init__(policy, train)
+        super().__init__(policy, train, max_staleness)
         self.algorithm, self.loss, self.total_samples, self.seed = algorithm, loss, total_samples, seed
         self.in_keys = loss.in_keys
         self.update_epochs = getattr(algorithm, "update_epochs", 1)
@@ -466,9 +487,10 @@ class PPOActorStage(TrainStage):
         self.target_kl = getattr(algorithm, "target_kl", None)
 
     def begin_iteration(self, iteration: int) -> None:
-        self.iteration, self.buffer = iteration, []
+        self.iteration, self.buffer, self.metrics = iteration, [], Metrics()
 
     def process(self, batch: TensorDict) -> None:
+        self.check_staleness(self.iteration, batch["policy_version"], self.metrics)
         self.buffer.append(batch)
         return None
 
@@ -508,11 +530,17 @@ class PPOActorStage(TrainStage):
 
     def end_iteration(self) -> Metrics:
         data = torch.cat(self.buffer) if self.buffer else None
-        metrics = Metrics()
+        metrics = self.metrics
         if "return" in self.loss.in_keys:
             self._explained_variance(data, metrics)
         if self.norm_adv:
             self._normalize(data)
+        if "proximal_logprobs" in self.algorithm.reads:  # the actor before its steps (every rank calls)
+            chunks = [] if data is None else list(data.split(max(1, -(-len(data) // self.num_minibatches))))
+            proximal = self.engine.forward_all(chunks, proximal_outputs)
+            if data is not None:
+                data["proximal_logprob"] = torch.cat([lp.cpu() for lp, _ in proximal])
+                data["proximal_value"] = torch.cat([v.cpu() for _, v in proximal])
         epochs = 0
         for epoch in range(self.update_epochs):
             g = torch.Generator().manual_seed(row_seed(self.seed, self.iteration, epoch))
@@ -551,6 +579,7 @@ def embodied_workflow(
     group_size: int,
     train: TrainSpec,
     seed: int,
+    max_staleness: int = 0,
 ) -> Any:
     """PPO (an algorithm reading values: GAE) or GRPO over episodes, by :func:`advantage_mode`."""
     from rlinf_lightning.flow.workflow import Workflow
@@ -561,13 +590,13 @@ def embodied_workflow(
         raise ConfigError([("trainer.algorithm.critic_warmup", why)])
     advantage = GAEStage(algorithm) if ppo else EpisodeAdvantageStage(algorithm)
     loss = PPOLoss(algorithm) if ppo else EpisodeGRPOLoss(algorithm)
-    actor = PPOActorStage(policy, algorithm, loss, train, num_envs * steps, seed)
+    actor = PPOActorStage(policy, algorithm, loss, train, num_envs * steps, seed, max_staleness)
     return (
         Workflow("embodied")
         .chain(EnvStage(env, env_kwargs, steps, chunk, seed, group_size, episodic=not ppo), advantage, actor)
         .add(EnvRolloutStage(policy, seed, chunk))
         .loop("env", "rollout", turns=steps + 1)
-        .sync("actor", "rollout", "weights")
+        .sync("actor", "rollout", "weights", staleness=max_staleness)
         .role("train", "actor")
         .role("evaluate", "rollout")
     )

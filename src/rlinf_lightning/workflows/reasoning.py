@@ -111,6 +111,7 @@ class RolloutStage(Stage):
         "completion",
         "answer",
         "prompt",
+        "policy_version",
     )
 
     def __init__(
@@ -232,6 +233,7 @@ class RolloutStage(Stage):
                 "completion": texts,
                 "answer": [a for a in answers for _ in range(n)],
                 "prompt": [p for p in prompts for _ in range(n)],
+                "policy_version": torch.full((len(texts),), self.policy_version),
             },
             batch_size=[len(texts)],
         )
@@ -457,7 +459,9 @@ class PolicyLoss:
 
     The ratio's denominator is the behaviour policy's log-probs: ``old_logprobs`` when the actor
     took them before its first step (several updates per batch, or ``tis_cap``), else the
-    rollout's. ``kl_coef`` is the KL coefficient of this iteration (adaptive ones change)."""
+    rollout's. The proximal log-probs of an off-policy correction are the actor's before its
+    first step: ``old_logprobs``, or, when it steps once, its log-probs now (it has not stepped
+    yet). ``kl_coef`` is the KL coefficient of this iteration (adaptive ones change)."""
 
     def __init__(self, algorithm: Any, temperature: float, horizon: int | None = None) -> None:
         self.algorithm, self.temperature, self.horizon = algorithm, temperature, horizon
@@ -482,6 +486,7 @@ class PolicyLoss:
             mb["response_mask"],
             mb.get("ref_logprobs", None),
             rollout_logprobs=mb["rollout_logprobs"],
+            proximal_logprobs=mb["old_logprobs"] if "old_logprobs" in mb.keys() else logp.detach(),
             entropy=entropy,
             kl_coef=self.kl_coef,
             horizon=self.horizon,
@@ -510,7 +515,15 @@ class ActorStage(TrainStage):
 
     name = "actor"
     cost_hint = 1.0
-    in_keys = ("input_ids", "attention_mask", "response_mask", "rollout_logprobs", "advantage", "group_id")
+    in_keys = (
+        "input_ids",
+        "attention_mask",
+        "response_mask",
+        "rollout_logprobs",
+        "advantage",
+        "group_id",
+        "policy_version",
+    )
 
     def __init__(
         self,
@@ -523,8 +536,9 @@ class ActorStage(TrainStage):
         horizon: int = 1,
         prompts_per_iteration: int = 1,
         seed: int = 0,
+        max_staleness: int = 0,
     ) -> None:
-        super().__init__(policy, train)
+        super().__init__(policy, train, max_staleness)
         self.algorithm, self.temperature = algorithm, temperature
         self.train_micro_batch_size, self.train_max_tokens = train_micro_batch_size, train_max_tokens
         self.horizon, self.prompts_per_iteration, self.seed = horizon, prompts_per_iteration, seed
@@ -549,6 +563,7 @@ class ActorStage(TrainStage):
         self.warming_up = iteration <= getattr(self.algorithm, "critic_warmup", 0)
 
     def process(self, batch: TensorDict) -> None:
+        self.check_staleness(self.iteration, batch["policy_version"], self.metrics)
         if self.warming_up:  # only the critic trains (PPO's critic_warmup)
             return None
         if self.adaptive_kl:  # KL(rollout policy || reference) per token, what the controller steers
@@ -632,8 +647,9 @@ class ActorStage(TrainStage):
 #: response, ending at its last token (``response_mask``). With a critic (``task.critic``) it also
 #: gives values (``CRITIC_PROVIDES``).
 PROVIDES = frozenset(
-    {"rewards", "group_ids", "response_mask", "dones", "token_rewards", "old_logprobs", "ref_logprobs"}
-)
+    {"rewards", "group_ids", "response_mask", "dones", "token_rewards", "old_logprobs", "ref_logprobs",
+     "proximal_logprobs"}
+)  # fmt: skip
 CRITIC_PROVIDES = PROVIDES | {"values"}
 #: how to give the workflow a critic, for the refusal of an algorithm that reads values
 CRITIC_FIX = "; configure a critic: task.critic: {} in YAML, or --task.critic.lr=1e-4 (policies.ValueModel)"
@@ -661,6 +677,7 @@ def reasoning_workflow(
     eval_prompts: int = 0,
     train_problems: list[tuple[str, str]] | None = None,
     critic: ValueModel | None = None,
+    max_staleness: int = 0,
 ) -> Workflow:
     """The stages for ``algorithm`` (``train_problems``: the reserve prompts of DAPO's dynamic
     sampling; ``critic``: the value model of an algorithm that reads values, whose stage then
@@ -742,9 +759,10 @@ def reasoning_workflow(
                 horizon,
                 prompts_per_iteration,
                 seed,
+                max_staleness,
             ),
         )
-        .sync("actor", "rollout", "weights")
+        .sync("actor", "rollout", "weights", staleness=max_staleness)
         .role("train", "actor")
         .role("evaluate", "rollout")
     )

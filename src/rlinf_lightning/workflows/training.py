@@ -3,8 +3,9 @@
 What every learning stage shares, whatever its loss: building the engine named by
 ``train_engine`` for the replicas the plan gives it (and refusing placements the engine cannot
 train on, before anything starts), handing its weights to sync targets, and checkpointing (full
-state on replica 0, or ``torch.distributed.checkpoint`` shards for a sharded engine). Subclasses
-say what to do with micro-batches (``process``) and when to step (``end_iteration``).
+state on replica 0, or ``torch.distributed.checkpoint`` shards for a sharded engine), and
+checking that no sample it trains on is staler than the run allows (:meth:`check_staleness`).
+Subclasses say what to do with micro-batches (``process``) and when to step (``end_iteration``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import copy
 import inspect
 from typing import Any
 
+import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.engines.precision import resolve_precision
@@ -23,6 +25,7 @@ from rlinf_lightning.engines.train import (
     resolve_train_engine,
 )
 from rlinf_lightning.flow.memory import count_text, dtype_bytes
+from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.policies.lora import lora_of, lora_record, merged_weights, sync_names
 from rlinf_lightning.policies.module import RLModule
@@ -35,12 +38,27 @@ def policy_dtype(policy: RLModule) -> str:
 
 
 class TrainStage(Stage):
-    """Hosts ``policy`` in the train engine and precision ``train`` names."""
+    """Hosts ``policy`` in the train engine and precision ``train`` names; its samples may be up
+    to ``max_staleness`` versions behind the weights it trains (``trainer.max_staleness``)."""
 
-    def __init__(self, policy: RLModule, train: TrainSpec | None = None) -> None:
+    def __init__(self, policy: RLModule, train: TrainSpec | None = None, max_staleness: int = 0) -> None:
         train = train or TrainSpec()
         self.policy, self.train_engine, self.precision = policy, train.engine, train.precision
         self.train_engine_options, self.compile = dict(train.options), train.compile
+        self.max_staleness = max_staleness
+
+    def check_staleness(self, iteration: int, versions: torch.Tensor, metrics: Metrics) -> None:
+        """Record ``async/staleness`` (mean, std, max) of samples produced by weight ``versions``
+        that the update of ``iteration`` trains on (it starts from version ``iteration - 1``);
+        raise when one is staler than ``max_staleness`` allows, or newer than the learner."""
+        staleness = (iteration - 1) - versions.long()
+        if len(staleness) and not 0 <= int(staleness.min()) <= int(staleness.max()) <= self.max_staleness:
+            raise RuntimeError(
+                f"iteration {iteration} got samples of weight versions {sorted(set(versions.tolist()))}: "
+                f"staleness {int(staleness.min())}..{int(staleness.max())} outside 0..{self.max_staleness} "
+                "(trainer.max_staleness)"
+            )
+        metrics.distribution("async/staleness", staleness.float())
 
     def check_placement(self, replicas: int, own_process: bool) -> list[tuple[str, str]]:
         name = resolve_train_engine(self.train_engine, replicas)

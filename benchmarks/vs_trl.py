@@ -1,6 +1,7 @@
 """Ours against TRL's ``GRPOTrainer``, side by side in one run, on the same machine and threads.
 
-    python benchmarks/vs_trl.py [--steps 8] [--tiny-steps 150]
+    python benchmarks/vs_trl.py [--steps 8] [--tiny-steps 150] [--long-steps 200]
+                                [--sections throughput,learning,long_run]
 
 Throughput (a ~24 M-parameter Qwen2 built from a config, random weights; the count is read from
 the model): 8 prompts x 8 completions of up to 64 new tokens per optimizer step, learning rate
@@ -11,10 +12,12 @@ at its documented defaults (bf16 autocast where supported, HF ``generate``, loss
 reward scaling, no KL) except what must match ours: ``num_generations=8``,
 ``per_device_train_batch_size=64`` (all 64 completions in one step, its fastest layout),
 ``max_completion_length=64``, ``learning_rate`` and ``lr_scheduler_type="constant"`` (ours keeps
-the rate constant), ``logging``/``save`` off. Ours runs ``configs``-style defaults (collocated on
-one slot of both cores, ``precision: auto``) with each rollout engine, in float32 and in bf16
-(``rollout_dtype``); the fastest is "ours". Each candidate is its own
-process; the first step (warm-up: allocation, kernel selection) is excluded.
+the rate constant), ``logging``/``save`` off. Ours runs the library's defaults (collocated on one
+slot of both cores, ``precision: auto``, ``rollout: hf``, ``rollout_dtype: auto``) as
+``defaults``, and the candidates of :data:`CANDIDATES` (vLLM, float32 rollouts, a token budget);
+the fastest is ``ours_best``. Each candidate is its own process; s/step excludes the first step
+(warm-up: allocation, kernel selection), ``s_per_step_with_first`` includes it (from TRL's
+``train()`` call and from our first iteration's start).
 
 Learning (the demo's 0.4 M tiny model from the same supervised warm start, ``artifacts/``): both
 train ``--tiny-steps`` steps of 16 prompts x 8 completions of up to 6 tokens at lr 1e-4; held-out
@@ -30,8 +33,14 @@ TRL at its defaults runs PyTorch's default attention kernel, whose bf16 backward
 math kernel is reported as ``trl_math_attention_s_per_step`` for reference (the bar's baseline
 stays TRL at its documented defaults).
 
-The last line is one JSON object: s/step, completions/s and tokens/s of both, ``ours_over_trl``,
-each side's actor MFU where measured, and the tiny model's accuracy and wall time of both.
+Long run (``long_run``): the 24 M model's GRPO fit over ``--long-steps`` steps (vLLM rollout), with
+``trainer.compile`` and eager: the actor's seconds per step over all steps, compile included
+(``actor_s_per_step``), after the first, the compile seconds the engine reports, and the MFU.
+
+The last line is one JSON object: s/step, completions/s and tokens/s of both, ``ours_over_trl``
+(best) and ``ours_defaults_over_trl``, each side's actor MFU where measured, the tiny model's
+accuracy and wall time of both (ours at the defaults, with a float32 rollout, and in 32-true), the
+long run, and the load average at start and end.
 """
 
 from __future__ import annotations
@@ -118,31 +127,36 @@ def run_trl(
     tok.save_pretrained(str(out / "final"))
     per_step = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else end - t0
     timed = completion_tokens[1:] or completion_tokens  # the steps the stamps time (the first is warm-up)
-    return {"s_per_step": per_step, "wall_s": end - t_start, "train_s": end - t0, "bf16": bool(config.bf16),
+    return {"s_per_step": per_step, "s_per_step_with_first": (stamps[-1] - t0) / len(stamps),
+            "wall_s": end - t_start, "train_s": end - t0, "bf16": bool(config.bf16),
             "completion_tokens_per_step": sum(timed) / len(timed), "final": str(out / "final")}  # fmt: skip
 
 
 def run_ours(
     model: str, train: Path, test: Path, steps: int, batch_prompts: int, new_tokens: int, lr: float,
-    rollout: str, out: Path, rollout_dtype: str | None = None, precision: str = "auto",
-    max_tokens: int | None = None, devices: int = 1,
+    out: Path, task: dict | None = None, trainer: dict | None = None,
 ):  # fmt: skip
+    """Our fit at the library's defaults but for the benchmark's shape and ``task``/``trainer``
+    overrides (e.g. ``{"rollout": "vllm"}``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 (imported untimed, as in TRL's run)
 
     from rlinf_lightning import Callback, LMPolicy, RLTrainer, SamplingParams
     from rlinf_lightning.tasks import MathTask
 
+    starts: list[float] = []
     stamps: list[float] = []
     metrics: list[dict] = []
 
     class Stamp(Callback):
+        def on_iteration_start(self, trainer, iteration):
+            starts.append(time.perf_counter())
+
         def on_iteration_end(self, trainer, iteration, m):
             stamps.append(time.perf_counter())
             metrics.append(dict(m))
 
-    trainer = RLTrainer(
-        precision=precision,
-        devices=devices,
+    fit = RLTrainer(
+        **(trainer or {}),
         max_iterations=steps,
         default_root_dir=str(out),
         logger=False,
@@ -151,18 +165,16 @@ def run_ours(
         ckpt_every=0,
     )
     t0 = time.perf_counter()
-    task = MathTask(
+    math = MathTask(
         str(train),
         str(test),
         eval_size=1,
         group_size=8,
         rollout_batch_size=8 * batch_prompts,
-        rollout=rollout,
-        rollout_dtype=rollout_dtype,
-        train_max_tokens_per_micro_batch=max_tokens,
         sampling=SamplingParams(temperature=1.0, max_new_tokens=new_tokens),
+        **(task or {}),
     )
-    summary = trainer.fit(LMPolicy(model, lr=lr), task)
+    summary = fit.fit(LMPolicy(model, lr=lr), math)
     wall = time.perf_counter() - t0
     per_step = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else wall
     steady = metrics[1:] or metrics
@@ -170,9 +182,12 @@ def run_ours(
     last = (out / "checkpoints" / "last").read_text()
     return {
         "s_per_step": per_step,
+        "s_per_step_with_first": (stamps[-1] - starts[0]) / len(stamps),
         "train_wall_s": summary["train_wall_s"],
         "fit_wall_s": wall,
         "mfu": mean("perf/mfu"),
+        "actor_s_total": sum(m.get("time/actor", 0.0) for m in metrics),
+        "compile_s": sum(m.get("actor/compile_s", 0.0) for m in metrics),
         "actor_s": mean("time/actor"),
         "rollout_s": mean("time/rollout"),
         "response_tokens_per_step": mean("rollout/response_tokens_total"),
@@ -216,19 +231,105 @@ def spawn(kind: str, **spec) -> dict:
     if proc.returncode or not lines:
         raise RuntimeError(f"{kind} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     result = json.loads(lines[-1][7:])
-    name = f"{kind} {spec.get('rollout', '')} {spec.get('rollout_dtype') or ''} {Path(spec['model']).name}"
+    overrides = {k: spec[k] for k in ("task", "trainer") if k in spec}
+    name = f"{kind} {json.dumps(overrides)} {Path(spec['model']).name}"
     print(f"[{name}] {json.dumps(result)}", flush=True)
     return result
+
+
+#: our throughput candidates: task (and trainer) overrides of the library's defaults
+CANDIDATES = {
+    "defaults": {},  # hf rollout, rollout_dtype auto (bf16 beside a bf16-mixed actor, TIS on)
+    "hf-float32": {"task": {"rollout_dtype": "float32"}},  # the defaults before rollout_dtype auto
+    "vllm": {"task": {"rollout": "vllm"}},
+    "vllm-float32": {"task": {"rollout": "vllm", "rollout_dtype": "float32"}},
+    "vllm-tokens2048": {"task": {"rollout": "vllm", "train_max_tokens_per_micro_batch": 2048}},
+}
+#: the tiny model's learning runs: ours at the defaults, at the defaults before rollout_dtype auto,
+#: and in exact float32
+TINY_RUNS = {
+    "defaults": {},
+    "rollout_float32": {"task": {"rollout_dtype": "float32"}},
+    "32-true": {"trainer": {"precision": "32-true"}},
+}
+SECTIONS = ("throughput", "learning", "long_run")
+
+
+def throughput(common: dict, test: Path, work: Path) -> dict:
+    """TRL at its defaults (and under the math attention kernel) against ours per candidate."""
+    trl = spawn("trl", **common, out=work / "trl")
+    trl_math = spawn("trl", **common, out=work / "trl-math", math_attention=True)
+    ours = {
+        name: spawn("ours", **common, test=test, **over, out=work / name) for name, over in CANDIDATES.items()
+    }
+    best = min(ours, key=lambda r: ours[r]["s_per_step"])
+    completions = 8 * common["batch_prompts"]
+    rate = lambda r: {  # noqa: E731
+        "s_per_step": r["s_per_step"],
+        "s_per_step_with_first": r["s_per_step_with_first"],
+        "completions_per_s": completions / r["s_per_step"],
+    }
+    return {
+        "trl": {**rate(trl), "tokens_per_s": trl["completion_tokens_per_step"] / trl["s_per_step"],
+                "bf16": trl["bf16"]},
+        "ours": {name: {**rate(o), "tokens_per_s": o["response_tokens_per_step"] / o["s_per_step"],
+                        "actor_s": o["actor_s"], "rollout_s": o["rollout_s"], "mfu": o["mfu"]}
+                 for name, o in ours.items()},
+        "ours_best": best,
+        "ours_over_trl": trl["s_per_step"] / ours[best]["s_per_step"],
+        "ours_defaults_over_trl": trl["s_per_step"] / ours["defaults"]["s_per_step"],
+        "ours_defaults_over_trl_with_first": (
+            trl["s_per_step_with_first"] / ours["defaults"]["s_per_step_with_first"]
+        ),
+        "trl_math_attention_s_per_step": trl_math["s_per_step"],
+        "ours_over_trl_math_attention": trl_math["s_per_step"] / ours[best]["s_per_step"],
+        "actor_mfu": ours[best]["mfu"],
+    }  # fmt: skip
+
+
+def learning(train: Path, test: Path, tiny: Path, steps: int, work: Path) -> dict:
+    """The tiny model from the same warm start: held-out accuracy and wall time of TRL and ours."""
+    learn = {"model": tiny, "train": train, "steps": steps, "batch_prompts": 16, "new_tokens": 6, "lr": 1e-4}
+    trl_tiny = spawn("trl", **learn, out=work / "trl-tiny")
+    runs = {
+        name: spawn("ours", **learn, test=test, **over, out=work / f"ours-tiny-{name}")
+        for name, over in TINY_RUNS.items()
+    }
+    return {"steps": steps, "trl_accuracy": held_out_accuracy(trl_tiny["final"], str(tiny), test),
+            "trl_wall_s": trl_tiny["wall_s"], "trl_train_s": trl_tiny["train_s"],
+            **{f"ours_{name}": {"accuracy": held_out_accuracy(r["checkpoint"], str(tiny), test),
+                                "wall_s": r["fit_wall_s"], "train_s": r["train_wall_s"],
+                                "wall_over_trl": r["fit_wall_s"] / trl_tiny["wall_s"],
+                                "train_over_trl": r["train_wall_s"] / trl_tiny["train_s"]}
+               for name, r in runs.items()}}  # fmt: skip
+
+
+def long_run(common: dict, test: Path, steps: int, work: Path) -> dict:
+    """``trainer.compile`` over a long run: the actor's seconds per step over ``steps`` steps,
+    compile included, against eager (vLLM rollout: the shortest iterations around the actor)."""
+    rows = {}
+    for name, compiled in (("eager", False), ("compile", True)):
+        over = {"task": {"rollout": "vllm"}, "trainer": {"compile": compiled}}
+        r = spawn("ours", **{**common, "steps": steps}, test=test, **over, out=work / f"long-{name}")
+        rows[name] = {"actor_s_per_step": r["actor_s_total"] / steps, "actor_s_after_first": r["actor_s"],
+                      "compile_s": r["compile_s"], "mfu": r["mfu"]}  # fmt: skip
+    speedup = rows["eager"]["actor_s_per_step"] / rows["compile"]["actor_s_per_step"]
+    return {"steps": steps, **rows, "compile_over_eager": speedup}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps of the throughput runs")
     ap.add_argument("--tiny-steps", type=int, default=150, help="steps of the tiny model's learning runs")
+    ap.add_argument("--long-steps", type=int, default=200, help="actor steps of the compile long run")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"some of {','.join(SECTIONS)}")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
+    sections = args.sections.split(",")
+    if unknown := set(sections) - set(SECTIONS):
+        sys.exit(f"--sections: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
 
     from rlinf_lightning.assets import TinyModelConfig, build_tiny_qwen2
     from rlinf_lightning.policies.model_dir import causal_lm_shape
@@ -248,66 +349,17 @@ def main() -> None:
         "new_tokens": 64,
         "lr": 1e-6,
     }
-
-    trl = spawn("trl", **common, out=work / "trl")
-    trl_math = spawn("trl", **common, out=work / "trl-math", math_attention=True)
-    ours = {}
-    candidates = {  # rollout engine, its dtype, the actor's token budget per micro-batch
-        "vllm-float32": ("vllm", None, None),
-        "vllm-bfloat16": ("vllm", "bfloat16", None),
-        "vllm-bfloat16-tokens2048": ("vllm", "bfloat16", 2048),
-        "hf-float32": ("hf", None, None),
-        "hf-bfloat16": ("hf", "bfloat16", None),
-    }
-    for name, (rollout, dtype, budget) in candidates.items():
-        ours[name] = spawn(
-            "ours",
-            **common,
-            test=test,
-            rollout=rollout,
-            rollout_dtype=dtype,
-            max_tokens=budget,
-            out=work / name,
-        )
-    best = min(ours, key=lambda r: ours[r]["s_per_step"])
-    completions = 64
-
-    learn = {
-        "model": tiny,
-        "train": train,
-        "steps": args.tiny_steps,
-        "batch_prompts": 16,
-        "new_tokens": 6,
-        "lr": 1e-4,
-    }
-    trl_tiny = spawn("trl", **learn, out=work / "trl-tiny")
-    tiny_runs = {  # precision auto is bf16-mixed on a CPU with AMX, which costs this 0.4 M model time
-        p: spawn("ours", **learn, test=test, rollout="hf", precision=p, out=work / f"ours-tiny-{p}")
-        for p in ("auto", "32-true")
-    }
-    trl_acc = held_out_accuracy(trl_tiny["final"], str(tiny), test)
-    tiny_acc = {p: held_out_accuracy(r["checkpoint"], str(tiny), test) for p, r in tiny_runs.items()}
-
-    result = {
+    result: dict = {
         "model_parameters_m": round(causal_lm_shape(big).parameters / 1e6, 2),
-        "trl": {"s_per_step": trl["s_per_step"], "completions_per_s": completions / trl["s_per_step"],
-                "tokens_per_s": trl["completion_tokens_per_step"] / trl["s_per_step"], "bf16": trl["bf16"]},
-        "ours": {r: {"s_per_step": o["s_per_step"], "completions_per_s": completions / o["s_per_step"],
-                     "tokens_per_s": o["response_tokens_per_step"] / o["s_per_step"], "actor_s": o["actor_s"],
-                     "rollout_s": o["rollout_s"], "mfu": o["mfu"]} for r, o in ours.items()},
-        "ours_best_rollout": best,
-        "ours_over_trl": trl["s_per_step"] / ours[best]["s_per_step"],
-        "trl_math_attention_s_per_step": trl_math["s_per_step"],
-        "ours_over_trl_math_attention": trl_math["s_per_step"] / ours[best]["s_per_step"],
-        "actor_mfu": ours[best]["mfu"],
-        "tiny": {"steps": args.tiny_steps, "trl_accuracy": trl_acc, "trl_wall_s": trl_tiny["wall_s"],
-                 "trl_train_s": trl_tiny["train_s"],
-                 **{f"ours_{p}": {"accuracy": tiny_acc[p], "wall_s": r["fit_wall_s"],
-                                  "train_s": r["train_wall_s"],
-                                  "wall_over_trl": r["fit_wall_s"] / trl_tiny["wall_s"],
-                                  "train_over_trl": r["train_wall_s"] / trl_tiny["train_s"]}
-                    for p, r in tiny_runs.items()}},
-    }  # fmt: skip
+        "load_start": os.getloadavg()[0],
+    }
+    if "throughput" in sections:
+        result.update(throughput(common, test, work))
+    if "learning" in sections:
+        result["tiny"] = learning(train, test, tiny, args.tiny_steps, work)
+    if "long_run" in sections:
+        result["long_run"] = long_run(common, test, args.long_steps, work)
+    result["load_end"] = os.getloadavg()[0]
     print(json.dumps(result))
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlinf_lightning.algorithms import GRPO
-from rlinf_lightning.engines.precision import cpu_has_native_bf16, resolve_precision
+from rlinf_lightning.engines.precision import cpu_has_native_bf16, resolve_precision, resolve_rollout_dtype
 from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
 from rlinf_lightning.engines.train import SingleTrainEngine
 from rlinf_lightning.flow.stage import StageContext
@@ -23,6 +23,15 @@ def test_auto_resolves_by_hardware_and_names_are_checked():
     assert resolve_precision("bf16-true", "cpu") == "bf16-true"
     with pytest.raises(ValueError, match="precision must be one of auto, 32-true, bf16-mixed, bf16-true"):
         resolve_precision("16-mixed", "cpu")
+
+
+def test_the_rollout_dtype_follows_the_actor_unless_named():
+    native = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert resolve_rollout_dtype("auto", "auto", "cpu", "float32") == native
+    assert resolve_rollout_dtype("auto", "bf16-true", "cpu", "float32") == "bfloat16"
+    assert resolve_rollout_dtype("auto", "32-true", "cpu", "float32") == "float32"  # exact float32
+    assert resolve_rollout_dtype(None, "bf16-mixed", "cpu", "float32") == "float32"
+    assert resolve_rollout_dtype("float16", "32-true", "cpu", "float32") == "float16"
 
 
 def _batch(model_dir: str):
@@ -99,7 +108,8 @@ def test_bf16_true_trains_bf16_weights_with_the_float32_gradient(assets):
 def test_a_bf16_rollout_shows_its_mismatch_and_tis_weights_it(assets, tmp_path):
     """The rollout/actor log-prob mismatch is measured (actor/approx_kl): none with a float32 rollout
     and a float32 actor, some with a bf16 rollout, which GRPO(tis_cap) then weights: each token by
-    min(pi_actor / pi_rollout, tis_cap), all 1 without a mismatch."""
+    min(pi_actor / pi_rollout, tis_cap), all 1 without a mismatch. rollout_dtype auto (the default)
+    is float32 beside a 32-true actor and bf16 with TIS at cap 2 beside a bf16-mixed one."""
     from rlinf_lightning import RLTrainer
     from trainer_defaults import MetricsRecorder, tiny_task, tiny_trainer_kwargs
 
@@ -110,10 +120,14 @@ def test_a_bf16_rollout_shows_its_mismatch_and_tis_weights_it(assets, tmp_path):
         RLTrainer(**{**kw, **over}).fit(LMPolicy(str(assets["sft"]), lr=1e-4), task)
         return steps.metrics[-1]
 
-    exact = fit("fp32", algorithm=GRPO(tis_cap=2.0))
+    exact = fit("fp32", rollout_dtype="auto", algorithm=GRPO(tis_cap=2.0))
     bf16 = fit("bf16", rollout_dtype="bfloat16", algorithm=GRPO(tis_cap=2.0))
     capped = fit("bf16-cap1", rollout_dtype="bfloat16", algorithm=GRPO(tis_cap=1.0))
+    auto = fit("auto", rollout_dtype="auto", precision="bf16-mixed", algorithm=GRPO())
     assert exact["actor/approx_kl"] < 1e-6
+    # auto beside bf16-mixed: the bf16 rollout's mismatch, and TIS on at cap 2 though GRPO() has none
+    assert auto["actor/approx_kl"] > 100 * max(exact["actor/approx_kl"], 1e-9)
+    assert abs(auto["actor/tis_weight"] - 1.0) > 1e-4 and auto["actor/tis_weight"] <= 2.0
     assert bf16["actor/approx_kl"] > 100 * max(exact["actor/approx_kl"], 1e-9)
     # measured: |weight - 1| 6e-8 in float32, 1e-3 with the bf16 rollout
     assert exact["actor/tis_weight"] == pytest.approx(1.0, abs=1e-6)

@@ -7,6 +7,8 @@
 * ``bf16-true``: weights, gradients and optimizer state in bfloat16 (half the memory, least exact).
 * ``auto``: ``bf16-mixed`` where the device computes bf16 natively (a CUDA GPU with bf16, or a CPU
   with AVX512-BF16 or AMX), else ``32-true``; the resolved name is what the run reports.
+
+The rollout engine's dtype follows the resolved precision by default (``resolve_rollout_dtype``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,20 @@ def resolve_precision(precision: str, device: str) -> str:
     if device.startswith("cuda"):
         return "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
     return "bf16-mixed" if cpu_has_native_bf16() else "32-true"
+
+
+#: ``task.rollout_dtype``'s default: the rollout follows the actor's precision
+AUTO_ROLLOUT_DTYPE = "auto"
+
+
+def resolve_rollout_dtype(setting: str | None, precision: str, device: str, policy_dtype: str) -> str:
+    """The rollout engine's dtype for ``task.rollout_dtype``: ``auto`` is ``bfloat16`` where the
+    actor trains in a bf16 precision (``precision`` resolved for ``device``: the actor computes in
+    bf16 anyway, and a bf16 rollout generates about 1.4x faster on this project's CPU), else the
+    policy's dtype; ``None`` is the policy's dtype; a dtype name is itself."""
+    if setting == AUTO_ROLLOUT_DTYPE:
+        return "bfloat16" if resolve_precision(precision, device).startswith("bf16") else policy_dtype
+    return setting or policy_dtype
 
 
 def autocast(precision: str, device: str) -> contextlib.AbstractContextManager:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDict
 
+from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, SamplingParams, engine_option_problems
 from rlinf_lightning.errors import ConfigError, DataError
 from rlinf_lightning.flow.batch import BatchShape
@@ -47,10 +48,14 @@ class MathTask(Task):
         group_size: completions sampled per prompt (GRPO's group; at least 2).
         rollout_batch_size: samples per iteration (prompts x ``group_size``).
         rollout: rollout engine name (``hf``; ``vllm`` with the plugin).
-        rollout_dtype: the rollout engine's weights and compute dtype (``float32``, ``bfloat16``,
-            ``float16``; ``None``: the policy's ``dtype``). The actor's float32 weights are cast at
-            each sync; ``actor/approx_kl`` measures the log-prob mismatch this causes, and
-            ``GRPO(tis_cap=...)`` corrects for it.
+        rollout_dtype: the rollout engine's weights and compute dtype. ``auto`` (default): follow
+            the actor, ``bfloat16`` where ``trainer.precision`` resolves to a bf16 one (``auto`` on a
+            GPU or a CPU with bf16 hardware), else the policy's ``dtype``; a bf16 rollout beside a
+            float32 actor also turns on truncated importance sampling (``tis_cap`` 2) unless the
+            algorithm sets ``tis_cap``. ``float32``, ``bfloat16``, ``float16``: that dtype, the
+            algorithm as configured; ``None``: the policy's ``dtype``. The actor's weights are cast
+            at each sync; ``actor/approx_kl`` measures the log-prob mismatch this causes. Exact
+            float32 on both sides: ``trainer.precision=32-true``.
         rollout_engine_options: keyword arguments of the rollout engine, e.g. for ``vllm``
             ``{gpu_memory_utilization: 0.5, tensor_parallel_size: 2}``.
         sampling: temperature, top_p, top_k and max_new_tokens for rollouts.
@@ -84,7 +89,7 @@ class MathTask(Task):
         group_size: int = 8,
         rollout_batch_size: int = 128,
         rollout: str = "hf",
-        rollout_dtype: str | None = None,
+        rollout_dtype: str | None = AUTO_ROLLOUT_DTYPE,
         rollout_engine_options: dict[str, Any] | None = None,
         sampling: SamplingParams | None = None,
         train_micro_batch_size: int | None = None,
@@ -173,9 +178,12 @@ class MathTask(Task):
             problems.append(("sampling.top_p", f"must be in (0, 1], got {s.top_p}"))
         if s.max_new_tokens < 1:
             problems.append(("sampling.max_new_tokens", f"must be >= 1, got {s.max_new_tokens}"))
-        if self.rollout_dtype is not None and self.rollout_dtype not in DTYPES:
+        if self.rollout_dtype not in (AUTO_ROLLOUT_DTYPE, None, *DTYPES):
             problems.append(
-                ("rollout_dtype", f"must be float32, bfloat16, float16 or null, got {self.rollout_dtype!r}")
+                (
+                    "rollout_dtype",
+                    f"must be auto, float32, bfloat16, float16 or null, got {self.rollout_dtype!r}",
+                )
             )
         if self.rollout not in ROLLOUT_ENGINES:
             return problems + [("rollout", ROLLOUT_ENGINES.unknown_message(self.rollout))]

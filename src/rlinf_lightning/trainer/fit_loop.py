@@ -118,9 +118,11 @@ class FitLoop:
         returns the last iteration already done."""
         if hasattr(self.workflow.stages[self.train], "engine_info"):  # what auto resolved to, on its device
             engine = self.runtime.call(self.train, "engine_info")
+            tis = engine.get("tis_cap")
             log.info(
-                "%s: %s over %d replica(s), precision %s",
+                "%s: %s over %d replica(s), precision %s%s",
                 self.train, engine["engine"], engine["world_size"], engine["precision"],
+                "" if tis is None else f", truncated importance sampling (cap {tis})",
             )  # fmt: skip
         start_it = 0
         if resume is not None:

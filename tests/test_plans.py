@@ -425,7 +425,11 @@ def critic_reference(assets, tmp_path_factory):
     return algorithm, critic, metrics, weights, state["model"]
 
 
-@pytest.mark.parametrize("launcher", LAUNCHER_NAMES)
+# several minutes per launcher here (three plans, each with a critic of its own): the default run
+# keeps the in-process launcher; the others run with `-m slow`
+@pytest.mark.parametrize(
+    "launcher", ["inprocess", *(pytest.param(n, marks=pytest.mark.slow) for n in LAUNCHER_NAMES[1:])]
+)
 def test_the_critics_updates_are_the_same_under_every_plan(assets, tmp_path, critic_reference, launcher):
     """PPO with a critic (its own stage and train engine; under the hybrid plan on a slot apart
     from the actor), queued iterations: the actor's and the critic's loss and grad norm per

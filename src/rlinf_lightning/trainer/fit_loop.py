@@ -42,6 +42,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+#: stage metrics logged under their own name, not the stage's: what the run as a whole is asked
+#: about (the staleness of ``trainer.max_staleness``, whichever stage trains)
+RUN_NAMESPACES = ("async/",)
+
+
 class FitLoop:
     """Drives the running workflow through ``trainer.max_iterations`` iterations."""
 
@@ -202,12 +207,15 @@ class FitLoop:
     def _metrics(
         self, stage_metrics: dict[str, dict[str, float]], spans: list[Any], dt: float, samples: int
     ) -> dict[str, float]:
-        """What one iteration logs: each stage's metrics as ``stage/name`` (a name that already has
-        a namespace, such as the learner's ``async/staleness``, as it is), busy seconds per stage
+        """What one iteration logs: each stage's metrics as ``stage/name`` (one in a run-wide
+        namespace, :data:`RUN_NAMESPACES`, such as the learner's ``async/staleness``, as it is; a
+        user's ``self.log("policy/x")`` stays ``actor/policy/x``), busy seconds per stage
         (``time/stage``), throughput (``perf/*``, counts a stage reports as ``*_total`` per
         second), the strategy's metrics, and the train stage's MFU."""
         metrics = {
-            (k if "/" in k else f"{st}/{k}"): v for st, m in stage_metrics.items() for k, v in m.items()
+            (k if k.startswith(RUN_NAMESPACES) else f"{st}/{k}"): v
+            for st, m in stage_metrics.items()
+            for k, v in m.items()
         }
         metrics.update(self._stage_seconds(spans))
         metrics.update(self.strategy.metrics)

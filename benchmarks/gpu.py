@@ -119,6 +119,7 @@ def rollout_batch(n: int, vocab: int, max_response: int, seed: int = 0):
         completions.append([Completion(ids, (-torch.rand(r, generator=g) * 3).tolist())])
     batch = pack_samples(prompts, completions, pad_id=0)
     batch["advantage"] = torch.randn(n, generator=g)
+    batch["policy_version"] = torch.zeros(n, dtype=torch.long)  # sampled by the initial weights
     from tensordict import TensorDict
 
     return TensorDict(batch, batch_size=[n])
@@ -141,6 +142,7 @@ def actor_stage(model: Path, engine: str, device: str, max_tokens: int | None):
 def timed_step(stage, batch, device: str) -> tuple[float, dict]:
     sync(device)
     t0 = time.perf_counter()
+    stage.begin_iteration(1)  # as a worker does before each iteration's first micro-batch
     stage.process(batch)
     metrics = stage.end_iteration().compute()
     sync(device)

@@ -82,9 +82,11 @@ def test_actor_estimate_is_what_its_engine_allocates(tiny, precision, per_parame
             "response_mask": torch.ones(8, 4),
             "rollout_logprobs": torch.full((8, 4), -4.0),
             "advantage": torch.randn(8, generator=gen),
+            "policy_version": torch.zeros(8, dtype=torch.long),  # sampled by the initial weights
         },
         batch_size=[8],
     )
+    actor.begin_iteration(1)  # as a worker does before the first micro-batch
     actor.process(batch)
     params = list(actor.engine.policy.parameters())
     weights_and_grads = sum(p.nbytes + p.grad.nbytes for p in params)  # every parameter got one

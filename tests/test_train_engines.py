@@ -48,6 +48,7 @@ def batches(assets) -> list[TensorDict]:
         )
         td = TensorDict(pack_samples(ids, comps, tok.pad_token_id), batch_size=[12])
         td["advantage"] = torch.randn(12, generator=gen)
+        td["policy_version"] = torch.full((12,), it // 2)  # iteration it // 2 + 1, on-policy
         out.append(td)
     return out
 

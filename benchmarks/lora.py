@@ -51,6 +51,7 @@ def _batch(vocab: int, rows: int = 64, prompt: int = 16, response: int = 64) -> 
             "response_mask": torch.ones(rows, response),
             "rollout_logprobs": torch.full((rows, response), -3.0),
             "advantage": torch.randn(rows, generator=g),
+            "policy_version": torch.zeros(rows, dtype=torch.long),  # sampled by the initial weights
         },
         batch_size=[rows],
     )
@@ -79,6 +80,7 @@ def state_and_speed(model: Path, lora: bool, steps: int) -> dict[str, float]:
     times, grads, optim = [], 0, 0
     for _ in range(steps + 1):
         t0 = time.perf_counter()
+        actor.begin_iteration(1)  # as a worker does before each iteration's first micro-batch
         actor.process(batch)
         params = list(actor.engine.policy.model.parameters())
         grads = sum(p.grad.nbytes for p in params if p.grad is not None)

@@ -205,6 +205,8 @@ def reference(tmp_path_factory):
 # processes cover, and ray's transport is the FetchReach workloads' (a quarter of this test's time)
 EQUIVALENCE = [
     (workload, launcher)
+    if launcher != "ray"
+    else pytest.param(workload, launcher, marks=pytest.mark.slow)  # 30-45 s each: `-m slow`
     for workload in ("ppo", "grpo", "discrete")
     for launcher in ("inprocess", "processes", "ray")
     if (workload, launcher) != ("discrete", "ray")

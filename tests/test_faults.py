@@ -20,6 +20,8 @@ from rlinf_lightning.strategies import STRATEGIES, Resources
 from trainer_defaults import cli_fit_args, logged_metrics
 
 LAUNCHER_NAMES = ["inprocess", "processes", "ray"]
+# the two spawning launchers, ray's case with `-m slow` where it costs more than it adds
+RAY_SLOW = ["processes", pytest.param("ray", marks=pytest.mark.slow)]
 
 
 class Source(Stage):
@@ -176,7 +178,7 @@ def test_killing_rlinf_fit_ends_its_workers_and_train_ranks(assets, tmp_path):
     assert not alive, [p.cmdline() for p in alive]
 
 
-@pytest.mark.parametrize("launcher", LAUNCHER_NAMES)
+@pytest.mark.parametrize("launcher", ["inprocess", *RAY_SLOW])
 def test_a_silent_channel_peer_ends_the_run_with_a_timeout(launcher):
     """A stage that never sends: the stage waiting on it raises ChannelTimeout after timeout_s."""
     from rlinf_lightning.flow import ChannelTimeout
@@ -238,7 +240,8 @@ def _no_orphans(procs) -> None:
     assert not alive, [" ".join(p.cmdline()[:3]) for p in alive]
 
 
-@pytest.mark.parametrize("launcher", ["processes", "ray"])
+# ray's run (90 s) runs with `-m slow`; the ray launcher's teardown is covered by the tests above
+@pytest.mark.parametrize("launcher", RAY_SLOW)
 def test_checkpoint_faults_end_cleanly_and_resume_exactly(assets, tmp_path, launcher):
     """Per launcher: an uninterrupted run; a run whose driver is SIGKILLed while writing iteration
     4's checkpoint; a run whose disk fills while writing it. Each faulty run ends (no hang), leaves

@@ -167,4 +167,9 @@ def test_fit_with_fsdp_checkpoints_shards_and_resumes_on_another_replica_count(a
     assert full["train_engine"] == "fsdp" and resumed["resumed_from_iteration"] == 1
     a = load_file(str(tmp_path / "full" / "run" / "checkpoints" / "iter-000002" / "model.safetensors"))
     b = load_file(str(tmp_path / "split" / "run" / "checkpoints" / "iter-000002" / "model.safetensors"))
-    assert _maxdiff(a, b) <= 1e-5
+    # The resumed second step sums its gradients on one replica instead of two, and the full run's
+    # replicas take micro-batches as they arrive: rounding differs, and Adam turns a rounding
+    # difference in a near-zero gradient into up to 2 x lr on that weight. A lost or wrong state
+    # (optimizer, data stream) moves most weights instead.
+    diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+    assert float(diff.max()) <= 2 * 1e-3 and float((diff > 1e-5).float().mean()) < 1e-4

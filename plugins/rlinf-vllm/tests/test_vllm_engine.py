@@ -95,9 +95,11 @@ def test_a_lora_actors_merged_weights_sync_partially_and_match(assets, engine):
     tok = actor.policy.load_tokenizer()
     ids = _ids(tok)
     for seed in range(2):
+        actor.begin_iteration(seed + 1)  # as a worker does before the first micro-batch
         outs = engine.generate(ids, [0, 1, 2, 3], 4, SamplingParams(0.8, max_new_tokens=6), seed, 2)
         batch = TensorDict(pack_samples(ids, outs, tok.pad_token_id), batch_size=[16])
         batch["advantage"] = torch.randn(16, generator=torch.Generator().manual_seed(seed))
+        batch["policy_version"] = torch.full((16,), seed)  # on-policy: the previous version
         actor.process(batch)
         actor.end_iteration()
     trained = actor.engine.policy

@@ -51,6 +51,7 @@ def run_one(spec: dict) -> dict:
     from rlinf_lightning.tasks import MathTask
 
     ppo = spec["preset"] == "ppo"
+    options = {**(PPO_OPTIONS["algorithm"] if ppo else {}), **spec.get("options", {})}
     task = MathTask(
         spec["train"],
         spec["test"],
@@ -64,8 +65,9 @@ def run_one(spec: dict) -> dict:
     )
     t0 = time.perf_counter()
     trainer = RLTrainer(
-        algorithm=PPO(**PPO_OPTIONS["algorithm"]) if ppo else spec["preset"],
+        algorithm=PPO(**options) if ppo else PRESETS[spec["preset"]](**options),
         strategy="collocated",
+        max_staleness=spec.get("max_staleness", 0),
         launcher="inprocess",
         max_iterations=spec["iterations"],
         default_root_dir=spec["root"],

@@ -234,9 +234,7 @@ def _loop_workflow(turns: int) -> Workflow:
     )
 
 
-@pytest.mark.parametrize(
-    "launcher", [*LAUNCHER_NAMES[:2], pytest.param("ray", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("launcher", [*LAUNCHER_NAMES[:2], pytest.param("ray", marks=pytest.mark.slow)])
 def test_a_loop_workflow_gives_the_same_results_under_every_plan(launcher):
     """Also with overlapping groups (the learner on both slots, env and policy one each) and the
     next iteration queued while one runs: the workers on a shared slot take turns on it, so their

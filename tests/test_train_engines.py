@@ -155,7 +155,7 @@ def test_fit_with_fsdp_checkpoints_shards_and_resumes_on_another_replica_count(a
         recorder = MetricsRecorder(("actor/loss", "actor/grad_norm"))
         kw = tiny_trainer_kwargs(
             root, max_iterations=iterations, train_engine="fsdp", devices=devices, num_threads=1,
-            launcher="processes", callbacks=[recorder],
+            launcher="processes", callbacks=[recorder], precision="32-true",
         )  # fmt: skip
         task = tiny_task(assets, eval_size=8)
         summary = RLTrainer(**kw).fit(LMPolicy(str(assets["sft"]), lr=1e-3), task, ckpt_path=ckpt_path)
@@ -167,8 +167,9 @@ def test_fit_with_fsdp_checkpoints_shards_and_resumes_on_another_replica_count(a
     assert (first / "sharded" / ".metadata").is_file() and not (first / "optimizer.pt").exists()
     resumed, resumed_metrics = fit(tmp_path / "split", 2, devices=1, ckpt_path="last")  # two replicas -> one
     assert full["train_engine"] == "fsdp" and resumed["resumed_from_iteration"] == 1
-    # the second iteration saw the same samples and weights: its loss and gradient norm agree
-    assert resumed_metrics[0] == pytest.approx(full_metrics[1], abs=1e-4)
+    # the second iteration saw the same samples and weights: its loss and gradient norm agree (to
+    # the rounding of a sum over one replica instead of two)
+    assert resumed_metrics[0] == pytest.approx(full_metrics[1], rel=1e-3)
     a = load_file(str(tmp_path / "full" / "run" / "checkpoints" / "iter-000002" / "model.safetensors"))
     b = load_file(str(tmp_path / "split" / "run" / "checkpoints" / "iter-000002" / "model.safetensors"))
     # The resumed second step sums its gradients on one replica instead of two: rounding differs,

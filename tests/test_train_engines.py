@@ -169,7 +169,7 @@ def test_fit_with_fsdp_checkpoints_shards_and_resumes_on_another_replica_count(a
     assert full["train_engine"] == "fsdp" and resumed["resumed_from_iteration"] == 1
     # the second iteration saw the same samples and weights: its loss and gradient norm agree (to
     # the rounding of a sum over one replica instead of two)
-    assert resumed_metrics[0] == pytest.approx(full_metrics[1], rel=1e-3)
+    assert resumed_metrics[0] == pytest.approx(full_metrics[1], rel=1e-3, abs=1e-6)  # loss ~ 0
     a = load_file(str(tmp_path / "full" / "run" / "checkpoints" / "iter-000002" / "model.safetensors"))
     b = load_file(str(tmp_path / "split" / "run" / "checkpoints" / "iter-000002" / "model.safetensors"))
     # The resumed second step sums its gradients on one replica instead of two: rounding differs,

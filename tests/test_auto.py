@@ -343,23 +343,47 @@ def test_rlinf_plan_ranks_a_cluster_from_a_saved_profile(assets, tmp_path, capsy
 @pytest.mark.parametrize(
     "iterations, background, ahead", [(10, True, False), (1000, True, True), (1000, False, False)]
 )
-def test_auto_starts_worker_processes_ahead_only_when_they_could_repay_it(
+def test_auto_starts_the_chosen_workers_ahead_once_profiled_and_switches_when_they_are_up(
     tmp_path, iterations, background, ahead
 ):
-    """After the first profiling iteration (~0.1 s on one slot), perfect scaling over two slots
-    could save 0.05 s per iteration: over 9 remaining iterations less than the 2 s start-up (no
-    head start), over 999 far more (the fastest multi-worker plan's workers start at once, where
-    the launcher can start them in the background)."""
+    """Nothing starts beside the profiling iterations (on CPU it would take the cores they
+    measure). Once profiled, a run long enough to repay worker processes starts them in the
+    background where the launcher can, and trains on in this process, comparing nothing, until
+    an iteration ends with them up; without a background start it switches at once; a short run
+    never starts them."""
     wf = SleepTask().build_workflow(None, None)
     auto = AutoStrategy(launch_s=2.0, save_profile="")
     plan = auto.plan(wf, Resources(2), BatchShape(BATCH, UNIT))
     auto.on_launch(RunInfo(tmp_path, iterations, 0.01, separate_processes=True, background_start=background))
-    mb = plan.micro_batch_size[wf.source_edge.channel]
-    auto.observe(1, *_iteration(mb, 0.0), mb, queued=False)
-    got = auto.ahead()
-    assert (got is not None) == ahead
-    if ahead:
-        assert got.launcher is None and len(got.workers) == 2  # the trainer's launcher
+    t, replan = 0.0, None
+    for it in (1, 2, 3):
+        assert auto.ahead() is None, it
+        mb = plan.micro_batch_size[wf.source_edge.channel]
+        seconds, spans = _iteration(mb, t)
+        t += seconds
+        replan = auto.observe(it, seconds, spans, mb, queued=False)
+        if it < 3:
+            plan = replan.plan
+    if not ahead:
+        moved = replan is not None and replan.plan.launcher is None
+        assert moved == (iterations == 1000) and auto.ahead() is None
+        return
+    started = auto.ahead()
+    assert started is not None and started.launcher is None and len(started.workers) == 2
+    assert replan is None or replan.plan.launcher == "inprocess"  # a granularity change at most
+    assert auto.holds_after(3)  # so that the switch can follow any iteration
+    mb = (replan.plan if replan else plan).micro_batch_size[wf.source_edge.channel]
+    slow, spans = _iteration(mb, t, slow=3.0)  # sharing the cores with their start-up
+    assert auto.observe(4, slow, spans, mb, queued=False) is None  # not up, and no drift counted
+    assert auto._drift == 0
+    switch = auto.observe(5, slow, spans, mb, queued=False, ahead_ready=True)
+    assert switch is not None and switch.plan.layout() == started.layout()
+    assert auto.ahead() is None
+    # on the new workers: the first iteration pays their set-up and is not compared; the next is
+    auto.observe(6, 10 * slow, spans, mb, queued=False)
+    assert auto._drift == 0
+    auto.observe(7, 10 * slow, spans, mb, queued=False)
+    assert auto._drift == 1
 
 
 class _SwitchAhead(Strategy):
@@ -376,7 +400,7 @@ class _SwitchAhead(Strategy):
     def holds_after(self, iteration):
         return iteration <= 3
 
-    def observe(self, iteration, seconds, spans, micro_batch, queued):
+    def observe(self, iteration, seconds, spans, micro_batch, queued, ahead_ready=False):
         self.it = iteration
         return Replan(self.target, "test") if iteration == 3 else None
 
@@ -529,19 +553,3 @@ def test_workers_failing_to_start_ahead_end_the_run_at_the_switch_with_their_err
         trainer.fit(_Policy(), SleepTask(learn=_BreaksInItsOwnProcess))
     assert len(rec.rows) == 3  # trained in this process until the switch
     assert multiprocessing.active_children() == []
-
-
-def test_while_workers_start_ahead_the_worker_on_every_slot_is_not_measured(tmp_path):
-    """Those workers take the cores it would be measured on: iteration 2 runs on one slot again,
-    and the profile (no speed-up measured) offers no in-process worker on every slot."""
-    wf = SleepTask(gen=StickyGenerator).build_workflow(None, None)
-    auto = AutoStrategy(launch_s=2.0, save_profile="")
-    plan = auto.plan(wf, Resources(2), BatchShape(BATCH, UNIT))
-    auto.on_launch(RunInfo(tmp_path, 1000, 0.01, separate_processes=True, background_start=True))
-    mb = plan.micro_batch_size[wf.source_edge.channel]
-    assert auto.observe(1, *_iteration(mb, 0.0), mb, queued=False) is None  # not the wide worker
-    assert auto.ahead() is not None
-    replan = auto.observe(2, *_iteration(mb, 1.0), mb, queued=False)
-    assert auto.profile.speedup == {}
-    assert replan is not None and replan.plan.launcher is None  # the workers started ahead
-    assert all(len(c.plan.groups[0].slots) == 1 for c in auto.ranked if c.plan.launcher == "inprocess")

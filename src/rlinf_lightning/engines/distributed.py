@@ -160,7 +160,7 @@ class FSDPTrainEngine(DDPTrainEngine):
             fully_shard(layer, **kw)
         fully_shard(policy.model, **kw)  # the root: forward_logprobs calls the model's forward
         policy.to(ctx.device)  # what lies outside the sharded model
-        self._make_optimizer()
+        self._start_training()
         self._pending: list[tuple[TensorDict, LossFn]] = []
 
     def accumulate(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:

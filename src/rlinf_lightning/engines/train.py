@@ -164,13 +164,23 @@ class SingleTrainEngine(TrainEngine):
         attach_lora(policy)
         policy.to(ctx.device, dtype=param_dtype(precision))
         policy.train()
-        self._make_optimizer()
+        self._start_training()
         self._offloader = Offloader(ctx.device)
 
-    def _make_optimizer(self) -> None:
+    def _start_training(self) -> None:
+        """The end of set-up on every engine: the optimizer, the step's counters, and this device's
+        peak in the training dtype, measured now (part of the workers' start-up, not of the first
+        step, where it would be charged to the first iteration and to auto's profile of it)."""
         self.optimizer, self.scheduler = split_optimizers(self.policy.configure_optimizers())
         self.optimizer.zero_grad(set_to_none=True)
         self._count, self._loss_sum, self._flops = 0.0, 0.0, 0.0
+        self._peak_flops()
+
+    def _peak_flops(self) -> float:
+        """This device's peak in the training dtype with torch's current threads (measured once
+        per process and thread count)."""
+        dtype = torch.bfloat16 if self.precision.startswith("bf16") else torch.float32
+        return peak_matmul_flops(self.ctx.device, dtype, torch.get_num_threads())
 
     def _count_flops(self, batch: TensorDict) -> None:
         flops = self.policy.train_flops(batch)
@@ -183,9 +193,8 @@ class SingleTrainEngine(TrainEngine):
         stage's busy seconds, the trainer's ``perf/mfu``."""
         if not self._flops:
             return
-        dtype = torch.bfloat16 if self.precision.startswith("bf16") else torch.float32
         metrics.sum("flops_total", self._flops)
-        metrics.mean("peak_flops", peak_matmul_flops(self.ctx.device, dtype, torch.get_num_threads()))
+        metrics.mean("peak_flops", self._peak_flops())
         self._flops = 0.0
 
     def onload(self) -> None:

@@ -112,6 +112,11 @@ class Runtime(ABC):
     def _close(self) -> None:
         """Stop the workers (after their teardown was asked for)."""
 
+    def adopt(self, plan: ExecutionPlan) -> bool:
+        """Run ``plan`` on these very workers where its layout differs only in what they can
+        change in place; returns whether it did (else the caller starts new workers)."""
+        return False
+
     # -- shared ---------------------------------------------------------------------------------------
     def _command(self, workers: list[str], cmd: str, *args: Any, deadline_s: float | None = None) -> dict:
         return self._collect(self._submit(workers, cmd, *args), deadline_s)

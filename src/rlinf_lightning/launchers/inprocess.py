@@ -88,6 +88,24 @@ class InProcessRuntime(Runtime):
             )  # fmt: skip
         self._setup()
 
+    def adopt(self, plan: ExecutionPlan) -> bool:
+        """The same single-worker groups on other CPU slots: only the process's torch thread pool
+        changes (auto's profiling worker widened to every slot, or narrowed back to one while
+        worker processes start beside it, keeps its state and its set-up). Engines that size
+        their own threads at set-up (vLLM's) keep them."""
+
+        def shape(p: ExecutionPlan) -> list[tuple]:
+            return [(g.name, tuple(g.stages), g.replicas, g.schedule, g.context_switch) for g in p.groups]
+
+        single = all(g.replicas == 1 for g in plan.groups)
+        if shape(plan) != shape(self.plan) or plan.accelerator != "cpu" or not single:
+            return False
+        threads = max(g.num_threads for g in plan.groups)
+        if threads:
+            torch.set_num_threads(threads)
+        self.plan = plan
+        return True
+
     def _submit(self, workers: list[str], cmd: str, *args: Any) -> list[_Call]:
         """An iteration on several workers starts now, each worker's call after its previous
         iteration's; anything else runs when collected (in the calling thread for one worker)."""

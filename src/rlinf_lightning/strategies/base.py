@@ -95,11 +95,19 @@ class Strategy(ABC):
         return None
 
     def observe(
-        self, iteration: int, seconds: float, spans: list[Span], micro_batch: int, queued: bool
+        self,
+        iteration: int,
+        seconds: float,
+        spans: list[Span],
+        micro_batch: int,
+        queued: bool,
+        ahead_ready: bool = False,
     ) -> Replan | None:
         """Iteration ``iteration`` took ``seconds`` at ``micro_batch`` samples per input message;
         ``spans`` are its stage calls; ``queued``: the next iteration already started (so only
-        the micro-batch size can change before the one after). Returns a new plan or ``None``."""
+        the micro-batch size can change before the one after); ``ahead_ready``: the workers
+        started for :meth:`ahead` are up (a switch to them waits for nothing). Returns a new plan
+        or ``None``."""
         return None
 
     @staticmethod

@@ -34,6 +34,10 @@ class AheadLaunch:
             self.error = exc
         self.launch_s = time.perf_counter() - self._t0
 
+    def ready(self) -> bool:
+        """Whether the start-up has ended (set up, or failed: :meth:`take` then raises)."""
+        return not self._thread.is_alive()
+
     def take(self) -> Any:
         """Wait for the workers' set-up; their runtime (raises what starting them raised)."""
         self._thread.join()

@@ -169,7 +169,8 @@ class FitLoop:
             t_ready += dt
             train_s, samples = train_s + dt, samples + per_iteration
             spans = self.runtime.pop_spans()
-            replan = self.strategy.observe(it, dt, spans, micro_batch.pop(it), queued)
+            ready = self.ahead is not None and self.ahead.ready()
+            replan = self.strategy.observe(it, dt, spans, micro_batch.pop(it), queued, ahead_ready=ready)
             metrics = self._metrics(stage_metrics, spans, dt, per_iteration)
             t.logger_connector.log_metrics(metrics, it)
             calls.call("on_iteration_end", it, metrics)
@@ -275,7 +276,9 @@ class FitLoop:
         """Run the next iterations under ``replan.plan``: the same groups take the new micro-batch
         sizes at once; other groups get new workers, which receive the training state (through a
         sharded checkpoint for a sharded engine) and the synced weights before they continue."""
-        if self.plan.layout() != replan.plan.layout():
+        if self.plan.layout() != replan.plan.layout() and self.runtime.adopt(replan.plan):
+            log.info("the same workers run the new plan:\n%s", replan.plan.describe(self.workflow))
+        elif self.plan.layout() != replan.plan.layout():
             t0 = time.perf_counter()
             if self.ahead and self.ahead.layout != replan.plan.layout():  # not those: still wanted?
                 self._follow_ahead(self.strategy.ahead())  # if not, stopped before others start

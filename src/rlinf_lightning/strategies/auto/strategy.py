@@ -13,14 +13,12 @@ two where the first stage runs at one granularity) are the measurement:
    same worker on every slot (on CPU one thread per core) to measure each stage's speed-up over
    them: iteration 3, or 2 for a sticky first stage (one granularity: iteration 1 is its only
    one-slot iteration, and the wide one also gives the end-of-iteration costs its set-up hid).
-   They train like every other iteration: nothing is thrown away. After iteration 1, when even
-   perfect scaling over every slot could repay starting worker processes, the fastest
-   multi-worker plan's workers start in the background (``ahead``) while profiling goes on on
-   one slot (the worker on every slot is then not measured: those workers take its cores).
+   They train like every other iteration: nothing is thrown away, and nothing else runs beside
+   them (on CPU, workers starting in the background would take the very cores they measure).
 2. Each stage's time per call is fitted as ``a + b x micro_batch`` (``auto.profile``); the part
    of an iteration no stage call covers is calibrated so the profiling plan's simulation matches
    its measured iteration 2 (for a sticky first stage, the part of iteration 1 no span covers:
-   the wide iteration may share the cores with workers started ahead).
+   one thread's, where the wide iteration uses every core).
 3. Every candidate (``auto.search``: one in-process worker on one or every slot, collocated,
    every two-group split of stages and slots, every granularity; minus what memory refuses) is
    simulated (``auto.simulate``); the five fastest are printed. The plan taken is the one with
@@ -29,11 +27,15 @@ two where the first stage runs at one granularity) are the measurement:
    seconds. Start-up is measured on this run (the in-process set-up; worker processes once any
    started), and until then estimated (``launch_estimate``). So a short run stays in-process
    when a faster plan would not repay its launch, and a long run moves. One line says why.
+   Where the launcher can, the chosen plan's workers start in the background (``ahead``) while
+   the profiling worker trains on at its best granularity; the switch follows the first
+   iteration that ends with them up, so their start-up costs no idle time.
 4. From then on each iteration logs ``auto/predicted_s`` and ``auto/measured_s``. When they differ
    by more than ``retune_threshold`` for ``retune_patience`` iterations in a row, the stages are
    re-fitted from the recent iterations (first keeping each stage's per-sample slope, the only
    guess one granularity allows; then, once the new granularity has run, from both) and the best
-   plan is taken again, with the reason printed.
+   plan is taken again, with the reason printed. The first iteration on new workers is not
+   compared (its first calls pay their set-up), nor those run while workers start ahead.
 
 The profile is saved as JSON (``save_profile``) and can be given back (``profile``) to skip the
 measurement, or ranked for a larger cluster with ``rlinf plan``.
@@ -45,7 +47,6 @@ import dataclasses
 import logging
 import os
 import statistics
-import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,7 +189,7 @@ class AutoStrategy(Strategy):
         self.info, self.queued = info, False
         self._ahead: Candidate | None = None  # the plan whose workers start in the background
         self.seen: deque[_Seen] = deque(maxlen=self.retune_patience + 1)
-        self._drift, self._probe_from = 0, None
+        self._drift, self._probe_from, self._fresh = 0, None, False
         self.on_relaunch(info)
         if not self._profiling:
             self._print_ranking(f"from profile {self.profile_path}")
@@ -208,16 +209,23 @@ class AutoStrategy(Strategy):
             self.profile.launch_s, self.profile.launch_estimated = est, True
 
     def holds_after(self, iteration: int) -> bool:
-        # while measuring, and while a drift may turn into a new plan, the next iteration waits
-        return self._profiling or self._drift > 0 or self._probe_from is not None
+        # while measuring, while workers start ahead, and while a drift may turn into a new plan,
+        # the next iteration waits (a switch takes effect right after this one)
+        return self._profiling or self._ahead is not None or self._drift > 0 or self._probe_from is not None
 
     # -- each iteration -----------------------------------------------------------------------------
     def observe(
-        self, iteration: int, seconds: float, spans: list[Span], micro_batch: int, queued: bool
+        self,
+        iteration: int,
+        seconds: float,
+        spans: list[Span],
+        micro_batch: int,
+        queued: bool,
+        ahead_ready: bool = False,
     ) -> Replan | None:
         self.queued = queued
-        self.seen.append(_Seen(iteration, micro_batch, seconds, spans))
         if self._profiling:
+            self.seen.append(_Seen(iteration, micro_batch, seconds, spans))
             return self._profile_step(iteration, seconds, spans, micro_batch)
         predicted = self._predict(micro_batch)
         self.metrics = {
@@ -225,6 +233,14 @@ class AutoStrategy(Strategy):
             "auto/measured_s": seconds,
             "auto/micro_batch": micro_batch,
         }
+        if self._ahead is not None:  # sharing the cores with their start-up: not compared
+            if ahead_ready:
+                return self._switch(self._ahead, iteration, "the workers started ahead are up")
+            return None
+        if self._fresh:  # the first iteration on new workers: its first calls paid their set-up
+            self._fresh = False
+            return None
+        self.seen.append(_Seen(iteration, micro_batch, seconds, spans))
         if self._probe_from is not None and micro_batch == self.current.micro_batch:
             return self._after_probe(iteration)
         if abs(seconds - predicted) > self.retune_threshold * predicted:
@@ -263,8 +279,6 @@ class AutoStrategy(Strategy):
                 self.profile.refit()
             return self._profiled(iteration)
         self.profile.add_spans(spans, micro_batch, skip_first=iteration == 1)
-        if iteration < PROFILING_ITERATIONS:
-            self._start_ahead(iteration)
         wide = self._wide_plan(micro_batch)
         if iteration < PROFILING_ITERATIONS:
             second = self.batch.micro_batch_for(n)
@@ -283,42 +297,13 @@ class AutoStrategy(Strategy):
         return self._profiled(iteration)
 
     def _wide_plan(self, micro_batch: int) -> ExecutionPlan | None:
-        """The profiling worker on every slot, when it can run and the run has an iteration for it.
-        Not while workers start ahead: on CPU they take the very cores it would be measured on
-        (its speed-up would be theirs; it is then no candidate)."""
+        """The profiling worker on every slot, when it can run and the run has an iteration for it."""
         n, last = len(self.resources.slots), self.seen[-1].iteration >= self.info.max_iterations
-        if self.current.plan.launcher != IN_PROCESS or n == 1 or last or self._ahead:
+        if self.current.plan.launcher != IN_PROCESS or n == 1 or last:
             return None
         shape = BatchShape(self.batch.rollout_batch_size, self.batch.group_size, micro_batch)
         wide = one_worker_plan(self.workflow, self.resources, shape, n)
         return wide if self._fits(wide) else None
-
-    def _start_ahead(self, iteration: int) -> None:
-        """After the first profiling iteration: when even perfect scaling over every slot could
-        repay starting worker processes, start the fastest multi-worker plan's now (``ahead``),
-        so that the start-up overlaps the rest of the profile instead of following it (which then
-        leaves out the worker on every slot: see ``_wide_plan``)."""
-        assert self.profile is not None
-        info = self.info
-        if not (info.separate_processes and info.background_start and self._in_process(self.current.plan)):
-            return
-        if self._ahead:
-            return
-        first = Profile.from_dict(self.profile.to_dict())
-        first.refit()
-        one_slot = self._predict(self.seen[-1].micro_batch, first)
-        n, remaining = len(self.resources.slots), self.info.max_iterations - iteration
-        if remaining * one_slot * (1 - 1 / n) <= self.profile.launch_s:
-            return
-        kinds = tuple(k for k in self.kinds if k != "one_worker")
-        ranked = candidates(self.workflow, self.resources, self.batch, first, self._fits, kinds)
-        if ranked:
-            self._ahead, self._ahead_t0 = ranked[0], time.perf_counter()
-            log.info(
-                "auto: iteration %d: %.3f s per iteration on one slot, %d to go: starting the workers "
-                "of %s now, while profiling goes on",
-                iteration, one_slot, remaining, describe(ranked[0]),
-            )  # fmt: skip
 
     def ahead(self) -> ExecutionPlan | None:
         return self._ahead.plan if self._ahead else None
@@ -334,9 +319,27 @@ class AutoStrategy(Strategy):
             log.info("auto: profile saved to %s", self.profile.save(path))
         best = self._choose(self.ranked, iteration)
         if self._is_current(best):
-            self._ahead = None
             return None
-        return self._switch(best, iteration, "the least predicted time for the remaining iterations")
+        why = "the least predicted time for the remaining iterations"
+        here_now, there = self._in_process(self.current.plan), not self._in_process(best.plan)
+        if not (self.info.background_start and here_now and there):
+            return self._switch(best, iteration, why)
+        # its workers start now; the profiling worker trains on meanwhile, on one slot: the others'
+        # cores go to the start-up (measured on 2 cores: the worker on both ran 4x slower beside it)
+        self._ahead = best
+        here = min(
+            (c for c in self.ranked if self._in_process(c.plan) and len(c.plan.groups[0].slots) == 1),
+            key=lambda c: c.predicted_s,
+            default=self.current,
+        )
+        log.info(
+            "auto: iteration %d: %s: starting the workers of %s in the background; %s trains on "
+            "until they are up", iteration, why, describe(best), describe(here),
+        )  # fmt: skip
+        if self._is_current(here):
+            return None
+        self.current = here
+        return Replan(here.plan, f"iteration {iteration}: while workers start ahead: {describe(here)}")
 
     def _after_probe(self, iteration: int) -> Replan | None:
         """The new granularity has run: re-fit every stage from the drifted iterations at both
@@ -383,8 +386,6 @@ class AutoStrategy(Strategy):
         assert self.profile is not None
         if c.plan.layout() == self.current.plan.layout():
             return 0.0
-        if self._ahead and c.plan.layout() == self._ahead.plan.layout():  # started: what is left
-            return max(0.0, self.profile.launch_s - (time.perf_counter() - self._ahead_t0))
         return self.profile.inprocess_launch_s if self._in_process(c.plan) else self.profile.launch_s
 
     def _in_process(self, plan: ExecutionPlan) -> bool:
@@ -393,6 +394,7 @@ class AutoStrategy(Strategy):
     def _switch(self, best: Candidate, iteration: int, why: str) -> Replan:
         old = self.current
         self.current, self._ahead = best, None  # the workers started ahead take over, or go
+        self._fresh = best.plan.layout() != old.plan.layout()
         change = (
             f"micro-batch {old.micro_batch} -> {best.micro_batch}"
             if best.plan.layout() == old.plan.layout()

@@ -459,6 +459,27 @@ def test_one_granularity_is_profiled_in_two_iterations(tmp_path):
     assert profile.stages["learn"].end_s > 0 and profile.sync_s  # from the wide iteration
 
 
+def test_the_in_process_worker_takes_a_wider_or_narrower_plan_in_place():
+    """Auto's profiling worker widened to every slot (or narrowed back) keeps its workers, set-up
+    and state: only torch's threads change. Another grouping (two replicas) needs new workers."""
+    from rlinf_lightning.launchers.inprocess import InProcessLauncher
+    from rlinf_lightning.strategies.auto.search import one_worker_plan
+
+    wf, resources, shape = SleepTask().build_workflow(None, None), Resources(2), BatchShape(BATCH, UNIT, 16)
+    narrow, wide = (one_worker_plan(wf, resources, shape, width) for width in (1, 2))
+    before = torch.get_num_threads()
+    runtime = InProcessLauncher().launch(wf, narrow, timeout_s=30)
+    try:
+        workers = dict(runtime.objects)
+        assert runtime.adopt(wide) and runtime.objects == workers and runtime.plan is wide
+        assert torch.get_num_threads() == wide.groups[0].num_threads
+        assert runtime.adopt(narrow) and torch.get_num_threads() == narrow.groups[0].num_threads
+        assert not runtime.adopt(STRATEGIES.get("collocated")().plan(wf, resources, shape))
+    finally:
+        runtime.shutdown()
+        torch.set_num_threads(before)
+
+
 def test_cost_curves_give_the_profile_and_scaling_they_state():
     """gen: per-call seconds at two sample counts (a line); learn: seconds per iteration at 1 and
     2 devices (2 devices take 0.040 s, not the 0.032 s of perfect scaling: each call costs 1.25x)."""

@@ -16,6 +16,16 @@ def make_env(name: str, num_envs: int, **kwargs: Any) -> EnvBatch:
     return GymEnvBatch(name, num_envs, **kwargs)
 
 
+def import_env(name: str, **kwargs: Any) -> None:
+    """Pay what the first env of the gymnasium id ``name`` costs a process (importing and
+    registering gymnasium-robotics, about 0.4 s; MuJoCo's first model, 0.1 s) by making one and
+    closing it, so that a stage pays it in its set-up rather than in its first step (where, on
+    workers started in the background, it would stall the first iteration after the switch). A
+    registered factory's env is not made: it may be costly (a GPU simulator's scene)."""
+    if name not in ENVS:
+        GymEnvBatch(name, 1, **kwargs).close()
+
+
 def check_env(name: str) -> str | None:
     """Why ``name`` names no env (neither registered nor a gymnasium id), or ``None``; makes none."""
     if name in ENVS:

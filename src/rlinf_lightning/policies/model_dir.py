@@ -92,9 +92,16 @@ def causal_lm_shape(path: str | Path) -> CausalLMShape | None:
     """Parameter count and attention shape of the causal LM that ``path``'s config.json describes,
     from a model built on the ``meta`` device (no memory, no weights read); ``None`` without a
     config.json. Cached per config.json (path, mtime, size): a planner may ask for every candidate."""
-    _, model = _meta_causal_lm(path)
-    if model is None:
+    try:
+        stat = (Path(path) / "config.json").stat()
+    except OSError:
         return None
+    return _causal_lm_shape(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=8)
+def _causal_lm_shape(path: str, mtime_ns: int, size: int) -> CausalLMShape:
+    model = _build_meta_causal_lm(path, mtime_ns, size)[1]
     config = model.config.get_text_config()
     heads = config.num_attention_heads
     return CausalLMShape(

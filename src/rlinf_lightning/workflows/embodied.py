@@ -31,7 +31,7 @@ from tensordict import TensorDict
 
 from rlinf_lightning.algorithms.advantages import groups_with_signal
 from rlinf_lightning.engines.train import TrainSpec
-from rlinf_lightning.envs import EnvBatch, make_env
+from rlinf_lightning.envs import EnvBatch, import_env, make_env
 from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.flow.memory import weights_part
 from rlinf_lightning.flow.metrics import Metrics
@@ -148,6 +148,7 @@ class EnvStage(Stage):
 
     def setup(self, ctx: StageContext) -> None:
         self.shards: dict[int, _Shard] = {}
+        import_env(self.env_name, **self.env_kwargs)  # the envs are made with their shards, in iteration 1
 
     def begin_iteration(self, iteration: int) -> None:
         self.iteration = iteration

@@ -2,7 +2,7 @@
 with ``trainer.max_staleness`` k, with and without an off-policy correction.
 
     python benchmarks/embodied_async.py [--max-staleness 2] [--corrections decoupled none]
-                                        [--seeds 0 1] [--jobs 2]
+                                        [--seeds 0 1] [--jobs 2] [--iterations 200]
 
 Per seed, the synchronous run (k = 0, ``sync``) and each correction at k run ``rlinf fit`` on the
 config in a fresh process (``--jobs`` of them at once, the cores split between them), nothing
@@ -32,11 +32,12 @@ CONFIG = ROOT / "configs" / "embodied_ppo_fetchreach.yaml"
 BAR = 0.9
 
 
-def run(correction: str, k: int, seed: int, root: Path, threads: int) -> dict:
+def run(correction: str, k: int, seed: int, root: Path, threads: int, iterations: int | None) -> dict:
     """One fit; its summary's figures."""
     run_dir = root / f"{correction}-k{k}-seed{seed}"
+    longer = [] if iterations is None else [f"--trainer.max_iterations={iterations}"]
     cmd = [
-        sys.executable, "-m", "rlinf_lightning.cli", "fit", f"--config={CONFIG}",
+        sys.executable, "-m", "rlinf_lightning.cli", "fit", f"--config={CONFIG}", *longer,
         f"--trainer.max_staleness={k}", f"--trainer.seed={seed}", f"--trainer.num_threads={threads}",
         f"--trainer.algorithm.init_args.off_policy_correction={correction}",
         f"--trainer.default_root_dir={run_dir}", "--trainer.enable_progress_bar=false",
@@ -58,12 +59,13 @@ def main() -> None:
     parser.add_argument("--corrections", nargs="+", default=["decoupled", "none"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--jobs", type=int, default=1, help="fits at once (each on cores // jobs threads)")
+    parser.add_argument("--iterations", type=int, help="every case's max_iterations (default: the config's)")
     args = parser.parse_args()
     cases = [("sync", "none", 0)] + [(c, c, args.max_staleness) for c in args.corrections]
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     with tempfile.TemporaryDirectory(prefix="rlinf-async-") as tmp, ThreadPoolExecutor(args.jobs) as pool:
         futures = {
-            (name, seed): pool.submit(run, correction, k, seed, Path(tmp), threads)
+            (name, seed): pool.submit(run, correction, k, seed, Path(tmp), threads, args.iterations)
             for name, correction, k in cases
             for seed in args.seeds
         }
@@ -75,7 +77,8 @@ def main() -> None:
         name: [runs[f"{name}-seed{seed}"]["success_after"] for seed in args.seeds] for name, _, _ in cases
     }
     passed = "decoupled" in after and min(after["decoupled"]) >= BAR
-    print(json.dumps({"max_staleness": args.max_staleness, "seeds": args.seeds, "success_after": after,
+    print(json.dumps({"max_staleness": args.max_staleness, "seeds": args.seeds, "iterations": args.iterations,
+                      "success_after": after,
                       "runs": runs, "bar": BAR, "passed": passed}))  # fmt: skip
 
 

@@ -15,7 +15,7 @@ from functools import cache
 
 import torch
 
-CPU_MIN_RUN_S = 0.005  # a CPU product this long reaches the peak; smaller ones are grown
+CPU_MIN_RUN_S = 0.002  # a CPU product this long reaches the peak; smaller ones are grown
 
 
 @cache

@@ -195,7 +195,7 @@ def bound(core_s: list[dict[str, float]], sequential_s: float, slots: int = 2) -
     speed-up over ``sequential_s`` if all of it were packed perfectly onto ``slots`` cores."""
     parts = {"env": ("env",), "policy": ("rollout",), "update": ("advantage", "actor")}
     cost = {
-        part: min(sum(c.get(st, 0.0) for st in stages) for c in core_s if all(st in c for st in stages[-1:]))
+        part: min(sum(c.get(st, 0.0) for st in stages) for c in core_s if stages[-1] in c)
         for part, stages in parts.items()
     }
     return {**{k: round(v, 2) for k, v in cost.items()},

@@ -10,7 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from rlinf_lightning.assets import TinyModelConfig, build_tiny_qwen2
-from rlinf_lightning.engines.flops import cpu_matmul_size, peak_matmul_flops
+from rlinf_lightning.engines.flops import cpu_matmul_peak, peak_matmul_flops
 from rlinf_lightning.policies.lm import causal_lm_train_flops
 
 
@@ -36,7 +36,7 @@ def test_peak_matmul_flops_is_the_best_rate_of_that_matmul_timed_here():
     FLOPs counted by PyTorch. Rounds alternate and each side keeps its best, so a busy machine
     slows both alike."""
     threads = torch.get_num_threads()
-    n = cpu_matmul_size(torch.float32)
+    n, _ = cpu_matmul_peak(torch.float32)
     a, b = torch.randn(n, n), torch.randn(n, n)
     with FlopCounterMode(display=False) as counter:
         a @ b

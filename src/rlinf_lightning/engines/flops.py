@@ -27,33 +27,29 @@ def peak_matmul_flops(device: str, dtype: torch.dtype, threads: int) -> float:
     warm-ups: a 4096-wide one timed alone on the host clock measured an H200 well under its
     ~790 TFLOP/s (launch and clock ramp-up dominate a 0.2 ms kernel), which overstated MFU.
     On CPU it is the smallest of 1024, 2048, 4096 wide whose run takes ``CPU_MIN_RUN_S``
-    (:func:`cpu_matmul_size`): measured here, float32 on one core reaches within 3% of the
+    (:func:`cpu_matmul_peak`): measured here, float32 on one core reaches within 3% of the
     2048-wide rate at 1024 in a seventh of the time, while bf16 (AMX) needs 2048."""
     if device.startswith("cuda"):
         return _cuda_peak(device, dtype)
-    n = cpu_matmul_size(dtype)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    best = float("inf")
-    for _ in range(4):  # the first is a warm-up (kernel selection, page faults)
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2.0 * n**3 / best
+    return cpu_matmul_peak(dtype)[1]
 
 
-def cpu_matmul_size(dtype: torch.dtype) -> int:
-    """The width :func:`peak_matmul_flops` times on CPU in ``dtype`` with torch's current threads."""
+def cpu_matmul_peak(dtype: torch.dtype) -> tuple[int, float]:
+    """``(width, FLOP/s)``: the best of three timed runs (after a warm-up: kernel selection, page
+    faults) of the smallest square product of 1024, 2048, 4096 wide whose best run takes
+    ``CPU_MIN_RUN_S``, in ``dtype`` with torch's current threads."""
     n = 1024
-    while n < 4096:
+    while True:
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        a @ b  # warm-up
-        t = time.perf_counter()
         a @ b
-        if time.perf_counter() - t >= CPU_MIN_RUN_S:
-            break
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+        if best >= CPU_MIN_RUN_S or n >= 4096:
+            return n, 2.0 * n**3 / best
         n *= 2
-    return n
 
 
 def _cuda_peak(device: str, dtype: torch.dtype, n: int = 8192, runs: int = 10) -> float:

@@ -58,14 +58,20 @@ class _Call:
         return self.thread is not None and not self.thread.is_alive()
 
 
+def _use_threads(plan: ExecutionPlan) -> None:
+    """One process: torch's intra-op pool, shared by every worker thread, takes the plan's largest
+    per-replica thread count."""
+    threads = max(g.num_threads for g in plan.groups)
+    if threads:
+        torch.set_num_threads(threads)
+
+
 class InProcessRuntime(Runtime):
     def __init__(self, workflow: Workflow, plan: ExecutionPlan, timeout_s: float) -> None:
         import torch.distributed as dist
 
         super().__init__(workflow, plan, timeout_s)
-        threads = max(g.num_threads for g in plan.groups)
-        if threads:  # one process: torch's intra-op pool is shared by every worker thread
-            torch.set_num_threads(threads)
+        _use_threads(plan)
         self.abort = threading.Event()
         self.queues = {n: Channel(n, timeout_s, self.abort) for n in self.queue_names()}
         meet = {g.name: Rendezvous(g.name, store=dist.HashStore()) for g in plan.groups if g.replicas > 1}
@@ -100,9 +106,7 @@ class InProcessRuntime(Runtime):
         single = all(g.replicas == 1 for g in plan.groups)
         if shape(plan) != shape(self.plan) or plan.accelerator != "cpu" or not single:
             return False
-        threads = max(g.num_threads for g in plan.groups)
-        if threads:
-            torch.set_num_threads(threads)
+        _use_threads(plan)
         self.plan = plan
         return True
 

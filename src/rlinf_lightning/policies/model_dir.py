@@ -92,11 +92,8 @@ def causal_lm_shape(path: str | Path) -> CausalLMShape | None:
     """Parameter count and attention shape of the causal LM that ``path``'s config.json describes,
     from a model built on the ``meta`` device (no memory, no weights read); ``None`` without a
     config.json. Cached per config.json (path, mtime, size): a planner may ask for every candidate."""
-    try:
-        stat = (Path(path) / "config.json").stat()
-    except OSError:
-        return None
-    return _causal_lm_shape(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+    key = _config_key(path)
+    return None if key is None else _causal_lm_shape(*key)
 
 
 @lru_cache(maxsize=8)
@@ -124,11 +121,18 @@ def config_shapes(path: str | Path) -> dict[str, list[int]]:
 
 def _meta_causal_lm(path: str | Path) -> tuple[Any, Any]:
     """``(config, model on the meta device)`` for ``path``, or ``(None, None)`` without a config.json."""
+    key = _config_key(path)
+    return (None, None) if key is None else _build_meta_causal_lm(*key)
+
+
+def _config_key(path: str | Path) -> tuple[str, int, int] | None:
+    """The identity of ``path``'s config.json (resolved directory, mtime, size), the caches' key;
+    ``None`` without one."""
     try:
         stat = (Path(path) / "config.json").stat()
     except OSError:
-        return None, None
-    return _build_meta_causal_lm(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+        return None
+    return str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size
 
 
 @lru_cache(maxsize=8)

@@ -276,9 +276,10 @@ class FitLoop:
         """Run the next iterations under ``replan.plan``: the same groups take the new micro-batch
         sizes at once; other groups get new workers, which receive the training state (through a
         sharded checkpoint for a sharded engine) and the synced weights before they continue."""
-        if self.plan.layout() != replan.plan.layout() and self.runtime.adopt(replan.plan):
+        moved = self.plan.layout() != replan.plan.layout()
+        if moved and self.runtime.adopt(replan.plan):
             log.info("the same workers run the new plan:\n%s", replan.plan.describe(self.workflow))
-        elif self.plan.layout() != replan.plan.layout():
+        elif moved:
             t0 = time.perf_counter()
             if self.ahead and self.ahead.layout != replan.plan.layout():  # not those: still wanted?
                 self._follow_ahead(self.strategy.ahead())  # if not, stopped before others start

@@ -28,8 +28,8 @@ two where the first stage runs at one granularity) are the measurement:
    started), and until then estimated (``launch_estimate``). So a short run stays in-process
    when a faster plan would not repay its launch, and a long run moves. One line says why.
    Where the launcher can, the chosen plan's workers start in the background (``ahead``) while
-   the profiling worker trains on at its best granularity; the switch follows the first
-   iteration that ends with them up, so their start-up costs no idle time.
+   the profiling worker trains on one slot at its best granularity (the others' cores go to the
+   start-up); the switch follows the first iteration that ends with them up.
 4. From then on each iteration logs ``auto/predicted_s`` and ``auto/measured_s``. When they differ
    by more than ``retune_threshold`` for ``retune_patience`` iterations in a row, the stages are
    re-fitted from the recent iterations (first keeping each stage's per-sample slope, the only

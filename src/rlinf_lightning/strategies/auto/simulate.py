@@ -18,6 +18,15 @@ wiring (``flow.wiring.wire``) and each call's cost from the :class:`~.profile.Pr
 
 The iteration time is the last worker's end plus ``profile.overhead_s``.
 
+A workflow whose sync edges lag (``max_staleness`` k > 0) lets iterations overlap: a worker starts
+iteration ``j + 1`` the moment it ends ``j``, having applied version ``j - k`` of its sync state
+(not ``j``), while at most ``Workflow.in_flight`` iterations are outstanding (iteration ``j`` is
+queued once the driver collected ``j - in_flight``). So a rollout group on its own slots rolls out
+the next batch while the learner trains on this one, and one worker gains nothing. The simulator
+then runs ``LAGGED_ITERATIONS`` iterations back to back, each worker's ``overhead_s`` charged
+after its own iteration, and returns the steady period: the mean gap between the driver's
+collects over the second half.
+
 A replica spanning several slots (on CPU, a worker with several torch threads) runs each stage
 ``profile.factor(stage, width)`` times faster than one slot: how a stage speeds up over more
 slots (the threads' share of its work, their contention) is not something one slot shows, so it
@@ -37,6 +46,10 @@ from rlinf_lightning.flow.sharing import slot_order, turns_of
 from rlinf_lightning.flow.wiring import Link, wire
 from rlinf_lightning.flow.workflow import SOURCE, Workflow
 from rlinf_lightning.strategies.auto.profile import Profile
+
+#: iterations simulated back to back for a workflow with lagged syncs (its transient is about
+#: ``max_staleness + 2`` iterations; the period is taken over the second half)
+LAGGED_ITERATIONS = 12
 
 
 @dataclass
@@ -75,20 +88,35 @@ class _Sim:
         self.workers = [_Worker(g, r, turns_of(workflow, g)) for g, r in plan.workers]
         self.by_slot = {(w.group.name, w.replica): w for w in self.workers}
         self.turn_before: dict[tuple[str, int, int], list[tuple[str, int, int]]] = {}  # on shared slots
-        for seq in slot_order(workflow, plan).values():
+        self.slot_turns = list(slot_order(workflow, plan).values())
+        for seq in self.slot_turns:
             for prev, turn in zip(seq, seq[1:]):
                 self.turn_before.setdefault(turn, []).append(prev)
         self.turn_end: dict[tuple[str, int, int], float] = {}
+        self.train = workflow.roles.get("train")
+        self.n_msgs = math.ceil(batch / self.mb)
+        # (dst stage, replica) -> version -> when that version of its sync state arrives
+        self.versions: dict[tuple[str, int], dict[int, float]] = {}
+        self._begin(1, 0.0)
+
+    def _begin(self, iteration: int, queued_at: float) -> None:
+        """Iteration ``iteration``'s input, queued at ``queued_at``; each worker starts it once it
+        ended the one before (its ``free_at``)."""
+        self.iteration = iteration
+        # a shared slot's first turn follows its last turn of the iteration before
+        ended = self.turn_end
+        self.slot_since = {seq[0]: ended[seq[-1]] for seq in self.slot_turns if seq[-1] in ended}
+        self.turn_end = {}
         self.queues: dict[tuple[str, int | None], list[_Msg]] = {}
         self.done_at: dict[tuple[str, int], float] = {}  # (stage, replica) -> end of its iteration
         self.in_flight: dict[tuple[str, int], int] = {}
         self.arrived: dict[str, dict[int, float]] = {}  # collective step: replica -> arrival
-        self.sync_ready: dict[tuple[str, int], float] = {}  # (dst stage, replica) -> state arrives
-        self.train = workflow.roles.get("train")
-        src = self.links[workflow.source_edge.channel]
-        n_msgs = math.ceil(batch / self.mb)
-        for k in range(n_msgs):
-            self._put(src, _Msg(k, 0, 0, 0.0, False), replica=0)
+        for w in self.workers:
+            w.free_at = max(w.free_at, queued_at)
+            w.turn, w.done, w.blocked, w.finished_at, w.end = 0, set(), False, None, None
+        src = self.links[self.wf.source_edge.channel]
+        for k in range(self.n_msgs):
+            self._put(src, _Msg(k, 0, 0, queued_at, False), replica=0)
 
     # -- queues ----------------------------------------------------------------------------------
     def _queue(self, link: Link, replica: int | None) -> list[_Msg]:
@@ -138,7 +166,7 @@ class _Sim:
     def _slot_free(self, w: _Worker) -> float | None:
         """When the worker's current turn may start on its shared slots: once the turn before it
         on each has ended (``None``: one has not yet)."""
-        t = 0.0
+        t = self.slot_since.get((w.group.name, w.replica, w.turn), 0.0)
         for prev in self.turn_before.get((w.group.name, w.replica, w.turn), ()):
             end = self.turn_end.get(prev)
             if end is None:
@@ -212,7 +240,7 @@ class _Sim:
             link = self.links[e.channel]
             for target in link.sync_targets(w.replica):
                 cross = 0.0 if link.mode == "local" else self.profile.message_s
-                self.sync_ready[(e.dst, target)] = t_state + cross
+                self.versions.setdefault((e.dst, target), {})[self.iteration] = t_state + cross
         if all(s in w.done for s in w.turns[w.turn]):
             self.turn_end[(w.group.name, w.replica, w.turn)] = w.free_at
             w.turn += 1
@@ -238,11 +266,13 @@ class _Sim:
         self._finish_stage(w, stage, t + cost)
 
     def _apply_syncs(self, w: _Worker) -> bool:
-        """End the worker's iteration once the sync state for its stages arrived."""
+        """End the worker's iteration once the sync state its stages are due arrived: version
+        ``iteration - staleness`` of each edge (none before the first)."""
         t = w.finished_at or 0.0
         for e in self.wf.edges_of("sync"):
-            if e.dst in w.group.stages:
-                ready = self.sync_ready.get((e.dst, w.replica))
+            due = self.iteration - e.staleness
+            if e.dst in w.group.stages and due >= 1:
+                ready = self.versions.get((e.dst, w.replica), {}).get(due)
                 if ready is None:
                     return False
                 t = max(t, ready) + self.profile.sync_s.get(e.dst, 0.0)
@@ -250,6 +280,23 @@ class _Sim:
         return True
 
     def run(self) -> float:
+        """Seconds per iteration: one iteration's, or with lagged syncs the steady period."""
+        if not self.wf.max_staleness:
+            return self._run_iteration() + self.profile.overhead_s
+        collected: list[float] = []
+        for j in range(1, LAGGED_ITERATIONS + 1):
+            if j > 1:
+                ahead = j - self.wf.in_flight
+                self._begin(j, collected[ahead - 1] if ahead >= 1 else 0.0)
+            self._run_iteration()
+            for w in self.workers:
+                w.free_at = w.end = (w.end or 0.0) + self.profile.overhead_s
+            collected.append(max(collected[-1:] + [w.end for w in self.workers]))
+        half = LAGGED_ITERATIONS // 2
+        return (collected[-1] - collected[half - 1]) / (LAGGED_ITERATIONS - half)
+
+    def _run_iteration(self) -> float:
+        """Run the current iteration to its end on every worker; returns the last worker's end."""
         while True:
             steps = []
             for w in self.workers:
@@ -263,7 +310,7 @@ class _Sim:
                 if nxt is not None:
                     steps.append((nxt[0], id(w), w, nxt))
             if all(w.end is not None for w in self.workers):
-                return max(w.end for w in self.workers) + self.profile.overhead_s
+                return max(w.end for w in self.workers)
             real = [s for s in steps if s is not None]
             if not real:
                 if None in steps:

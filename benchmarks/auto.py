@@ -67,7 +67,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from children import parse_args, recipe_assets, run_child
+from children import parse_args, placement_of, recipe_assets, run_child
 
 WARMUP = 5
 PROFILING_ITERATIONS = 3  # at most, auto on 2 slots: one slot at two micro-batch sizes, then both
@@ -181,16 +181,6 @@ def run_one(spec: dict) -> dict:
     if spec.get("predict"):
         out["fixed_predicted_s"] = predict(Path(spec["run_dir"]) / "profile.json", spec["predict"])
     return out
-
-
-def placement_of(plan) -> str:
-    """``one worker[n slots]``, ``collocated``, or the groups in the hybrid placement syntax."""
-    from rlinf_lightning.flow.plan import format_slots
-
-    if len(plan.groups) == 1:
-        g = plan.groups[0]
-        return f"one worker[{len(g.slots)} slots]" if g.replicas == 1 else "collocated"
-    return ", ".join(f"{','.join(g.stages)}: {format_slots(g.slots)}" for g in plan.groups)
 
 
 def child(spec: dict) -> dict:

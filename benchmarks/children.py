@@ -51,3 +51,13 @@ def parse_args(ap: argparse.ArgumentParser, run_one: Callable[[dict], dict]) -> 
         print(json.dumps(run_one(json.loads(args.child))))
         return None
     return args
+
+
+def placement_of(plan) -> str:
+    """``one worker[n slots]``, ``collocated``, or the groups in the hybrid placement syntax."""
+    from rlinf_lightning.flow.plan import format_slots
+
+    if len(plan.groups) == 1:
+        g = plan.groups[0]
+        return f"one worker[{len(g.slots)} slots]" if g.replicas == 1 else "collocated"
+    return ", ".join(f"{','.join(g.stages)}: {format_slots(g.slots)}" for g in plan.groups)

@@ -24,7 +24,12 @@ Candidates, on at most two slots (on CPU a slot is a core, one torch thread each
   rollout's (``flow.sharing``);
 - ``asynchronous``: the update of iteration ``i`` overlapping the rollout of ``i + 1`` with weights
   at most one version old (the trainer option ``max_staleness``); skipped, with the reason printed,
-  where the trainer has no such option.
+  where the trainer has no such option;
+- ``auto[k=1]``: ``trainer.strategy: auto`` with the same ``max_staleness`` 1, choosing among every
+  placement itself (it profiles its first iterations in the driver's process, so its whole-iteration
+  figure counts them). Reported: the placement it ended on (``auto_placement``), the fixed candidate
+  with that placement (``auto_picked``) and whether that is the fastest fixed candidate
+  (``auto_picked_fastest``).
 
 Each candidate runs in a fresh process; rounds alternate the candidates. The figure that counts is
 the whole iteration (``time/iteration``: rollout and update, the first iteration left out: it starts
@@ -49,7 +54,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from children import parse_args, run_child
+from children import parse_args, placement_of, run_child
 
 HYBRID = "rlinf_lightning.strategies.HybridStrategy"
 # The VLA is sized so that its inference costs about what ManiSkill's CPU simulation and rendering
@@ -92,6 +97,12 @@ def candidates() -> dict[str, dict]:
             "class_path": HYBRID,
             "init_args": {"placement": ASYNC["placement"], "micro_batches": 2},
         },
+        "launcher": "processes",
+        "devices": 2,
+        "trainer": ASYNC["trainer"],
+    }
+    out["auto[k=1]"] = {
+        "strategy": "auto",
         "launcher": "processes",
         "devices": 2,
         "trainer": ASYNC["trainer"],
@@ -165,6 +176,7 @@ def run_one(spec: dict) -> dict:
         "cores": cores,  # per stage: replicas x torch threads each (its busy seconds' core count)
         "wall_s": time.perf_counter() - t0,
         "plan": trainer.plan.describe(trainer.plan_connector.workflow),
+        "placement": placement_of(trainer.plan),
     }
 
 
@@ -224,6 +236,7 @@ def main() -> None:
         runs: dict[str, list[float]] = {n: [] for n in chosen}
         whole: dict[str, list[float]] = {n: [] for n in chosen}
         busy: dict[str, list[dict[str, float]]] = {n: [] for n in chosen}  # core-s per stage
+        placement: dict[str, str] = {}  # the plan each candidate ended on
         for r in range(args.rounds):
             for name, candidate in chosen.items():
                 run_dir = str(work / f"{workload}-{name}-{r}")
@@ -233,6 +246,7 @@ def main() -> None:
                 runs[name].append(res["env_steps_per_s"])
                 whole[name].append(res["iteration_steps_per_s"])
                 busy[name].append({k: v * res["cores"][k] for k, v in res["stage_s"].items()})
+                placement[name] = res["placement"]
                 if r == 0:
                     print(f"\n[{workload} {name}]\n{res['plan']}")
                 stage_s = ", ".join(f"{k} {v:.2f}" for k, v in res["stage_s"].items())
@@ -245,8 +259,15 @@ def main() -> None:
         rates = {k: statistics.median(v) for k, v in whole.items()}
         entry: dict = {"whole_iteration": {k: round(v, 2) for k, v in rates.items()},
                        "rollout": {k: round(v, 1) for k, v in rollout.items()}}  # fmt: skip
+        if "auto[k=1]" in rates:  # what auto chose, against the fixed candidates (same staleness)
+            auto = placement.pop("auto[k=1]")
+            fixed = {k: v for k, v in rates.items() if k != "auto[k=1]"}
+            same = [k for k in fixed if placement[k] == auto and chosen[k].get("trainer") == ASYNC["trainer"]]
+            entry["auto_placement"] = auto
+            entry["auto_picked"] = same[0] if same else None
+            entry["auto_picked_fastest"] = bool(fixed) and entry["auto_picked"] == max(fixed, key=fixed.get)
         sequential = [k for k in rates if k.startswith("sequential")]
-        others = [k for k in rates if not k.startswith("sequential")]
+        others = [k for k in rates if not k.startswith(("sequential", "auto"))]
         if sequential:
             seq = max(sequential, key=lambda k: rates[k])
             entry["best_sequential"] = seq
@@ -258,7 +279,11 @@ def main() -> None:
                 best = max(others, key=lambda k: rates[k])
                 entry["best"] = best
                 entry["whole_iteration_best_over_sequential"] = round(rates[best] / rates[seq], 3)
-            per_candidate = [{k: statistics.median(b[k] for b in bs) for k in bs[0]} for bs in busy.values()]
+            per_candidate = [  # auto's iterations ran under several plans: no one stage cost
+                {k: statistics.median(b[k] for b in bs) for k in bs[0]}
+                for n, bs in busy.items()
+                if n != "auto[k=1]"
+            ]
             entry["core_s_per_iteration"] = bound(per_candidate, _steps(workload) / rates[seq])
             entry["whole_iteration_bound"] = entry["core_s_per_iteration"].pop("whole_iteration_bound")
         result[workload] = entry

@@ -17,7 +17,7 @@ from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.launchers import LAUNCHERS, WorkerDied
 from rlinf_lightning.launchers.base import ABORT_GRACE_S
 from rlinf_lightning.strategies import STRATEGIES, Resources
-from trainer_defaults import cli_fit_args, logged_metrics
+from trainer_defaults import cli_fit_args, cmdline, logged_metrics, worker_processes
 
 LAUNCHER_NAMES = ["inprocess", "processes", "ray"]
 # the two spawning launchers, ray's case with `-m slow` where it costs more than it adds
@@ -142,11 +142,11 @@ def _training_fit(assets, tmp_path, *overrides: str):
     try:
         while "it " not in (line := fit.stdout.readline()):  # iterations print once workers are up
             assert line, fit.communicate(timeout=30)[1]  # the fit ended before training
-        descendants = psutil.Process(fit.pid).children(recursive=True)
+        workers = worker_processes(psutil.Process(fit.pid))
     except BaseException:
         fit.kill()
         raise
-    return fit, [p for p in descendants if "spawn_main" in " ".join(p.cmdline())]
+    return fit, workers
 
 
 def test_killing_a_worker_ends_rlinf_fit_with_its_name(assets, tmp_path):
@@ -291,10 +291,11 @@ class FailsOnSecondReplica(Stage):
 def _worker_processes() -> set[int]:
     import psutil
 
-    names, found = ("spawn_main", "_RayWorker"), set()
-    for p in psutil.Process().children(recursive=True):
+    found = set()
+    ray = [p for p in psutil.Process().children(recursive=True) if "_RayWorker" in cmdline(p)]
+    for p in worker_processes() + ray:
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and any(n in " ".join(p.cmdline()) for n in names):
+            if p.status() != psutil.STATUS_ZOMBIE:
                 found.add(p.pid)
         except psutil.Error:  # ended while we looked
             pass

@@ -286,3 +286,36 @@ def test_a_slot_is_pinned_to_its_share_of_the_cores(monkeypatch):
     for devices, replica_slots, cores in ((1, [0], {4, 5, 6, 7}), (4, [2], {6}), (2, [1], {6, 7})):
         plan = STRATEGIES.get("collocated")().plan(wf, Resources(devices), BatchShape(16, 4, 4))
         assert plan.cores_of(replica_slots) == cores, devices
+
+
+class EnvironReader(Stage):
+    name = "reader"
+
+    def process(self, batch: TensorDict) -> TensorDict:
+        return batch
+
+    def environ(self, key: str) -> tuple[str | None, int]:
+        import os
+
+        return os.environ.get(key), os.getpid()
+
+
+def test_process_workers_see_the_drivers_environment_as_it_is_when_they_start(monkeypatch):
+    """Workers fork from a fork server started with the first runtime; a variable the driver sets
+    after that reaches the next runtime's workers, as it reaches spawned ones, and each runtime
+    has processes of its own."""
+    wf = Workflow("env").chain(EnvironReader())
+    plan = STRATEGIES.resolve("collocated").plan(
+        wf, Resources(devices=1, threads_per_slot=1), BatchShape(4, 4)
+    )
+    seen = []
+    for value in (None, "after"):
+        if value is not None:
+            monkeypatch.setenv("RLINF_TEST_ENVIRON", value)
+        rt = LAUNCHERS.resolve("processes").launch(wf, plan, timeout_s=60)
+        try:
+            seen.append(rt.call("reader", "environ", "RLINF_TEST_ENVIRON"))
+        finally:
+            rt.shutdown()
+    (before, pid_a), (after, pid_b) = seen
+    assert (before, after) == (None, "after") and pid_a != pid_b

@@ -14,7 +14,7 @@ from rlinf_lightning import LMPolicy, RLTrainer
 from rlinf_lightning.flow import BatchShape, Stage, Workflow
 from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.strategies import STRATEGIES, CollocatedStrategy, HybridStrategy, Resources
-from trainer_defaults import MetricsRecorder, tiny_task, tiny_trainer_kwargs
+from trainer_defaults import MetricsRecorder, tiny_task, tiny_trainer_kwargs, worker_processes
 
 LAUNCHER_NAMES = ["inprocess", "processes", "ray"]
 HYBRID = "rollout,reward,advantage: 0, inference,actor: 1"
@@ -96,8 +96,6 @@ def test_the_actor_ranks_are_the_actor_groups_replicas(assets, tmp_path):
     cores, and the actor's ddp ranks are its group's replicas."""
     import os
 
-    import psutil
-
     task = tiny_task(assets, eval_size=8)
     policy = LMPolicy(str(assets["sft"]), lr=1e-3)
     for name, strategy in PLANS.items():
@@ -108,11 +106,7 @@ def test_the_actor_ranks_are_the_actor_groups_replicas(assets, tmp_path):
             inputs = task.inputs(1, plan.micro_batch_size["__input__->rollout"], trainer.run_spec)
             runtime.run_iteration(1, inputs)
             ranks = runtime.call("actor", "engine_info", replicas="all")
-            spawned = [
-                p.pid
-                for p in psutil.Process(os.getpid()).children(recursive=True)
-                if "spawn_main" in " ".join(p.cmdline())
-            ]
+            spawned = [p.pid for p in worker_processes()]
         finally:
             runtime.shutdown()
         actor = plan.group_of("actor")

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from rlinf_lightning import Callback, LMPolicy, RLTrainer
-from trainer_defaults import tiny_task, tiny_trainer_kwargs
+from trainer_defaults import tiny_task, tiny_trainer_kwargs, worker_processes
 
 ITERATIONS, EVERY, WARMUP = 2000, 50, 500
 
@@ -26,7 +26,7 @@ class RSSSampler(Callback):
         if iteration % EVERY:
             return
         me = psutil.Process()
-        workers = [p for p in me.children() if "spawn_main" in " ".join(p.cmdline())]
+        workers = worker_processes(me)
         procs = {"driver": me} | {f"worker pid {p.pid}": p for p in workers}
         self.samples[iteration] = {n: p.memory_info().rss / 2**20 for n, p in procs.items()}
 

@@ -71,3 +71,28 @@ def logged_metrics(run_dir: Path, version: int = 0) -> dict[int, dict[str, str]]
         for row in csv.DictReader(f):
             rows.setdefault(int(row["step"]), {}).update({k: v for k, v in row.items() if v})
     return rows
+
+
+def cmdline(p) -> str:
+    """A ``psutil.Process``'s command line ("" once it ended)."""
+    import psutil
+
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:  # ended while we looked
+        return ""
+
+
+def worker_processes(root=None) -> list:
+    """The ``processes`` launcher's worker processes under ``root`` (a ``psutil.Process``, default
+    this one), alive or not yet reaped: spawned ones (``spawn_main``), and those forked by its
+    fork server (the server's own command line, under a parent with it: not the server itself)."""
+    import psutil
+
+    server = "multiprocessing.forkserver import main"
+    out = []
+    for p in (root or psutil.Process()).children(recursive=True):
+        c = cmdline(p)
+        if "spawn_main" in c or (server in c and server in cmdline(p.parent() or p)):
+            out.append(p)
+    return out

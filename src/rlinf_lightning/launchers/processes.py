@@ -1,4 +1,11 @@
-"""Processes launcher: one OS process per worker (replica) of the plan (``torch.multiprocessing``, spawn).
+"""Processes launcher: one OS process per worker (replica) of the plan (``torch.multiprocessing``).
+
+Workers fork from a fork server (:func:`worker_context`) that imported this package once: a
+spawned interpreter re-imports torch and this package in every worker (2.6 s of one core here),
+so two workers starting beside a training worker took the cores it trains on (auto's start-up
+ahead), and every new runtime paid it again. The server runs no torch op, so its children start
+with no thread pool to inherit; each takes the driver's environment as it is when it starts.
+Where there is no fork server (Windows) workers are spawned.
 
 On CPU a device slot is a process with its own torch thread count, so two slots of one thread
 each really run in parallel; on GPU each process sees only its replica's GPUs
@@ -47,6 +54,8 @@ EXIT_S = 5.0  # how long worker processes get to exit after teardown before they
 
 def _worker_main(name: str, build: dict[str, Any], commands: Any, replies: Any, parent_pid: int) -> None:
     exit_with_parent(parent_pid)
+    os.environ.clear()  # the driver's now, as a spawned worker has it (a fork server's is older)
+    os.environ.update(build["environ"])
     if build["visible_devices"] is not None:  # before anything touches CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = build["visible_devices"]
     if build["cores"] is not None:  # before any library sizes a thread pool by the usable cores
@@ -69,6 +78,22 @@ def _worker_main(name: str, build: dict[str, Any], commands: Any, replies: Any, 
             replies.put((name, "error", StageError("<worker>", name, traceback.format_exc())))
         if cmd == "shutdown":
             return
+
+
+#: what the fork server imports before it forks a worker (``__main__``: the user's script, as a
+#: spawned worker would import it)
+PRELOAD = ["__main__", "rlinf_lightning.launchers.processes"]
+
+
+def worker_context() -> Any:
+    """The multiprocessing context workers start from: a fork server preloaded with
+    :data:`PRELOAD` (one per driver process, started on first use, ending with the driver), else
+    spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def build_worker(build: dict[str, Any]) -> Worker:
@@ -100,7 +125,7 @@ def worker_failed(build: dict[str, Any], exc: BaseException | None) -> None:
 class ProcessRuntime(Runtime):
     def __init__(self, workflow: Workflow, plan: ExecutionPlan, timeout_s: float) -> None:
         super().__init__(workflow, plan, timeout_s)
-        self.mp = mp.get_context("spawn")
+        self.mp = worker_context()
         self.abort = self.mp.Event()
         self.queues = {
             n: SharedMemoryChannel(n, timeout_s, self.abort, self.mp, copy=sync)
@@ -151,6 +176,7 @@ class ProcessRuntime(Runtime):
                 "slot_turns": self.slot_turns.get(name),
                 "visible_devices": None if plan.accelerator == "cpu" else plan.visible_devices(slots),
                 "cores": plan.cores_of(slots),
+                "environ": dict(os.environ),
             }
             p = self.mp.Process(
                 target=_worker_main,
@@ -231,7 +257,7 @@ class ProcessRuntime(Runtime):
 
 
 class ProcessLauncher(Launcher):
-    """One spawned OS process per worker; shared-memory channels between them."""
+    """One OS process per worker (forked from a preloaded server); shared-memory channels between them."""
 
     def launch(self, workflow: Workflow, plan: ExecutionPlan, *, timeout_s: float) -> Runtime:
         return ProcessRuntime(workflow, plan, timeout_s)

@@ -84,6 +84,10 @@ class _Sim:
             )
         self.wf, self.plan, self.profile = workflow, plan, profile
         self.links: dict[str, Link] = wire(workflow, plan)
+        self.inputs: dict[str, list[Link]] = {st: [] for st in workflow.stages}  # the links each reads
+        for link in self.links.values():
+            if link.edge.kind in ("stream", "loop", "return"):
+                self.inputs[link.edge.dst].append(link)
         self.mb = plan.micro_batch_size[workflow.source_edge.channel]
         self.workers = [_Worker(g, r, turns_of(workflow, g)) for g, r in plan.workers]
         self.by_slot = {(w.group.name, w.replica): w for w in self.workers}
@@ -135,17 +139,10 @@ class _Sim:
             target = msg.origin if link.edge.kind == "return" else msg.key
         self._queue(link, target % link.consumers).append(msg)
 
-    def _inputs(self, stage: str) -> list[Link]:
-        return [
-            link
-            for link in self.links.values()
-            if link.edge.dst == stage and link.edge.kind in ("stream", "loop", "return")
-        ]
-
     def _inputs_end(self, stage: str, replica: int) -> float | None:
         """When the last producer of ``stage``'s counted inputs on ``replica`` ended (None: not yet)."""
         t = 0.0
-        for link in self._inputs(stage):
+        for link in self.inputs[stage]:
             e = link.edge
             if e.kind == "return" or e.src == SOURCE:
                 continue
@@ -183,7 +180,7 @@ class _Sim:
             return None
         w.free_at = max(w.free_at, free)
         for s in self._candidates(w):
-            for link in self._inputs(s):
+            for link in self.inputs[s]:
                 q = self._queue(link, w.replica)
                 if q:
                     m = min(q, key=lambda m: m.ready)
@@ -191,7 +188,7 @@ class _Sim:
                     if best is None or t < best[0]:
                         best = (t, s, "process", (link, m))
             end = self._inputs_end(s, w.replica)
-            pending = any(self._queue(link, w.replica) for link in self._inputs(s))
+            pending = any(self._queue(link, w.replica) for link in self.inputs[s])
             if end is not None and not pending and not self.in_flight.get((s, w.replica), 0):
                 t = max(w.free_at, end)
                 if best is None or t < best[0]:

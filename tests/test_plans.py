@@ -385,10 +385,11 @@ def test_several_updates_per_batch_are_the_same_under_every_plan(
 
 #: PPO with a critic on its own stage: 2 epochs x 2 mini-batches, so 4 steps of each model per iteration
 CRITIC_KEYS = ("actor/loss", "actor/grad_norm", "critic/loss", "critic/grad_norm", "reward/reward")
-CRITIC_PLANS = {  # as PLANS, the hybrid placing the critic apart from the actor; the overlapping
-    # plan with a critic is not checked yet (both landed in one merge)
-    **{name: strategy for name, strategy in PLANS.items() if name != "overlapping"},
+CRITIC_PLANS = {  # as PLANS, with the critic in the advantage stage's place: the hybrid places it
+    # apart from the actor, the overlapping plan on the slot it shares with one actor replica
+    **PLANS,
     "hybrid": HybridStrategy(placement="rollout,reward,critic: 0, inference,actor: 1"),
+    "overlapping": HybridStrategy(placement=OVERLAPPING.replace("advantage", "critic"), offload=True),
 }
 
 

@@ -174,9 +174,9 @@ class SingleTrainEngine(TrainEngine):
         self.optimizer, self.scheduler = split_optimizers(self.policy.configure_optimizers())
         self.optimizer.zero_grad(set_to_none=True)
         self._count, self._loss_sum, self._flops = 0.0, 0.0, 0.0
-        self._peak_flops()
+        self.peak_flops()
 
-    def _peak_flops(self) -> float:
+    def peak_flops(self) -> float:
         """This device's peak in the training dtype with torch's current threads (measured once
         per process and thread count)."""
         dtype = torch.bfloat16 if self.precision.startswith("bf16") else torch.float32
@@ -194,7 +194,7 @@ class SingleTrainEngine(TrainEngine):
         if not self._flops:
             return
         metrics.sum("flops_total", self._flops)
-        metrics.mean("peak_flops", self._peak_flops())
+        metrics.mean("peak_flops", self.peak_flops())
         self._flops = 0.0
 
     def onload(self) -> None:

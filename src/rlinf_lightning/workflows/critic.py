@@ -112,6 +112,7 @@ class CriticStage(TrainStage):
         self.metrics = Metrics()
 
     def begin_iteration(self, iteration: int) -> None:
+        super().begin_iteration(iteration)
         self.iteration, self.kept = iteration, []
 
     def process(self, batch: TensorDict) -> TensorDict:

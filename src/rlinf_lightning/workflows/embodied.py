@@ -488,6 +488,7 @@ class PPOActorStage(TrainStage):
         self.target_kl = getattr(algorithm, "target_kl", None)
 
     def begin_iteration(self, iteration: int) -> None:
+        super().begin_iteration(iteration)
         self.iteration, self.buffer, self.metrics = iteration, [], Metrics()
 
     def process(self, batch: TensorDict) -> None:

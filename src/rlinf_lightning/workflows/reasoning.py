@@ -589,6 +589,7 @@ class ActorStage(TrainStage):
         return {**super().engine_info(), "tis_cap": getattr(self.algorithm, "tis_cap", None)}
 
     def begin_iteration(self, iteration: int) -> None:
+        super().begin_iteration(iteration)
         self.iteration, self.buffer = iteration, []
         self.warming_up = iteration <= getattr(self.algorithm, "critic_warmup", 0)
 

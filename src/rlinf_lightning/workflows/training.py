@@ -47,6 +47,12 @@ class TrainStage(Stage):
         self.train_engine_options, self.compile = dict(train.options), train.compile
         self.max_staleness = max_staleness
 
+    def begin_iteration(self, iteration: int) -> None:
+        """Subclasses call this first: the engine measures the device's peak for MFU at torch's
+        current threads here, outside any stage call's span, when a re-plan changed them (auto
+        widening its worker), so the call auto times for the speed-up does not carry it."""
+        self.engine.peak_flops()
+
     def check_staleness(self, iteration: int, versions: torch.Tensor, metrics: Metrics) -> None:
         """Record ``async/staleness`` (mean, std, max) of samples produced by weight ``versions``
         that the update of ``iteration`` trains on (it starts from version ``iteration - 1``);

@@ -22,6 +22,8 @@ Candidates, on at most two slots (on CPU a slot is a core, one torch thread each
   env: 0, rollout: 1``: env and policy pipeline as above, then the actor trains data-parallel on
   both slots (two ddp ranks), each replica taking its turn on its slot after the env's or the
   rollout's (``flow.sharing``);
+- ``collocated``: every stage on both slots, two data-parallel replicas (4 envs each), the update
+  synchronous with ddp;
 - ``asynchronous``: the update of iteration ``i`` overlapping the rollout of ``i + 1`` with weights
   at most one version old (the trainer option ``max_staleness``); skipped, with the reason printed,
   where the trainer has no such option;
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import tempfile
 from pathlib import Path
@@ -92,6 +95,7 @@ def candidates() -> dict[str, dict]:
                 "launcher": "processes",
                 "devices": 2,
             }
+    out["collocated"] = {"strategy": "collocated", "launcher": "processes", "devices": 2}
     out["asynchronous"] = {
         "strategy": {
             "class_path": HYBRID,
@@ -198,7 +202,10 @@ def _rollout_windows(events: list[dict], iterations: int) -> list[float]:
 
 
 def child(spec: dict) -> dict:
-    return json.loads(run_child(__file__, spec, f"{spec['workload']} {spec['name']}")[-1])
+    """One candidate's result; auto's log lines (its ranking and choices) under ``"log"``."""
+    lines = run_child(__file__, spec, f"{spec['workload']} {spec['name']}")
+    ranked = re.compile(r"auto:|\s+\d+\.\s")  # auto's lines and its ranked plans
+    return {**json.loads(lines[-1]), "log": [ln for ln in lines[:-1] if ranked.match(ln)]}
 
 
 def bound(core_s: list[dict[str, float]], sequential_s: float, slots: int = 2) -> dict[str, float]:
@@ -249,6 +256,8 @@ def main() -> None:
                 placement[name] = res["placement"]
                 if r == 0:
                     print(f"\n[{workload} {name}]\n{res['plan']}")
+                if name == "auto[k=1]":
+                    print("\n".join(res["log"]))
                 stage_s = ", ".join(f"{k} {v:.2f}" for k, v in res["stage_s"].items())
                 print(
                     f"round {r}: {workload} {name:<15} whole iteration {res['iteration_steps_per_s']:7.1f} "

@@ -153,6 +153,7 @@ class ProcessRuntime(Runtime):
         self._setup()
 
     def _start(self, workflow: Workflow, plan: ExecutionPlan, timeout_s: float, meet, sync_meet) -> None:
+        environ = dict(os.environ)  # the driver's now: every worker starts with it
         for g, r in plan.workers:
             name, slots = g.worker_name(r), g.replica_slots(r)
             build = {
@@ -176,7 +177,7 @@ class ProcessRuntime(Runtime):
                 "slot_turns": self.slot_turns.get(name),
                 "visible_devices": None if plan.accelerator == "cpu" else plan.visible_devices(slots),
                 "cores": plan.cores_of(slots),
-                "environ": dict(os.environ),
+                "environ": environ,
             }
             p = self.mp.Process(
                 target=_worker_main,

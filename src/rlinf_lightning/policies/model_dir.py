@@ -10,6 +10,7 @@ the same model gives the parameter count and attention shape a memory estimate n
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -126,13 +127,14 @@ def _meta_causal_lm(path: str | Path) -> tuple[Any, Any]:
 
 
 def _config_key(path: str | Path) -> tuple[str, int, int] | None:
-    """The identity of ``path``'s config.json (resolved directory, mtime, size), the caches' key;
-    ``None`` without one."""
+    """The identity of ``path``'s config.json (absolute directory, mtime, size), the caches' key;
+    ``None`` without one. Not resolved: a planner asks for every candidate plan, and resolving
+    the links of a path costs ten times the stat."""
     try:
-        stat = (Path(path) / "config.json").stat()
+        stat = os.stat(os.path.join(path, "config.json"))
     except OSError:
         return None
-    return str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size
+    return os.path.abspath(path), stat.st_mtime_ns, stat.st_size
 
 
 @lru_cache(maxsize=8)

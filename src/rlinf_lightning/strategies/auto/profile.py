@@ -16,7 +16,7 @@ is exact at that size and optimistic for smaller ones; the search then stays at 
 
 A replica spanning ``n`` slots (on CPU, one worker with ``n`` torch threads) is predicted from
 the one-slot costs divided by each stage's measured ``speedup[n]``: one iteration of such a
-worker, timed per stage at a size the one-slot fit measured. Widths never measured are not
+worker, timed per stage, over the one-slot fit at its size. Widths never measured are not
 predicted.
 
 A stage measured on another cluster at several device counts (``rlinf plan --profile curves.yaml``,
@@ -154,8 +154,9 @@ class Profile:
 
     def add_speedup(self, width: int, spans: Iterable[Span], micro_batch: int) -> None:
         """Record how much faster each stage ran on a replica of ``width`` slots (``spans``: one
-        iteration at ``micro_batch``, a size the one-slot fit measured) than the fit predicts for
-        one slot. A stage too short to time (under ``MIN_TIMED_S`` a call) is taken as 1."""
+        iteration at ``micro_batch``) than the fit predicts for one slot: at that size the wide
+        replica's prediction is then what it measured, wherever the size is on the fit. A stage too
+        short to time (under ``MIN_TIMED_S`` a call) is taken as 1."""
         calls: dict[str, list[float]] = {}
         for s in spans:
             if s.kind == "process":

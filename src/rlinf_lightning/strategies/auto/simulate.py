@@ -61,6 +61,10 @@ class _Msg:
     crossed: bool
 
 
+def _ready(m: _Msg) -> float:
+    return m.ready
+
+
 @dataclass
 class _Worker:
     group: WorkerGroup
@@ -89,6 +93,11 @@ class _Sim:
             if link.edge.kind in ("stream", "loop", "return"):
                 self.inputs[link.edge.dst].append(link)
         self.mb = plan.micro_batch_size[workflow.source_edge.channel]
+        # what each step asks of the workflow, looked up once (a search simulates many plans)
+        self.loop = {st: workflow.loop_of(st) for st in workflow.stages}
+        self.out = {st: workflow.output_edge(st) for st in workflow.stages}
+        self.syncs = workflow.edges_of("sync")
+        self.costs: dict[tuple[str, str], float] = {}  # (stage, group) -> seconds per call
         self.workers = [_Worker(g, r, turns_of(workflow, g)) for g, r in plan.workers]
         self.by_slot = {(w.group.name, w.replica): w for w in self.workers}
         self.turn_before: dict[tuple[str, int, int], list[tuple[str, int, int]]] = {}  # on shared slots
@@ -155,11 +164,6 @@ class _Sim:
         return t
 
     # -- one worker's next step -------------------------------------------------------------------
-    def _candidates(self, w: _Worker) -> list[str]:
-        if w.turn >= len(w.turns):
-            return []
-        return [s for s in reversed(w.turns[w.turn]) if s not in w.done]
-
     def _slot_free(self, w: _Worker) -> float | None:
         """When the worker's current turn may start on its shared slots: once the turn before it
         on each has ended (``None``: one has not yet)."""
@@ -173,40 +177,51 @@ class _Sim:
 
     def _next(self, w: _Worker) -> tuple[float, str, str, tuple | None] | None:
         """(time, stage, action, queue item) of the worker's next step, or None if it waits on
-        something that has not happened yet."""
-        best = None
-        free = self._slot_free(w) if w.turn < len(w.turns) else None
-        if free is None:
+        something that has not happened yet. Its turn's stages are tried last first (the later
+        stage drains the pipeline), each's queued inputs before its end of iteration."""
+        if w.turn >= len(w.turns) or (free := self._slot_free(w)) is None:
             return None
         w.free_at = max(w.free_at, free)
-        for s in self._candidates(w):
+        best = None
+        for s in reversed(w.turns[w.turn]):
+            if s in w.done:
+                continue
+            pending = False
             for link in self.inputs[s]:
                 q = self._queue(link, w.replica)
                 if q:
-                    m = min(q, key=lambda m: m.ready)
+                    pending = True
+                    m = min(q, key=_ready)
                     t = max(w.free_at, m.ready)
                     if best is None or t < best[0]:
                         best = (t, s, "process", (link, m))
+            if pending or self.in_flight.get((s, w.replica), 0):
+                continue
             end = self._inputs_end(s, w.replica)
-            pending = any(self._queue(link, w.replica) for link in self.inputs[s])
-            if end is not None and not pending and not self.in_flight.get((s, w.replica), 0):
+            if end is not None:
                 t = max(w.free_at, end)
                 if best is None or t < best[0]:
                     best = (t, s, "end", None)
         return best
 
     def _cost(self, stage: str, w: _Worker) -> float:
-        c = self.profile.stages.get(stage)
-        if c is None:
-            return 0.0
-        scale = self.profile.replicas_factor(stage, w.group.replicas)
-        return max(c.call_s(self.mb), 0.0) * scale / self.profile.factor(stage, w.group.slots_per_replica)
+        key = (stage, w.group.name)
+        if key not in self.costs:
+            c, g = self.profile.stages.get(stage), w.group
+            self.costs[key] = (
+                0.0
+                if c is None
+                else max(c.call_s(self.mb), 0.0)
+                * self.profile.replicas_factor(stage, g.replicas)
+                / self.profile.factor(stage, g.slots_per_replica)
+            )
+        return self.costs[key]
 
     def _process(self, w: _Worker, t: float, stage: str, link: Link, m: _Msg) -> None:
         self._queue(link, w.replica).remove(m)
         t_end = t + self._cost(stage, w) + (self.profile.message_s if m.crossed else 0.0)
         w.free_at = t_end
-        lp = self.wf.loop_of(stage)
+        lp = self.loop[stage]
         key = (stage, w.replica)
         if lp is not None and lp.head == stage:
             turn = 1 if link.edge.kind == "stream" else m.turn + 1
@@ -221,7 +236,7 @@ class _Sim:
             back = self.links[f"{lp.body}->{lp.head}"]
             self._put(back, _Msg(m.key, m.turn, m.origin, t_end, False), w.replica)
             return
-        out_edge = self.wf.output_edge(stage)
+        out_edge = self.out[stage]
         if out_edge is not None:
             self._put(self.links[out_edge.channel], _Msg(m.key, 0, w.replica, t_end, False), w.replica)
 
@@ -229,7 +244,7 @@ class _Sim:
         w.done.add(stage)
         w.free_at = t_end
         self.done_at[(stage, w.replica)] = t_end
-        for e in self.wf.edges_of("sync"):
+        for e in self.syncs:
             if e.src != stage:
                 continue
             t_state = t_end + self.profile.sync_s.get(stage, 0.0)
@@ -266,7 +281,7 @@ class _Sim:
         """End the worker's iteration once the sync state its stages are due arrived: version
         ``iteration - staleness`` of each edge (none before the first)."""
         t = w.finished_at or 0.0
-        for e in self.wf.edges_of("sync"):
+        for e in self.syncs:
             due = self.iteration - e.staleness
             if e.dst in w.group.stages and due >= 1:
                 ready = self.versions.get((e.dst, w.replica), {}).get(due)

@@ -10,9 +10,10 @@ two where the first stage runs at one granularity) are the measurement:
    Each stage sits on one slot, as every candidate's groups are, at two granularities:
    iteration 1 at two micro-batches per replica of the collocated plan (its first call per stage
    is set-up and is dropped), iteration 2 at one. With several slots, the next iteration runs the
-   same worker on every slot (on CPU one thread per core) to measure each stage's speed-up over
-   them: iteration 3, or 2 for a sticky first stage (one granularity: iteration 1 is its only
-   one-slot iteration, and the wide one also gives the end-of-iteration costs its set-up hid).
+   same worker on every slot (on CPU one thread per core), at the granularity it runs alone, to
+   measure each stage's speed-up over them: iteration 3, or 2 for a sticky first stage (one
+   granularity: iteration 1 is its only one-slot iteration, and the wide one also gives the
+   end-of-iteration costs its set-up hid).
    They train like every other iteration: nothing is thrown away, and nothing else runs beside
    them (on CPU, workers starting in the background would take the very cores they measure).
 2. Each stage's time per call is fitted as ``a + b x micro_batch`` (``auto.profile``); the part
@@ -152,6 +153,7 @@ class AutoStrategy(Strategy):
     # -- planning ------------------------------------------------------------------------------------
     def plan(self, workflow: Workflow, resources: Resources, batch: BatchShape) -> ExecutionPlan:
         self.workflow, self.resources, self.batch = workflow, resources, batch
+        self._fitting: dict[tuple, bool] = {}  # plan -> passes the memory check
         self._startup_s, self._wide, self._wide_ends = process_age_s(), False, False
         if self.profile is not None:
             if self.profile.workflow != workflow.name:
@@ -297,10 +299,15 @@ class AutoStrategy(Strategy):
         return self._profiled(iteration)
 
     def _wide_plan(self, micro_batch: int) -> ExecutionPlan | None:
-        """The profiling worker on every slot, when it can run and the run has an iteration for it."""
+        """The profiling worker on every slot, when it can run and the run has an iteration for it,
+        at the granularity that worker runs as a plan of its own (a sticky first stage: the one
+        it has): its speed-up is then measured where it is used most, and auto, choosing it, runs on
+        without a switch at a granularity whose time it has measured."""
         n, last = len(self.resources.slots), self.seen[-1].iteration >= self.info.max_iterations
         if self.current.plan.launcher != IN_PROCESS or n == 1 or last:
             return None
+        if not self.workflow.stages[self.workflow.order[0]].sticky:
+            micro_batch = self.batch.micro_batch_for(1)
         shape = BatchShape(self.batch.rollout_batch_size, self.batch.group_size, micro_batch)
         wide = one_worker_plan(self.workflow, self.resources, shape, n)
         return wide if self._fits(wide) else None
@@ -410,7 +417,16 @@ class AutoStrategy(Strategy):
         return candidates(self.workflow, self.resources, self.batch, profile, self._fits, self.kinds)
 
     def _fits(self, plan: ExecutionPlan) -> bool:
-        return not memory_problems(self.workflow, plan)
+        """Whether ``plan`` passes the memory check; asked once per plan and granularity (every
+        re-ranking asks again for the same candidates, and their memory does not change)."""
+        key = (
+            plan.layout(),
+            tuple(g.context_switch for g in plan.groups),
+            tuple(sorted(plan.micro_batch_size.items())),
+        )
+        if key not in self._fitting:
+            self._fitting[key] = not memory_problems(self.workflow, plan)
+        return self._fitting[key]
 
     def _is_current(self, c: Candidate) -> bool:
         return c.plan.layout() == self.current.plan.layout() and c.micro_batch == self.current.micro_batch

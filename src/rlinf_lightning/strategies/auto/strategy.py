@@ -1,8 +1,8 @@
 """Auto: measure the run's own stages, simulate every candidate plan, run the best, keep re-tuning.
 
 RLinf's auto placement is an offline tool (stage times measured by hand, typed into YAML, a
-script run, its placement pasted back). Here the first iterations (three with several slots,
-two where the first stage runs at one granularity) are the measurement:
+script run, its placement pasted back). Here the first iterations (four with several slots,
+three where the first stage runs at one granularity) are the measurement:
 
 1. They run under the profiling plan: one worker on one slot in the driver's process (nothing
    to spawn, so a short run pays no process start-up for the measurement; where one in-process
@@ -10,10 +10,12 @@ two where the first stage runs at one granularity) are the measurement:
    Each stage sits on one slot, as every candidate's groups are, at two granularities:
    iteration 1 at two micro-batches per replica of the collocated plan (its first call per stage
    is set-up and is dropped), iteration 2 at one. With several slots, the next iteration runs the
-   same worker on every slot (on CPU one thread per core), at the granularity it runs alone, to
-   measure each stage's speed-up over them: iteration 3, or 2 for a sticky first stage (one
-   granularity: iteration 1 is its only one-slot iteration, and the wide one also gives the
-   end-of-iteration costs its set-up hid).
+   same worker on every slot (on CPU one thread per core), at the granularity it runs alone, for
+   two iterations: the first pays the new width's set-up (thread pool, kernels for new shapes),
+   the second is timed for each stage's speed-up over the slots: iterations 3-4, or 2-3 for a
+   sticky first stage (one granularity: iteration 1 is its only one-slot iteration, and the
+   wide one also gives the end-of-iteration costs its set-up hid). One wide iteration timed
+   alone, its first, once made the one-slot worker look faster and auto kept it for the run.
    They train like every other iteration: nothing is thrown away, and nothing else runs beside
    them (on CPU, workers starting in the background would take the very cores they measure).
 2. Each stage's time per call is fitted as ``a + b x micro_batch`` (``auto.profile``); the part
@@ -71,7 +73,7 @@ from rlinf_lightning.strategies.auto.simulate import simulate
 from rlinf_lightning.strategies.base import Replan, Resources, RunInfo, Strategy
 from rlinf_lightning.strategies.collocated import CollocatedStrategy
 
-PROFILING_ITERATIONS = 2
+PROFILING_ITERATIONS = 2  # on one slot
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +157,7 @@ class AutoStrategy(Strategy):
         self.workflow, self.resources, self.batch = workflow, resources, batch
         self._fitting: dict[tuple, bool] = {}  # plan -> passes the memory check
         self._startup_s, self._wide, self._wide_ends = process_age_s(), False, False
+        self._wide_runs = 0  # iterations the profiling worker ran on every slot
         if self.profile is not None:
             if self.profile.workflow != workflow.name:
                 raise ValueError(
@@ -275,6 +278,9 @@ class AutoStrategy(Strategy):
         assert self.profile is not None
         n = len(self.resources.slots)
         if self._wide:  # the one worker on every slot ran: its speed-up over one slot
+            self._wide_runs += 1
+            if self._wide_runs == 1 and iteration < self.info.max_iterations:
+                return None  # its first iteration paid the new width's set-up: timed from the next
             self.profile.add_speedup(n, spans, micro_batch)
             if self._wide_ends:  # profiled at one granularity: its end-of-iteration costs too
                 self.profile.add_spans(spans, micro_batch, widths=dict.fromkeys(self.workflow.stages, n))
@@ -389,11 +395,23 @@ class AutoStrategy(Strategy):
         return best
 
     def _start_s(self, c: Candidate) -> float:
-        """Seconds to start ``c``'s workers: none if they are the ones running."""
+        """Seconds to start ``c``'s workers: none if they are the ones running, or the in-process
+        worker on other slots (it takes them in place: ``InProcessRuntime.adopt``)."""
         assert self.profile is not None
-        if c.plan.layout() == self.current.plan.layout():
+        if c.plan.layout() == self.current.plan.layout() or self._widened(c.plan):
             return 0.0
         return self.profile.inprocess_launch_s if self._in_process(c.plan) else self.profile.launch_s
+
+    def _widened(self, plan: ExecutionPlan) -> bool:
+        """Whether ``plan`` is the running one-worker in-process plan on other CPU slots."""
+        now = self.current.plan
+        return (
+            plan.launcher == now.launcher == IN_PROCESS
+            and plan.accelerator == "cpu"
+            and len(plan.groups) == len(now.groups) == 1
+            and plan.groups[0].replicas == now.groups[0].replicas == 1
+            and plan.groups[0].stages == now.groups[0].stages
+        )
 
     def _in_process(self, plan: ExecutionPlan) -> bool:
         return plan.launcher == IN_PROCESS or not self.info.separate_processes

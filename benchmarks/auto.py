@@ -38,8 +38,8 @@ as the median over rounds with its spread (``*_spread``: [min, max] over rounds)
   of the median. The one-worker plans are the placements auto
   profiled in (``profiled: true``; ``PROFILED``): its run is separate, but auto measured one worker
   on one slot (math: iterations 1-2, the overhead calibrated on the second) and on every slot
-  (math: iterations 3-4, the speed-up timed on the second; embodied, one granularity: iteration 1
-  on one slot, iterations 2-3 on both, the overhead calibrated on the first).
+  (math: iteration 3, its speed-up, timed again at 4 before narrowing to one slot; embodied, one
+  granularity: iteration 1 on one slot, iteration 2 on both, the overhead calibrated on it).
   ``prediction_error_never_run`` is the median over the other plans only: those whose placement
   auto never ran.
 - ``prediction_error_in_sample``: auto's own ``auto/predicted_s`` against its measured iterations
@@ -71,7 +71,7 @@ from pathlib import Path
 from children import parse_args, placement_of, recipe_assets, run_child
 
 WARMUP = 5
-PROFILING_ITERATIONS = 4  # at most, auto on 2 slots: one slot at two micro-batch sizes, then both twice
+PROFILING_ITERATIONS = 4  # at most, auto on 2 slots: one slot at two sizes, both (twice to narrow)
 BARS = {"prediction_error_unprofiled": (max, 0.20), "auto_wall_over_best_fixed": (min, 0.90)}
 COLLOCATED = "rlinf_lightning.strategies.CollocatedStrategy"
 HYBRID = "rlinf_lightning.strategies.HybridStrategy"

@@ -1,8 +1,8 @@
 """Auto: measure the run's own stages, simulate every candidate plan, run the best, keep re-tuning.
 
 RLinf's auto placement is an offline tool (stage times measured by hand, typed into YAML, a
-script run, its placement pasted back). Here the first iterations (four with several slots,
-three where the first stage runs at one granularity) are the measurement:
+script run, its placement pasted back). Here the first iterations (three with several slots,
+two where the first stage runs at one granularity) are the measurement:
 
 1. They run under the profiling plan: one worker on one slot in the driver's process (nothing
    to spawn, so a short run pays no process start-up for the measurement; where one in-process
@@ -10,12 +10,13 @@ three where the first stage runs at one granularity) are the measurement:
    Each stage sits on one slot, as every candidate's groups are, at two granularities:
    iteration 1 at two micro-batches per replica of the collocated plan (its first call per stage
    is set-up and is dropped), iteration 2 at one. With several slots, the next iteration runs the
-   same worker on every slot (on CPU one thread per core), at the granularity it runs alone, for
-   two iterations: the first pays the new width's set-up (thread pool, kernels for new shapes),
-   the second is timed for each stage's speed-up over the slots: iterations 3-4, or 2-3 for a
-   sticky first stage (one granularity: iteration 1 is its only one-slot iteration, and the
-   wide one also gives the end-of-iteration costs its set-up hid). One wide iteration timed
-   alone, its first, once made the one-slot worker look faster and auto kept it for the run.
+   same worker on every slot (on CPU one thread per core), at the granularity it runs alone, to
+   measure each stage's speed-up over them: iteration 3, or 2 for a sticky first stage (one
+   granularity: iteration 1 is its only one-slot iteration, and the wide one also gives the
+   end-of-iteration costs its set-up hid). Should that make the worker on fewer slots the
+   choice, it runs one more iteration on all and is timed again first: its first there paid
+   the new width's set-up, and the narrower plan, once taken, is the one re-tuning would check
+   (a single such iteration once kept auto on one of two cores for a whole run).
    They train like every other iteration: nothing is thrown away, and nothing else runs beside
    them (on CPU, workers starting in the background would take the very cores they measure).
 2. Each stage's time per call is fitted as ``a + b x micro_batch`` (``auto.profile``); the part
@@ -279,13 +280,18 @@ class AutoStrategy(Strategy):
         n = len(self.resources.slots)
         if self._wide:  # the one worker on every slot ran: its speed-up over one slot
             self._wide_runs += 1
-            if self._wide_runs == 1 and iteration < self.info.max_iterations:
-                return None  # its first iteration paid the new width's set-up: timed from the next
             self.profile.add_speedup(n, spans, micro_batch)
             if self._wide_ends:  # profiled at one granularity: its end-of-iteration costs too
                 self.profile.add_spans(spans, micro_batch, widths=dict.fromkeys(self.workflow.stages, n))
                 self.profile.refit()
-            return self._profiled(iteration)
+            ranked, again = self.rank(), self._wide_runs == 1 and iteration < self.info.max_iterations
+            if again and self._narrows(ranked, iteration):
+                log.info(
+                    "auto: iteration %d: one worker measured slower on %d slots than on fewer; timing "
+                    "it again before narrowing it (its first iteration there paid the set-up)", iteration, n,
+                )  # fmt: skip
+                return None
+            return self._profiled(iteration, ranked)
         self.profile.add_spans(spans, micro_batch, skip_first=iteration == 1)
         wide = self._wide_plan(micro_batch)
         if iteration < PROFILING_ITERATIONS:
@@ -321,11 +327,12 @@ class AutoStrategy(Strategy):
     def ahead(self) -> ExecutionPlan | None:
         return self._ahead.plan if self._ahead else None
 
-    def _profiled(self, iteration: int) -> Replan | None:
-        """The profile is complete: rank, save it, and take the best plan for the rest of the run."""
+    def _profiled(self, iteration: int, ranked: list[Candidate] | None = None) -> Replan | None:
+        """The profile is complete: rank (unless ``ranked`` already is), save it, and take the
+        best plan for the rest of the run."""
         assert self.profile is not None
         self._profiling, self._wide = False, False
-        self.ranked = self.rank()
+        self.ranked = ranked if ranked is not None else self.rank()
         self._print_ranking(f"measured in iterations 1-{iteration}")
         if self.save_profile != "":
             path = Path(self.save_profile or self.info.run_dir / "profile.json")
@@ -367,19 +374,35 @@ class AutoStrategy(Strategy):
             return None
         return self._switch(best, iteration, "re-fitted at two granularities")
 
+    def _narrows(self, ranked: list[Candidate], iteration: int) -> bool:
+        """Whether the plan auto would take now is the profiling worker on fewer slots: a choice
+        resting on the one iteration it timed on all of them, and one that no later iteration
+        would question (re-tuning checks the plan that runs, and that one was measured)."""
+        best = min(ranked, key=lambda c: self._rest_key(c, iteration))
+        return self._widened(best.plan) and best.plan.layout() != self.current.plan.layout()
+
+    def _rest_s(self, c: Candidate, iteration: int) -> float:
+        """Predicted seconds of the rest of the fit on ``c``: its start-up plus the remaining
+        iterations."""
+        return self._start_s(c) + (self.info.max_iterations - iteration) * c.predicted_s
+
+    def _rest_key(self, c: Candidate, iteration: int) -> tuple[float, bool]:
+        """What choosing minimises: the rest of the fit, a tie kept by the workers running."""
+        return self._rest_s(c, iteration), c.plan.layout() != self.current.plan.layout()
+
     def _choose(self, ranked: list[Candidate], iteration: int) -> Candidate:
-        """The candidate with the least predicted rest of the fit: the start-up of its workers
-        plus the remaining iterations at its predicted seconds. While the next iteration is
-        already queued on the current workers, only their granularity can change."""
+        """The candidate with the least predicted rest of the fit (:meth:`_rest_s`). While the
+        next iteration is already queued on the current workers, only their granularity can
+        change."""
         assert self.profile is not None
         remaining = self.info.max_iterations - iteration
         here = [c for c in ranked if c.plan.layout() == self.current.plan.layout()]
         pool = here if self.queued and here else ranked
 
         def rest_s(c: Candidate) -> float:
-            return self._start_s(c) + remaining * c.predicted_s
+            return self._rest_s(c, iteration)
 
-        best, fastest = min(pool, key=rest_s), ranked[0]
+        best, fastest = min(pool, key=lambda c: self._rest_key(c, iteration)), ranked[0]
         line = (
             f"auto: iteration {iteration}: {describe(best)}: predicted {best.predicted_s:.3f} s per "
             f"iteration, {rest_s(best):.2f} s for the {remaining} remaining with {self._start_s(best):.2f} s "

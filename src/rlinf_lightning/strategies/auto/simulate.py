@@ -25,7 +25,8 @@ queued once the driver collected ``j - in_flight``). So a rollout group on its o
 the next batch while the learner trains on this one, and one worker gains nothing. The simulator
 then runs ``LAGGED_ITERATIONS`` iterations back to back, each worker's ``overhead_s`` charged
 after its own iteration, and returns the steady period: the mean gap between the driver's
-collects over the second half.
+collects over the second half, or, once three gaps in a row are equal, that gap (a steady state
+repeats; stopping there halves the cost of ranking lagged plans).
 
 A replica spanning several slots (on CPU, a worker with several torch threads) runs each stage
 ``profile.factor(stage, width)`` times faster than one slot: how a stage speeds up over more
@@ -48,8 +49,10 @@ from rlinf_lightning.flow.workflow import SOURCE, Workflow
 from rlinf_lightning.strategies.auto.profile import Profile
 
 #: iterations simulated back to back for a workflow with lagged syncs (its transient is about
-#: ``max_staleness + 2`` iterations; the period is taken over the second half)
+#: ``max_staleness + 2`` iterations; the period is taken over the second half), unless
+#: ``STEADY_GAPS`` gaps between collects in a row are equal first (the period is then that gap)
 LAGGED_ITERATIONS = 12
+STEADY_GAPS = 3
 
 
 @dataclass
@@ -304,6 +307,11 @@ class _Sim:
             for w in self.workers:
                 w.free_at = w.end = (w.end or 0.0) + self.profile.overhead_s
             collected.append(max(collected[-1:] + [w.end for w in self.workers]))
+            if j < self.wf.max_staleness + 2 + STEADY_GAPS:  # still in the transient
+                continue
+            gaps = [b - a for a, b in zip(collected[-STEADY_GAPS - 1 :], collected[-STEADY_GAPS:])]
+            if min(gaps) > 0 and max(gaps) - min(gaps) <= 1e-9 * max(gaps):
+                return gaps[-1]  # a steady period of one iteration: later ones repeat it
         half = LAGGED_ITERATIONS // 2
         return (collected[-1] - collected[half - 1]) / (LAGGED_ITERATIONS - half)
 

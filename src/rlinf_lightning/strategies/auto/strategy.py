@@ -157,6 +157,7 @@ class AutoStrategy(Strategy):
     def plan(self, workflow: Workflow, resources: Resources, batch: BatchShape) -> ExecutionPlan:
         self.workflow, self.resources, self.batch = workflow, resources, batch
         self._fitting: dict[tuple, bool] = {}  # plan -> passes the memory check
+        self._predicted: tuple[Profile | None, dict[tuple, float]] = (None, {})  # see _predict
         self._startup_s, self._wide, self._wide_ends = process_age_s(), False, False
         self._wide_runs = 0  # iterations the profiling worker ran on every slot
         if self.profile is not None:
@@ -472,12 +473,19 @@ class AutoStrategy(Strategy):
     def _is_current(self, c: Candidate) -> bool:
         return c.plan.layout() == self.current.plan.layout() and c.micro_batch == self.current.micro_batch
 
-    def _predict(self, micro_batch: int, profile: Profile | None = None) -> float:
-        """Predicted seconds of the current placement at ``micro_batch`` (under ``profile``, by
-        default the current one)."""
-        profile = profile or self.profile
-        assert profile is not None
-        return simulate(self.workflow, self._at(micro_batch), profile, self.batch.rollout_batch_size)
+    def _predict(self, micro_batch: int) -> float:
+        """Predicted seconds of the current placement at ``micro_batch``, simulated once per
+        profile, overhead, plan and size (every iteration asks; a lagged plan's simulation is
+        about a millisecond, 1% of a short iteration)."""
+        assert self.profile is not None
+        key = (self.profile.overhead_s, self.current.plan.layout(), micro_batch)
+        if self._predicted[0] is not self.profile or self._profiling:  # (profiling edits it in place)
+            self._predicted = (self.profile, {})
+        cache = self._predicted[1]
+        if key not in cache:
+            plan, batch = self._at(micro_batch), self.batch.rollout_batch_size
+            cache[key] = simulate(self.workflow, plan, self.profile, batch)
+        return cache[key]
 
     def _at(self, micro_batch: int) -> ExecutionPlan:
         """The current placement at granularity ``micro_batch``."""

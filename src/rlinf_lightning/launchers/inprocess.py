@@ -27,6 +27,7 @@ from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.flow.worker import Worker
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers.base import ABORT_GRACE_S, REPLY_MARGIN_S, Launcher, Runtime, first_cause
+from rlinf_lightning.launchers.malloc import tune_malloc
 
 JOIN_SLICE_S = 0.01  # the driver waits this long on one worker thread, then looks for failures again
 
@@ -72,6 +73,7 @@ class InProcessRuntime(Runtime):
 
         super().__init__(workflow, plan, timeout_s)
         _use_threads(plan)
+        tune_malloc()
         self.abort = threading.Event()
         self.queues = {n: Channel(n, timeout_s, self.abort) for n in self.queue_names()}
         meet = {g.name: Rendezvous(g.name, store=dist.HashStore()) for g in plan.groups if g.replicas > 1}

@@ -48,3 +48,13 @@ def test_peak_matmul_flops_is_the_best_rate_of_that_matmul_timed_here():
             a @ b
             best_s = min(best_s, time.perf_counter() - t)
     assert max(peaks) == pytest.approx(counter.get_total_flops() / best_s, rel=0.3)
+
+
+def test_measuring_the_peak_leaves_the_runs_random_stream_alone():
+    """The peak is measured inside a run (the train stage's first iteration at a thread count):
+    drawing its matrices from the global generator would move every later sample of the run."""
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    peak_matmul_flops.__wrapped__("cpu", torch.float32, torch.get_num_threads())
+    assert torch.equal(torch.rand(4), expected)

@@ -40,8 +40,9 @@ def cpu_matmul_peak(dtype: torch.dtype) -> tuple[int, float]:
     """``(width, FLOP/s)``: the best of three timed runs (after a warm-up: kernel selection, page
     faults) of the smallest square product of ``CPU_WIDTHS`` whose best run takes
     ``CPU_MIN_RUN_S`` (else the widest), in ``dtype`` with torch's current threads."""
+    gen = torch.Generator().manual_seed(0)  # not the run's stream: measuring must not move its samples
     for n in CPU_WIDTHS:
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
         a @ b
         best = float("inf")
         for _ in range(3):
@@ -54,8 +55,9 @@ def cpu_matmul_peak(dtype: torch.dtype) -> tuple[int, float]:
 
 
 def _cuda_peak(device: str, dtype: torch.dtype, n: int = 8192, runs: int = 10) -> float:
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    gen = torch.Generator(device).manual_seed(0)  # not the run's stream
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     for _ in range(3):
         a @ b
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

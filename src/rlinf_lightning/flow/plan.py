@@ -125,6 +125,16 @@ class ExecutionPlan:
         )
         return (self.launcher, groups)
 
+    def rethreads(self, other: ExecutionPlan) -> bool:
+        """Whether ``other`` runs this plan's single-worker groups on other CPU slots: only the
+        thread counts differ, so one process can take it in place (``InProcessRuntime.adopt``)."""
+
+        def shape(p: ExecutionPlan) -> list[tuple]:
+            return [(g.name, tuple(g.stages), g.replicas, g.schedule, g.context_switch) for g in p.groups]
+
+        single = all(g.replicas == 1 for g in other.groups)
+        return shape(other) == shape(self) and other.accelerator == "cpu" and single
+
     @property
     def workers(self) -> list[tuple[WorkerGroup, int]]:
         """Every (group, replica) pair: one worker each."""

@@ -101,12 +101,7 @@ class InProcessRuntime(Runtime):
         changes (auto's profiling worker widened to every slot, or narrowed back to one while
         worker processes start beside it, keeps its state and its set-up). Engines that size
         their own threads at set-up (vLLM's) keep them."""
-
-        def shape(p: ExecutionPlan) -> list[tuple]:
-            return [(g.name, tuple(g.stages), g.replicas, g.schedule, g.context_switch) for g in p.groups]
-
-        single = all(g.replicas == 1 for g in plan.groups)
-        if shape(plan) != shape(self.plan) or plan.accelerator != "cpu" or not single:
+        if not self.plan.rethreads(plan):
             return False
         _use_threads(plan)
         self.plan = plan

@@ -427,15 +427,9 @@ class AutoStrategy(Strategy):
         return self.profile.inprocess_launch_s if self._in_process(c.plan) else self.profile.launch_s
 
     def _widened(self, plan: ExecutionPlan) -> bool:
-        """Whether ``plan`` is the running one-worker in-process plan on other CPU slots."""
+        """Whether ``plan`` is the running in-process plan on other CPU slots."""
         now = self.current.plan
-        return (
-            plan.launcher == now.launcher == IN_PROCESS
-            and plan.accelerator == "cpu"
-            and len(plan.groups) == len(now.groups) == 1
-            and plan.groups[0].replicas == now.groups[0].replicas == 1
-            and plan.groups[0].stages == now.groups[0].stages
-        )
+        return plan.launcher == now.launcher == IN_PROCESS and now.rethreads(plan)
 
     def _in_process(self, plan: ExecutionPlan) -> bool:
         return plan.launcher == IN_PROCESS or not self.info.separate_processes

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 FAULTS = """
-import json, resource, sys, torch
+import ctypes, json, resource, sys, torch
+ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: count faults in 4 KiB pages on any host
 from rlinf_lightning.launchers.malloc import tune_malloc
 tuned = tune_malloc()
 def step():  # activations of a few sizes, freed together, as a training step's are
@@ -38,11 +39,12 @@ def _faults(**env: str) -> dict:
 
 
 def test_freed_tensors_are_reused_instead_of_faulted_in_again():
-    """Measured here: 12 512 page faults per step under glibc's adaptive thresholds (the 53 MiB the
-    step frees is trimmed and mapped again), none with the thresholds fixed."""
+    """Measured here under glibc's adaptive thresholds: 12 512 page faults per step in most runs (the
+    53 MiB the step frees is trimmed and mapped again), 51 in the others (the heap's top is left
+    alone, the timing of some allocation decides which); none with the thresholds fixed."""
     tuned, opted_out = _faults(), _faults(RLINF_MALLOC_TUNING="0")
     assert tuned["tuned"] and not opted_out["tuned"]
-    assert opted_out["faults"] > 1000 and tuned["faults"] < opted_out["faults"] / 10, (tuned, opted_out)
+    assert tuned["faults"] < 1 < opted_out["faults"] / 10, (tuned, opted_out)
 
 
 def test_glibc_settings_of_the_user_win():

@@ -1,6 +1,6 @@
 """Ours against TRL's ``GRPOTrainer``, side by side in one run, on the same machine and threads.
 
-    python benchmarks/vs_trl.py [--steps 8] [--tiny-steps 150] [--long-steps 200]
+    python benchmarks/vs_trl.py [--steps 8] [--rounds 3] [--tiny-steps 150] [--long-steps 200]
                                 [--sections throughput,learning,long_run]
 
 Throughput (a ~24 M-parameter Qwen2 built from a config, random weights; the count is read from
@@ -15,7 +15,11 @@ reward scaling, no KL) except what must match ours: ``num_generations=8``,
 the rate constant), ``logging``/``save`` off. Ours runs the library's defaults (collocated on one
 slot of both cores, ``precision: auto``, ``rollout: hf``, ``rollout_dtype: auto``) as
 ``defaults``, and the candidates of :data:`CANDIDATES` (vLLM, float32 rollouts, a token budget);
-the fastest is ``ours_best``. Each candidate is its own process; s/step excludes the first step
+the fastest is ``ours_best``. TRL and ours at the defaults run ``--rounds`` times, in interleaved
+pairs whose order alternates; each side's figures are its median round's, and
+``ours_defaults_over_trl_spread`` gives the lowest and highest ratio of a pair (the same side
+moved 15% between runs here, so one pair decides nothing). The other
+candidates run once. Each candidate is its own process; s/step excludes the first step
 (warm-up: allocation, kernel selection), ``s_per_step_with_first`` includes it (from TRL's
 ``train()`` call and from our first iteration's start).
 
@@ -38,9 +42,9 @@ Long run (``long_run``): the 24 M model's GRPO fit over ``--long-steps`` steps (
 (``actor_s_per_step``), after the first, the compile seconds the engine reports, and the MFU.
 
 The last line is one JSON object: s/step, completions/s and tokens/s of both, ``ours_over_trl``
-(best) and ``ours_defaults_over_trl``, each side's actor MFU where measured, the tiny model's
-accuracy and wall time of both (ours at the defaults, with a float32 rollout, and in 32-true), the
-long run, and the load average at start and end.
+(best) and ``ours_defaults_over_trl`` (with its spread over the rounds), each side's actor MFU
+where measured, the tiny model's accuracy and wall time of both (ours at the defaults, with a
+float32 rollout, and in 32-true), the long run, and the load average at start and end.
 """
 
 from __future__ import annotations
@@ -255,12 +259,29 @@ TINY_RUNS = {
 SECTIONS = ("throughput", "learning", "long_run")
 
 
-def throughput(common: dict, test: Path, work: Path) -> dict:
-    """TRL at its defaults (and under the math attention kernel) against ours per candidate."""
-    trl = spawn("trl", **common, out=work / "trl")
+def _median_run(runs: list[dict]) -> dict:
+    """The run whose s/step is the median of ``runs`` (an odd count: the middle one), so every
+    figure reported for it comes from one run."""
+    return sorted(runs, key=lambda r: r["s_per_step"])[(len(runs) - 1) // 2]
+
+
+def throughput(common: dict, test: Path, work: Path, rounds: int) -> dict:
+    """TRL at its defaults against ours at its defaults in ``rounds`` interleaved pairs (the order
+    alternates, so a drift of the machine's speed falls on both sides alike), then TRL under the
+    math attention kernel and ours per other candidate once."""
+    extra = {"trl": {}, "ours": {"test": test}}
+    pairs = []
+    for r in range(rounds):
+        order = ("trl", "ours") if r % 2 == 0 else ("ours", "trl")
+        pairs.append({kind: spawn(kind, **common, **extra[kind], out=work / f"{kind}-{r}") for kind in order})
+    ratios = [p["trl"]["s_per_step"] / p["ours"]["s_per_step"] for p in pairs]
+    trl = _median_run([p["trl"] for p in pairs])
     trl_math = spawn("trl", **common, out=work / "trl-math", math_attention=True)
-    ours = {
-        name: spawn("ours", **common, test=test, **over, out=work / name) for name, over in CANDIDATES.items()
+    ours = {"defaults": _median_run([p["ours"] for p in pairs])}
+    ours |= {
+        name: spawn("ours", **common, test=test, **over, out=work / name)
+        for name, over in CANDIDATES.items()
+        if name != "defaults"
     }
     best = min(ours, key=lambda r: ours[r]["s_per_step"])
     completions = 8 * common["batch_prompts"]
@@ -270,14 +291,18 @@ def throughput(common: dict, test: Path, work: Path) -> dict:
         "completions_per_s": completions / r["s_per_step"],
     }
     return {
+        "rounds": rounds,
         "trl": {**rate(trl), "tokens_per_s": trl["completion_tokens_per_step"] / trl["s_per_step"],
-                "bf16": trl["bf16"]},
+                "bf16": trl["bf16"], "s_per_step_rounds": [p["trl"]["s_per_step"] for p in pairs]},
         "ours": {name: {**rate(o), "tokens_per_s": o["response_tokens_per_step"] / o["s_per_step"],
                         "actor_s": o["actor_s"], "rollout_s": o["rollout_s"], "mfu": o["mfu"]}
                  for name, o in ours.items()},
+        "ours_defaults_s_per_step_rounds": [p["ours"]["s_per_step"] for p in pairs],
         "ours_best": best,
         "ours_over_trl": trl["s_per_step"] / ours[best]["s_per_step"],
         "ours_defaults_over_trl": trl["s_per_step"] / ours["defaults"]["s_per_step"],
+        "ours_defaults_over_trl_rounds": ratios,
+        "ours_defaults_over_trl_spread": [min(ratios), max(ratios)],
         "ours_defaults_over_trl_with_first": (
             trl["s_per_step_with_first"] / ours["defaults"]["s_per_step_with_first"]
         ),
@@ -320,6 +345,7 @@ def long_run(common: dict, test: Path, steps: int, work: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps of the throughput runs")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved TRL / ours-at-defaults pairs (odd)")
     ap.add_argument("--tiny-steps", type=int, default=150, help="steps of the tiny model's learning runs")
     ap.add_argument("--long-steps", type=int, default=200, help="actor steps of the compile long run")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"some of {','.join(SECTIONS)}")
@@ -330,6 +356,8 @@ def main() -> None:
     sections = args.sections.split(",")
     if unknown := set(sections) - set(SECTIONS):
         sys.exit(f"--sections: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+    if args.rounds < 1 or args.rounds % 2 == 0:
+        sys.exit(f"--rounds: {args.rounds}; give an odd count >= 1 (the median is one round's)")
 
     from rlinf_lightning.assets import TinyModelConfig, build_tiny_qwen2
     from rlinf_lightning.policies.model_dir import causal_lm_shape
@@ -354,7 +382,7 @@ def main() -> None:
         "load_start": os.getloadavg()[0],
     }
     if "throughput" in sections:
-        result.update(throughput(common, test, work))
+        result.update(throughput(common, test, work, args.rounds))
     if "learning" in sections:
         result["tiny"] = learning(train, test, tiny, args.tiny_steps, work)
     if "long_run" in sections:

@@ -18,8 +18,8 @@ slot of both cores, ``precision: auto``, ``rollout: hf``, ``rollout_dtype: auto`
 the fastest is ``ours_best``. TRL and ours at the defaults run ``--rounds`` times, in interleaved
 pairs whose order alternates; each side's figures are its median round's, and
 ``ours_defaults_over_trl_spread`` gives the lowest and highest ratio of a pair (the same side
-moved 15% between runs here, so one pair decides nothing). The other
-candidates run once. Each candidate is its own process; s/step excludes the first step
+moved 15% between runs here, so one pair decides nothing). The other candidates run once. Each
+candidate is its own process; s/step excludes the first step
 (warm-up: allocation, kernel selection), ``s_per_step_with_first`` includes it (from TRL's
 ``train()`` call and from our first iteration's start).
 

@@ -5,13 +5,14 @@
 The setup of ``configs/math_grpo_tiny.yaml`` for every preset: the same warm start (the SFT model
 ``rlinf prepare`` + ``rlinf sft`` make, reused from ``artifacts/`` or built as
 ``benchmarks/children.recipe_assets`` does), the same twin-free held-out split (no test problem
-shares its operands with a training one), the same seed, ``iterations x 128`` training samples
-each (DAPO's dynamic sampling generates more to fill its batches; it trains on as many). Each
-preset runs with its paper's defaults (``docs/algorithms.md``) in a fresh process; ``ppo``
-also trains a critic (``task.critic``: a ``ValueModel`` from the same warm start) with the
-options of :data:`PPO_OPTIONS`. Printed per preset: held-out accuracy before and after, the gain,
-wall seconds; the last line is one JSON object with ``gains`` (preset -> gain), ``min_gain`` and
-the rest.
+shares its operands with a training one), the same seed, the same learning rate decayed linearly
+to 0 over the run (:data:`RECIPE_POLICY`), ``iterations x 128`` training samples each (DAPO's
+dynamic sampling generates more to fill its batches; it trains on as many). Each preset runs
+with its paper's defaults (``docs/algorithms.md``) in a fresh process; ``ppo`` also trains a
+critic (``task.critic``: a ``ValueModel`` from the same warm start) with the options of
+:data:`PPO_OPTIONS`. Printed per preset: held-out accuracy before and after, the gain, wall
+seconds; the last line is one JSON object with ``gains`` (preset -> gain), ``min_gain`` and the
+rest.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from children import parse_args, recipe_assets, run_child
 from rlinf_lightning.algorithms.presets import PRESETS
 
 ROLLOUT_BATCH_SIZE = 128  # the recipe's: 16 prompts x 8 samples
+#: the recipe's ``LMPolicy`` options; its learning rate decays linearly to 0 over the run's iterations
+RECIPE_POLICY = {"lr": 1e-4, "max_grad_norm": 1.0}
 #: ``ppo`` on this budget: the algorithm's options and its critic's (``ValueModel``) options. One
 #: optimizer step per rollout batch, as every other preset here takes (PPO's 4 epochs x 4
 #: mini-batches at the recipe's lr 1e-4 took one smoke run from 0.625 to 0.125 on 8 held-out
@@ -70,20 +73,27 @@ def run_one(spec: dict) -> dict:
         max_staleness=spec.get("max_staleness", 0),
         launcher="inprocess",
         max_iterations=spec["iterations"],
+        eval_every=spec.get("eval_every", 0),
         default_root_dir=spec["root"],
         logger="csv",
         enable_progress_bar=False,
         seed=spec["seed"],
     )
-    summary = trainer.fit(LMPolicy(spec["model"], lr=1e-4, max_grad_norm=1.0), task)
+    options = {**RECIPE_POLICY, "anneal_lr_steps": spec["iterations"], **spec.get("policy", {})}
+    policy = LMPolicy(spec["model"], **options)
+    summary = trainer.fit(policy, task)
     wall = time.perf_counter() - t0
-    resampled = 0.0
+    resampled, weights = 0.0, []
     with open(Path(spec["root"]) / "logs" / "version_0" / "metrics.csv") as f:
         for row in csv.DictReader(f):
             resampled += float(row.get("rollout/resampled_groups") or 0.0)
+            if row.get("async/behaviour_weight"):
+                weights.append(float(row["async/behaviour_weight_clipped_frac"]))
     return {
         "before": summary["accuracy_before"],
         "after": summary["accuracy_after"],
+        "curve": {int(h["iteration"]): round(h["accuracy"], 4) for h in summary["eval_history"]},
+        "capped_frac_max": max(weights, default=None),
         "wall_s": wall,
         "resampled_groups": resampled,
     }

@@ -21,7 +21,7 @@ if __name__ == "__main__":
         default_root_dir="runs/example_math_grpo",
         num_threads=2,
     )
-    policy = LMPolicy("artifacts/tiny-qwen2-sft", lr=1e-4)
+    policy = LMPolicy("artifacts/tiny-qwen2-sft", lr=1e-4, anneal_lr_steps=800)
     task = MathTask(
         "data/arithmetic/train.jsonl",
         "data/arithmetic/test.jsonl",

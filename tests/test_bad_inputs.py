@@ -156,6 +156,7 @@ CASES: list[tuple[str, object, str]] = [
         "task.train_max_tokens_per_micro_batch: 3 tokens is less than one sample",
     ),
     ("top_p out of range", ["--task.sampling.top_p=1.5"], "task.sampling.top_p"),
+    ("annealing over no steps", ["--policy.anneal_lr_steps=0"], "policy.anneal_lr_steps: must be >= 1"),
     (
         "mmap threshold over glibc's cap",
         ["--trainer.train_engine=fsdp", "--trainer.train_engine_options={malloc_mmap_threshold_mb: 64}"],

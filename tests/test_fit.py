@@ -211,6 +211,7 @@ def test_cli_fit_with_dotted_overrides(assets, tmp_path):
             "--task.group_size=4",
             "--trainer.eval_every=1",
             "--task.eval_size=8",
+            "--policy.anneal_lr_steps=4",
         ),
         capture_output=True,
         text=True,
@@ -220,6 +221,8 @@ def test_cli_fit_with_dotted_overrides(assets, tmp_path):
     assert "it    2/2" in res.stdout and "held-out accuracy:" in res.stdout
     assert "rollout -> reward -> advantage -> inference -> actor" in res.stdout  # the plan table
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["iterations"] == 2
+    rows = logged_metrics(tmp_path / "run")  # the recipe's lr 1e-4, decayed linearly over 4 steps
+    assert [float(rows[i]["actor/lr"]) for i in (1, 2)] == pytest.approx([1e-4, 7.5e-5])
 
 
 @pytest.fixture(scope="module")

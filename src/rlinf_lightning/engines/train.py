@@ -114,7 +114,7 @@ def split_optimizers(configured: Any) -> tuple[torch.optim.Optimizer, Any]:
     """``(optimizer, lr_scheduler or None)`` from what ``configure_optimizers`` returned, in
     Lightning's forms: an optimizer; ``{"optimizer": opt, "lr_scheduler": sched}`` (``sched`` may be
     ``{"scheduler": sched, ...}``); or ``([opt], [sched])``. RL trains one optimizer, stepped once
-    per iteration, so the scheduler steps once per iteration too."""
+    per iteration (or ``ppo_epochs x num_mini_batches`` times), and the scheduler steps with it."""
     if isinstance(configured, torch.optim.Optimizer):
         return configured, None
     if isinstance(configured, dict) and "optimizer" in configured:

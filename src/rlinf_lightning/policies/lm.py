@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.policies.lora import LoRA, lora_problems
-from rlinf_lightning.policies.module import DTYPES, RLModule
+from rlinf_lightning.policies.module import DTYPES, RLModule, anneal_problems, annealed
 
 if TYPE_CHECKING:
     from rlinf_lightning.policies.model_dir import CausalLMShape
@@ -66,6 +66,8 @@ class LMPolicy(RLModule):
     Args:
         model_path: directory with ``config.json``, weights and tokenizer (``from_pretrained``).
         lr: AdamW learning rate.
+        anneal_lr_steps: decay the learning rate linearly to 0 over this many optimizer steps
+            (iterations x updates per batch); ``None`` keeps it constant.
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
         max_grad_norm: clip the global gradient norm to this before each step (0 disables).
@@ -80,6 +82,7 @@ class LMPolicy(RLModule):
         self,
         model_path: str,
         lr: float = 1e-6,
+        anneal_lr_steps: int | None = None,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
         max_grad_norm: float = 1.0,
@@ -90,6 +93,7 @@ class LMPolicy(RLModule):
         super().__init__()
         self.model_path = str(model_path)
         self.lr = lr
+        self.anneal_lr_steps = anneal_lr_steps
         self.weight_decay = weight_decay
         self.betas = tuple(betas)
         self.max_grad_norm = max_grad_norm
@@ -113,12 +117,13 @@ class LMPolicy(RLModule):
 
         self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path))
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> torch.optim.Optimizer | dict:
         assert self.model is not None, "configure_model() first"
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
-        return torch.optim.AdamW(
+        optimizer = torch.optim.AdamW(
             trainable, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay, fused=True
         )  # fused: one kernel over every parameter instead of a Python loop per tensor (3x faster here)
+        return annealed(optimizer, self.anneal_lr_steps)
 
     def save_pretrained(self, path: str | Path) -> Path:
         """The model and its tokenizer as a ``from_pretrained`` directory at ``path``."""
@@ -202,6 +207,7 @@ class LMPolicy(RLModule):
         problems = [("model_path", msg) for msg in check_causal_lm_dir(self.model_path)]
         if self.lr <= 0:
             problems.append(("lr", f"must be > 0, got {self.lr}"))
+        problems += anneal_problems(self.anneal_lr_steps)
         if self.dtype not in DTYPES:
             problems.append(("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}"))
         problems += lora_problems(self)

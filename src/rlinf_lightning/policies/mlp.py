@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from rlinf_lightning.policies.module import RLModule, count_without_loading
+from rlinf_lightning.policies.module import RLModule, anneal_problems, annealed, count_without_loading
 
 
 def _layer(n_in: int, n_out: int, gain: float) -> nn.Linear:
@@ -118,9 +118,7 @@ class MLPActorCritic(RLModule):
             )
         if self.lr <= 0:
             problems.append(("lr", f"must be > 0, got {self.lr}"))
-        if self.anneal_lr_steps is not None and self.anneal_lr_steps < 1:
-            why = f"must be >= 1 or null (no annealing), got {self.anneal_lr_steps}"
-            problems.append(("anneal_lr_steps", why))
+        problems += anneal_problems(self.anneal_lr_steps)
         if not self.hidden_sizes or min(self.hidden_sizes) < 1:
             problems.append(("hidden_sizes", f"must be positive widths, got {list(self.hidden_sizes)}"))
         return problems
@@ -188,10 +186,7 @@ class MLPActorCritic(RLModule):
     def configure_optimizers(self) -> torch.optim.Optimizer | dict:
         assert self.model is not None, "configure_model() first"
         optimizer = torch.optim.Adam(self.model.parameters(), lr=self.lr, eps=1e-5)
-        if self.anneal_lr_steps is None:
-            return optimizer
-        decay = torch.optim.lr_scheduler.LambdaLR(optimizer, _LinearDecay(self.anneal_lr_steps))
-        return {"optimizer": optimizer, "lr_scheduler": decay}
+        return annealed(optimizer, self.anneal_lr_steps)
 
     def _dist(self, obs: TensorDict) -> tuple[torch.distributions.Distribution, torch.Tensor]:
         """The action distribution over ``[B, action_dim]`` entries (independent; ``log_prob``
@@ -255,14 +250,3 @@ class MLPActorCritic(RLModule):
             {k: v.contiguous() for k, v in self.model.state_dict().items()}, str(path / "model.safetensors")
         )
         return path
-
-
-class _LinearDecay:
-    """The learning-rate factor ``1 - step / steps`` (0 from ``steps`` on); a class, so the
-    scheduler's state (saved with checkpoints) pickles."""
-
-    def __init__(self, steps: int) -> None:
-        self.steps = steps
-
-    def __call__(self, step: int) -> float:
-        return max(0.0, 1.0 - step / self.steps)

@@ -145,3 +145,30 @@ def count_without_loading(policy: RLModule) -> int | None:
         return None
     probe.model_path = None  # the same architecture, built instead of loaded
     return RLModule.parameter_count(probe)
+
+
+def annealed(optimizer: torch.optim.Optimizer, steps: int | None) -> torch.optim.Optimizer | dict:
+    """``optimizer`` with its learning rate decayed linearly to 0 over ``steps`` optimizer steps
+    (CleanRL's ``anneal_lr``) in ``configure_optimizers``'s dict form; ``None``: it as it is."""
+    if steps is None:
+        return optimizer
+    decay = torch.optim.lr_scheduler.LambdaLR(optimizer, _LinearDecay(steps))
+    return {"optimizer": optimizer, "lr_scheduler": decay}
+
+
+def anneal_problems(steps: int | None) -> list[tuple[str, str]]:
+    """The ``anneal_lr_steps`` option's problem (``validate_config``'s form), if any."""
+    if steps is not None and steps < 1:
+        return [("anneal_lr_steps", f"must be >= 1 or null (no annealing), got {steps}")]
+    return []
+
+
+class _LinearDecay:
+    """The learning-rate factor ``1 - step / steps`` (0 from ``steps`` on); a class, so the
+    scheduler's state (saved with checkpoints) pickles."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def __call__(self, step: int) -> float:
+        return max(0.0, 1.0 - step / self.steps)

@@ -39,6 +39,8 @@ def register() -> None:
     for suite, text in SUITES.items():
         if suite not in ENVS:
             ENVS.register(
-                suite, partial(LiberoEnvBatch, suite=suite), description=f"LIBERO {suite}: {text}",
+                suite,
+                partial(LiberoEnvBatch, suite=suite),
+                description=f"LIBERO {suite}: {text}",
                 origin="rlinf-libero",
             )

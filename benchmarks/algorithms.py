@@ -83,17 +83,20 @@ def run_one(spec: dict) -> dict:
     policy = LMPolicy(spec["model"], **options)
     summary = trainer.fit(policy, task)
     wall = time.perf_counter() - t0
-    resampled, weights = 0.0, []
+    resampled, capped, staleness = 0.0, [], []
     with open(Path(spec["root"]) / "logs" / "version_0" / "metrics.csv") as f:
         for row in csv.DictReader(f):
             resampled += float(row.get("rollout/resampled_groups") or 0.0)
             if row.get("async/behaviour_weight"):
-                weights.append(float(row["async/behaviour_weight_clipped_frac"]))
+                capped.append(float(row["async/behaviour_weight_clipped_frac"]))
+            if row.get("async/staleness_mean"):
+                staleness.append(float(row["async/staleness_mean"]))
     return {
         "before": summary["accuracy_before"],
         "after": summary["accuracy_after"],
         "curve": {int(h["iteration"]): round(h["accuracy"], 4) for h in summary["eval_history"]},
-        "capped_frac_max": max(weights, default=None),
+        "capped_frac_max": max(capped, default=None),
+        "staleness_mean": sum(staleness) / len(staleness) if staleness else None,
         "wall_s": wall,
         "resampled_groups": resampled,
     }

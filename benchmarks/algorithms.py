@@ -89,8 +89,8 @@ def run_one(spec: dict) -> dict:
             resampled += float(row.get("rollout/resampled_groups") or 0.0)
             if row.get("async/behaviour_weight"):
                 capped.append(float(row["async/behaviour_weight_clipped_frac"]))
-            if row.get("async/staleness_mean"):
-                staleness.append(float(row["async/staleness_mean"]))
+            if row.get("async/staleness"):  # the mean (beside _std and _max)
+                staleness.append(float(row["async/staleness"]))
     return {
         "before": summary["accuracy_before"],
         "after": summary["accuracy_after"],

@@ -127,11 +127,14 @@ def test_a_bf16_rollout_shows_its_mismatch_and_tis_weights_it(assets, tmp_path):
     assert exact["actor/approx_kl"] < 1e-6
     # auto beside bf16-mixed: the bf16 rollout's mismatch, and TIS on at cap 2 though GRPO() has none
     assert auto["actor/approx_kl"] > 100 * max(exact["actor/approx_kl"], 1e-9)
-    assert abs(auto["actor/tis_weight"] - 1.0) > 1e-4 and auto["actor/tis_weight"] <= 2.0
-    assert bf16["actor/approx_kl"] > 100 * max(exact["actor/approx_kl"], 1e-9)
-    # measured: |weight - 1| 6e-8 in float32, 1e-3 with the bf16 rollout
+    # the mean weight's distance from 1, measured: 6e-8 in float32; with the bf16 rollout 1e-3 on
+    # an Intel Xeon with AMX, 9e-5 to 3e-4 on an AMD EPYC (its bf16 kernels round differently, the
+    # tokens' deviations partly cancel in the mean)
+    drift = max(abs(exact["actor/tis_weight"] - 1.0), 1e-7)
     assert exact["actor/tis_weight"] == pytest.approx(1.0, abs=1e-6)
-    assert abs(bf16["actor/tis_weight"] - 1.0) > 1e-4
+    assert abs(auto["actor/tis_weight"] - 1.0) > 100 * drift and auto["actor/tis_weight"] <= 2.0
+    assert bf16["actor/approx_kl"] > 100 * max(exact["actor/approx_kl"], 1e-9)
+    assert abs(bf16["actor/tis_weight"] - 1.0) > 100 * drift
     # a cap of 1 cuts the tokens the actor likes more than the rollout did: a smaller mean weight
     # and another gradient (the weight multiplies each token's loss; 64 samples, so that some
     # group's samples disagree and the gradient is not zero)

@@ -28,8 +28,8 @@ from children import parse_args, run_child
 
 from rlinf_lightning.workflows.reasoning import ActorStage
 
-# Each engine as shipped: ``single`` trains under glibc's default heap; the ddp and fsdp engines fix
-# their replica processes' mmap threshold (4 MiB). Then, so that the comparison does
+# Each engine as shipped: ``single`` and ``ddp`` train under the launcher's allocator setting; the fsdp
+# engine fixes its replica processes' mmap threshold (4 MiB). Then, so that the comparison does
 # not hinge on that, every process under the same fixed threshold. The fsdp engine with glibc's
 # default heap is measured too: the fragmentation that the engine's setting avoids.
 ALLOCATORS = {"as-shipped": {}, "4mib-mmap-for-all": {"MALLOC_MMAP_THRESHOLD_": str(4 * 2**20)}}

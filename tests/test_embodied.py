@@ -118,14 +118,15 @@ def _workload(name):
 DISCRETE_TARGET_KL = 0.01
 
 
-def _fit(root, strategy, launcher, devices=2, iterations=3, workload="ppo"):
+def _fit(root, strategy, launcher, devices=2, iterations=3, workload="ppo", micro_batch=None):
     """``iterations`` iterations of a workload (:func:`_workload`) queued as configs run them (no
-    checkpoint or evaluation between); returns the trainer, the summary, each iteration's metrics
-    and the final weights."""
+    checkpoint or evaluation between), the actor's minibatches in pieces of ``micro_batch``
+    samples; returns the trainer, the summary, each iteration's metrics and the final weights."""
     from trainer_defaults import MetricsRecorder
 
     steps = MetricsRecorder()
     algorithm, task, policy = _workload(workload)
+    task.train_micro_batch_size = micro_batch
     trainer = RLTrainer(
         algorithm=algorithm,
         strategy=strategy,
@@ -224,6 +225,18 @@ def test_three_iterations_are_the_same_updates_under_every_plan(tmp_path, refere
     for name, strategy in PLANS.items():
         _, _, metrics, weights = _fit(tmp_path / name, strategy, launcher, workload=workload)
         _assert_same_run(name, launcher, metrics, weights, ref_metrics, ref_weights)
+
+
+@pytest.mark.parametrize("workload", ["ppo", "grpo"])
+def test_micro_batches_accumulate_to_the_same_update(tmp_path, reference, workload):
+    """``task.train_micro_batch_size`` 3 (the PPO minibatches of 20 samples in pieces of 3, 3, ...,
+    2; GRPO's whole batch of 96 in 32 pieces): gradient accumulation makes the one-worker plan's
+    updates, the metrics included, to float32's rounding."""
+    ref_metrics, ref_weights = reference(workload)
+    _, _, metrics, weights = _fit(
+        tmp_path, PLANS["collocated_1worker"], "inprocess", workload=workload, micro_batch=3
+    )
+    _assert_same_run("micro_batch=3", "inprocess", metrics, weights, ref_metrics, ref_weights)
 
 
 def test_an_embodied_fit_logs_success_and_writes_the_summary(tmp_path):

@@ -86,6 +86,40 @@ def test_act_log_probs_and_values_equal_evaluate(decode, lm):
     assert torch.allclose(flat, torch.stack([out["logprob"], again["logprob"]], dim=1).reshape(-1), atol=1e-5)
 
 
+def test_the_rollout_computes_as_a_bf16_mixed_actor_does():
+    """``task.rollout_dtype: auto`` beside a bf16-mixed actor: the rollout stage's forward runs
+    under bf16 autocast, so its behaviour log-probs and values are the ones the actor computes
+    (float32 tensors), not a float32 forward's; beside a 32-true actor it stays float32."""
+    from rlinf_lightning.flow.stage import StageContext
+    from rlinf_lightning.workflows.embodied import EnvRolloutStage
+
+    obs = _obs(4)
+    batch = TensorDict(
+        {"obs": obs, "final_obs": obs, "bootstrap": torch.tensor([True, False, False, True]),
+         "env_id": torch.arange(4), "shard": torch.zeros(4, dtype=torch.long),
+         "step": torch.zeros(4, dtype=torch.long)},
+        batch_size=[4],
+    )  # fmt: skip
+    outs = {}
+    for precision in ("bf16-mixed", "32-true"):
+        stage = EnvRolloutStage(_policy(obs), dtype="auto", precision=precision)
+        stage.setup(StageContext("cpu", 0, 1, 1, [0]))
+        outs[precision] = out = stage.process(batch)
+        assert {out[k].dtype for k in ("action", "logprob", "value", "final_value")} == {torch.float32}
+    actor = _policy(obs)
+    samples = TensorDict({"obs": obs, "action": outs["bf16-mixed"]["action"]}, [4])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed, _, mixed_value = actor.evaluate(samples)
+    with torch.no_grad():
+        exact, _, _ = actor.evaluate(samples)
+    assert torch.allclose(outs["bf16-mixed"]["logprob"], mixed, atol=1e-4, rtol=0)
+    assert torch.allclose(outs["bf16-mixed"]["value"], mixed_value, atol=1e-4, rtol=0)
+    assert torch.allclose(outs["bf16-mixed"]["final_value"][[0, 3]], mixed_value[[0, 3]], atol=1e-4, rtol=0)
+    assert (outs["bf16-mixed"]["logprob"] - exact).abs().max() > 1e-3  # bf16's rounding is visible
+    exact32, _, _ = actor.evaluate(TensorDict({"obs": obs, "action": outs["32-true"]["action"]}, [4]))
+    assert torch.allclose(outs["32-true"]["logprob"], exact32, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("decode", ["oft", "autoregressive"])
 def test_actions_are_bin_centres_and_a_rows_noise_is_its_generators(decode):
     policy = _policy(decode=decode)

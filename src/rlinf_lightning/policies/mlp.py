@@ -192,7 +192,7 @@ class MLPActorCritic(RLModule):
         """The action distribution over ``[B, action_dim]`` entries (independent; ``log_prob``
         and ``entropy`` per entry) and the features it came from."""
         x = self.features(obs)
-        out = self.model.actor(x)
+        out = self.model.actor(x).float()  # float32 log-probs under bf16 autocast too
         if self.action_choices is None:
             return torch.distributions.Normal(out, self.model.log_std.exp().expand_as(out)), x
         choices = torch.tensor(self.action_choices, device=out.device)

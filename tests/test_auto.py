@@ -256,6 +256,29 @@ def test_a_replica_over_several_slots_is_predicted_from_its_measured_speedup_onl
     assert p.points["gen"] == [(16, pytest.approx(0.02))]
 
 
+def test_a_stage_that_works_at_the_end_of_the_iteration_is_sped_up_by_its_end():
+    """The embodied actor buffers in its calls (microseconds) and trains in ``end_iteration``.
+    Profiled on one slot (the first iteration, set-up and all: its end kept out of the fit) and
+    then on two, its speed-up is its end's: 1.0 s against 0.5 s is 2, and the wide end taken back
+    to one slot is 1.0 s. Counting the calls alone said 1, and a 21 M-parameter VLA's update was
+    predicted at its two-thread time on one core (6.5 s against 11.5 s measured)."""
+
+    def iteration(end: float) -> list[Span]:
+        calls = [Span("all/0", "learn", "process", 0.01 * i, 0.01 * i + 1e-6, 16) for i in range(4)]
+        return [*calls, Span("all/0", "learn", "end_iteration", 1.0, 1.0 + end)]
+
+    p = Profile("embodied")
+    p.add_spans(iteration(1.0), 16, skip_first=True)
+    p.refit()
+    assert p.stages["learn"].end_s == 0.0 and p.first_end_s == {"learn": 1.0}
+    p.add_speedup(2, iteration(0.5), 16)
+    assert p.speedup["2"]["learn"] == pytest.approx(2.0, rel=1e-3)
+    p.add_spans(iteration(0.5), 16, widths={"learn": 2})
+    p.refit()
+    assert p.stages["learn"].end_s == pytest.approx(1.0, rel=1e-3)
+    assert Profile.from_dict(p.to_dict()).first_end_s == {"learn": 1.0}
+
+
 def test_profile_round_trips_through_json(tmp_path):
     p = Profile("w", stages={"a": StageCost(0.1, 0.2, 0.3, [8])}, sync_s={"a": 0.01}, launch_s=2.0)
     p.launch_estimated, p.inprocess_launch_s, p.speedup = True, 0.2, {"2": {"a": 1.5}}

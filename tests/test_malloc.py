@@ -1,4 +1,4 @@
-"""The CPU allocator's thresholds (``launchers.malloc``): a step's freed tensors are reused, not
+"""The CPU allocator's thresholds (``rlinf_lightning.malloc``): a step's freed tensors are reused, not
 faulted in again; glibc's own settings and the opt-out are respected."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 FAULTS = """
 import ctypes, json, resource, sys, torch
 ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: count faults in 4 KiB pages on any host
-from rlinf_lightning.launchers.malloc import tune_malloc
+from rlinf_lightning.malloc import tune_malloc
 tuned = tune_malloc()
 def step():  # activations of a few sizes, freed together, as a training step's are
     ts = [torch.empty(2**20 * mib // 4).fill_(1.0) for mib in (1, 3, 6, 12, 24, 2, 5)]

@@ -23,7 +23,7 @@ grows far past its live tensors (measured at ~100 M parameters: 3.1 GB peak per 
 2.8 GB for the whole model in one process). An fsdp rank that is its own process therefore fixes
 the process's mmap threshold (``malloc_mmap_threshold_mb``, 4 MiB by default): every buffer at
 least that large is mapped on allocation and returned to the OS on free. A ddp rank makes no such
-buffers, so by default it keeps the launcher's setting (:mod:`rlinf_lightning.launchers.malloc`,
+buffers, so by default it keeps the launcher's setting (:mod:`rlinf_lightning.malloc`,
 as ``single`` does): at 4 MiB every larger activation and bf16 weight copy is faulted in again each
 pass, which measured 41% slower (a 21 M-parameter VLA's bf16 forward and backward on 64 samples,
 one thread: 7.0 s against 5.0 s).
@@ -31,8 +31,6 @@ one thread: 7.0 s against 5.0 s).
 
 from __future__ import annotations
 
-import ctypes
-import platform
 from collections.abc import Collection, Iterator
 from typing import Any
 
@@ -43,23 +41,9 @@ from rlinf_lightning.engines.precision import autocast
 from rlinf_lightning.engines.train import TRAIN_ENGINES, LossFn, SingleTrainEngine
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import StageContext
+from rlinf_lightning.malloc import set_mmap_threshold
 from rlinf_lightning.policies.lora import attach_lora, lora_of
 from rlinf_lightning.policies.module import RLModule
-
-
-def set_mmap_threshold(threshold_mb: float) -> None:
-    """Fix glibc's mmap threshold for this process (``mallopt(M_MMAP_THRESHOLD)``; see the module doc).
-
-    Raises where the C library is not glibc, since the setting would silently do nothing there.
-    """
-    if platform.libc_ver()[0] != "glibc":
-        raise RuntimeError(
-            f"malloc_mmap_threshold_mb={threshold_mb} needs glibc; this C library is "
-            f"{platform.libc_ver()[0] or 'unknown'}: set malloc_mmap_threshold_mb=None"
-        )
-    m_mmap_threshold = -3
-    if ctypes.CDLL(None).mallopt(m_mmap_threshold, int(threshold_mb * 2**20)) != 1:
-        raise RuntimeError(f"mallopt(M_MMAP_THRESHOLD, {threshold_mb} MiB) was refused (the limit is 32 MiB)")
 
 
 def _decoder_layers(policy: RLModule) -> list[torch.nn.Module]:

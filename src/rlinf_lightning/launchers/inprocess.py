@@ -27,7 +27,7 @@ from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.flow.worker import Worker
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers.base import ABORT_GRACE_S, REPLY_MARGIN_S, Launcher, Runtime, first_cause
-from rlinf_lightning.launchers.malloc import tune_malloc
+from rlinf_lightning.malloc import tune_malloc
 
 JOIN_SLICE_S = 0.01  # the driver waits this long on one worker thread, then looks for failures again
 

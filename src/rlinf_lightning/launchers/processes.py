@@ -47,7 +47,7 @@ from rlinf_lightning.launchers.base import (
     WorkerDied,
     first_cause,
 )
-from rlinf_lightning.launchers.malloc import tune_malloc
+from rlinf_lightning.malloc import tune_malloc
 
 LIVENESS_POLL_S = 0.2  # while replies are missing, how often the driver checks its workers are alive
 EXIT_S = 5.0  # how long worker processes get to exit after teardown before they are killed (and to die after)

@@ -94,6 +94,9 @@ class Profile:
         accelerator: what one slot was (``cpu``: a core, one torch thread; ``cuda``: a GPU).
         points: per stage, the ``(micro_batch, seconds)`` calls behind its fit.
         end_samples, sync_samples: per stage, the measured end-of-iteration and sync seconds.
+        first_end_s: per stage, the end-of-iteration seconds of the first iteration on one slot:
+            its set-up is in them, so they stay out of the fit; a wide replica's speed-up is
+            measured against them where no later one-slot iteration timed the stage's end.
         replica_cost: per stage, per data-parallel replica count (as text), the factor on its
             per-call and end-of-iteration seconds (cost curves only; see the module docstring).
     """
@@ -112,6 +115,7 @@ class Profile:
     end_samples: dict[str, list[float]] = field(default_factory=dict)
     sync_samples: dict[str, list[float]] = field(default_factory=dict)
     replica_cost: dict[str, dict[str, float]] = field(default_factory=dict)
+    first_end_s: dict[str, float] = field(default_factory=dict)
 
     # -- from spans ----------------------------------------------------------------------------------
     def add_spans(
@@ -145,6 +149,7 @@ class Profile:
             elif s.kind in ("sync_state", "apply_sync", "sync_broadcast", "sync_receive"):
                 sync[s.stage] = max(sync.get(s.stage, 0.0), d)
         if skip_first:  # the first step also builds optimizer state, measures the peak, ...
+            self.first_end_s.update({stage: min(ds) for stage, ds in ends.items()})
             return
         for stage, ds in ends.items():
             # replicas of a collective step wait for the slowest; the last to arrive waited least
@@ -153,17 +158,27 @@ class Profile:
             self.sync_samples.setdefault(stage, []).append(d)
 
     def add_speedup(self, width: int, spans: Iterable[Span], micro_batch: int) -> None:
-        """Record how much faster each stage ran on a replica of ``width`` slots (``spans``: one
-        iteration at ``micro_batch``) than the fit predicts for one slot: at that size the wide
-        replica's prediction is then what it measured, wherever the size is on the fit. A stage too
-        short to time (under ``MIN_TIMED_S`` a call) is taken as 1."""
+        """Record how much faster each stage's work in an iteration ran on a replica of ``width``
+        slots (``spans``: one iteration at ``micro_batch``) than one slot's: its calls (each at
+        their median) against the fit at that size, plus its end of iteration against the one-slot
+        one (the fit's, else the first iteration's). At that size the wide replica's prediction is
+        then what it measured, wherever the size is on the fit. The end counts: an embodied actor
+        buffers in its calls and trains at the end, and its calls alone would say 1 (too short to
+        time, under ``MIN_TIMED_S``, is taken as 1)."""
         calls: dict[str, list[float]] = {}
+        ends: dict[str, float] = {}
         for s in spans:
             if s.kind == "process":
                 calls.setdefault(s.stage, []).append(s.end - s.start)
+            elif s.kind == "end_iteration":  # replicas of a collective: the last to arrive waited least
+                ends[s.stage] = min(ends.get(s.stage, math.inf), s.end - s.start)
         factors = {}
-        for stage, ds in calls.items():
-            wide, one = statistics.median(ds), self.stages[stage].call_s(micro_batch)
+        for stage in calls.keys() | ends.keys():
+            ds, cost = calls.get(stage, []), self.stages.get(stage, StageCost())
+            one_end = cost.end_s or self.first_end_s.get(stage, 0.0)  # 0: never timed on one slot
+            timed_end = stage in ends and one_end > 0
+            wide = len(ds) * (statistics.median(ds) if ds else 0.0) + (ends[stage] if timed_end else 0.0)
+            one = len(ds) * cost.call_s(micro_batch) + (one_end if timed_end else 0.0)
             factors[stage] = one / wide if min(one, wide) >= MIN_TIMED_S else 1.0
         self.speedup[str(width)] = factors
 
@@ -256,6 +271,7 @@ class Profile:
             end_samples={k: list(v) for k, v in d["end_samples"].items()},
             sync_samples={k: list(v) for k, v in d["sync_samples"].items()},
             replica_cost={k: dict(v) for k, v in d.get("replica_cost", {}).items()},
+            first_end_s=dict(d.get("first_end_s", {})),
         )
 
     def save(self, path: str | Path) -> Path:

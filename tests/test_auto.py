@@ -279,6 +279,26 @@ def test_a_stage_that_works_at_the_end_of_the_iteration_is_sped_up_by_its_end():
     assert Profile.from_dict(p.to_dict()).first_end_s == {"learn": 1.0}
 
 
+def test_a_learner_that_trains_at_the_end_is_predicted_by_its_share_of_the_samples():
+    """``Stage.end_per_sample``: two data-parallel replicas each train on half the samples at the
+    end of the iteration, so each takes half the one-worker end (a fixed optimizer step would
+    not); and a replica's measured end, taken back to the whole iteration, is what one worker takes."""
+    wf = SleepTask().build_workflow(None, None)
+    p = Profile("sleepers", message_s=0.0, stages={"gen": StageCost(0.0, 0.0), "learn": StageCost(end_s=1.0)})
+    two = STRATEGIES.get("collocated")(replicas=2).plan(wf, Resources(2), BatchShape(BATCH, UNIT, 16))
+    assert simulate(wf, two, p, BATCH) == pytest.approx(1.0)  # a fixed cost per iteration
+    wf.stages["learn"].end_per_sample = True
+    assert simulate(wf, two, p, BATCH) == pytest.approx(0.5)
+    spans = [
+        *(Span(f"all/{r}", "learn", "process", i, i + 1e-6, 16) for r in (0, 1) for i in range(2)),
+        Span("all/0", "learn", "end_iteration", 1.0, 1.5),
+        Span("all/1", "learn", "end_iteration", 1.0, 1.6),
+    ]
+    measured = Profile("sleepers")
+    measured.add_spans(spans, 16, per_sample_ends={"learn"})
+    assert measured.end_samples["learn"] == [pytest.approx(1.0)]  # the faster replica's, x 2
+
+
 def test_profile_round_trips_through_json(tmp_path):
     p = Profile("w", stages={"a": StageCost(0.1, 0.2, 0.3, [8])}, sync_s={"a": 0.01}, launch_s=2.0)
     p.launch_estimated, p.inprocess_launch_s, p.speedup = True, 0.2, {"2": {"a": 1.5}}

@@ -48,6 +48,10 @@ class Stage:
             stages, before anything is measured (e.g. generation 1.0, a reward 0.15): how the
             hybrid strategy splits the stages over two halves of the slots without a placement.
             The auto strategy measures instead.
+        end_per_sample: ``end_iteration`` works on every sample the replica received (a learner
+            that keeps its batch and trains at the end), so a replica holding half the samples
+            takes half the time there; ``False``: a fixed cost per iteration (an optimizer step).
+            The auto strategy's simulator scales the measured end of iteration by it.
 
     Attribute set by the worker:
         policy_version: the version of the sync state this stage last applied (how many
@@ -60,6 +64,7 @@ class Stage:
     out_keys: tuple[str, ...] = ()
     sticky: bool = False
     cost_hint: float = 0.1
+    end_per_sample: bool = False
     policy_version: int = 0
 
     def setup(self, ctx: StageContext) -> None:

@@ -502,6 +502,7 @@ class PPOActorStage(TrainStage):
     together take exactly the steps one replica would."""
 
     name = "actor"
+    end_per_sample = True  # every pass runs at the end, on the samples this replica kept
 
     def __init__(
         self,

@@ -564,6 +564,7 @@ class ActorStage(TrainStage):
         self.horizon, self.prompts_per_iteration, self.seed = horizon, prompts_per_iteration, seed
         self.updates = getattr(algorithm, "updates_per_batch", 1)
         self.keeps_batch = self.updates > 1 or getattr(algorithm, "norm_adv", False)
+        self.end_per_sample = self.keeps_batch  # then every pass runs at the end of the iteration
         self.adaptive_kl = (
             algorithm.needs_reference
             and not getattr(algorithm, "kl_in_reward", False)

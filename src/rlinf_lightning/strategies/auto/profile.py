@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,14 +124,21 @@ class Profile:
         micro_batch: int,
         skip_first: bool = False,
         widths: dict[str, int] | None = None,
+        per_sample_ends: Collection[str] = (),
     ) -> None:
         """Record one iteration's ``process`` calls at source granularity ``micro_batch``, and its
         end-of-iteration and sync costs. ``skip_first`` drops each worker's first call of each
         stage (the first iteration's one-off set-up: lazy imports, caches, allocator growth) and
         the iteration's end-of-iteration and sync costs. ``widths``: the slots per replica of each
         stage, when not one: its calls and end-of-iteration seconds are taken back to one slot by the
-        measured speed-up."""
+        measured speed-up. ``per_sample_ends``: stages whose end of iteration works on the samples
+        a replica received (``Stage.end_per_sample``): a replica's is taken back to the whole
+        iteration's samples by its share of the stage's calls, as one worker measures it."""
         spans = sorted(spans, key=lambda s: s.start)
+        calls: dict[tuple[str, str], int] = {}
+        for s in spans:
+            if s.kind == "process" and s.stage in per_sample_ends:
+                calls[(s.worker, s.stage)] = calls.get((s.worker, s.stage), 0) + 1
         seen: set[tuple[str, str]] = set()
         ends: dict[str, list[float]] = {}
         sync: dict[str, float] = {}
@@ -145,6 +152,8 @@ class Profile:
                     continue
                 self.points.setdefault(s.stage, []).append((micro_batch, d))
             elif s.kind == "end_iteration":
+                if (s.worker, s.stage) in calls:
+                    d *= sum(n for (_, st), n in calls.items() if st == s.stage) / calls[(s.worker, s.stage)]
                 ends.setdefault(s.stage, []).append(d)
             elif s.kind in ("sync_state", "apply_sync", "sync_broadcast", "sync_receive"):
                 sync[s.stage] = max(sync.get(s.stage, 0.0), d)

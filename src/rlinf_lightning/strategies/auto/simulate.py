@@ -127,6 +127,7 @@ class _Sim:
         self.done_at: dict[tuple[str, int], float] = {}  # (stage, replica) -> end of its iteration
         self.in_flight: dict[tuple[str, int], int] = {}
         self.arrived: dict[str, dict[int, float]] = {}  # collective step: replica -> arrival
+        self.calls: dict[tuple[str, int], int] = {}  # (stage, replica) -> messages it processed
         for w in self.workers:
             w.free_at = max(w.free_at, queued_at)
             w.turn, w.done, w.blocked, w.finished_at, w.end = 0, set(), False, None, None
@@ -222,6 +223,7 @@ class _Sim:
 
     def _process(self, w: _Worker, t: float, stage: str, link: Link, m: _Msg) -> None:
         self._queue(link, w.replica).remove(m)
+        self.calls[(stage, w.replica)] = self.calls.get((stage, w.replica), 0) + 1
         t_end = t + self._cost(stage, w) + (self.profile.message_s if m.crossed else 0.0)
         w.free_at = t_end
         lp = self.loop[stage]
@@ -266,6 +268,8 @@ class _Sim:
         cost = self.profile.stages[stage].end_s if stage in self.profile.stages else 0.0
         cost *= self.profile.replicas_factor(stage, w.group.replicas)
         cost /= self.profile.factor(stage, w.group.slots_per_replica)
+        if self.wf.stages[stage].end_per_sample:  # measured on one worker holding every sample
+            cost *= self.calls.get((stage, w.replica), 0) / self.n_msgs
         if stage == self.train and w.group.replicas > 1:  # a collective step
             arrived = self.arrived.setdefault(stage, {})
             arrived[w.replica] = t

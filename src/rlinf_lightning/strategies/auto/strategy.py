@@ -156,6 +156,7 @@ class AutoStrategy(Strategy):
     # -- planning ------------------------------------------------------------------------------------
     def plan(self, workflow: Workflow, resources: Resources, batch: BatchShape) -> ExecutionPlan:
         self.workflow, self.resources, self.batch = workflow, resources, batch
+        self._ends = {name for name, st in workflow.stages.items() if st.end_per_sample}  # see Profile
         self._fitting: dict[tuple, bool] = {}  # plan -> passes the memory check
         self._predicted: tuple[Profile | None, dict[tuple, float]] = (None, {})  # see _predict
         self._startup_s, self._wide, self._wide_ends = process_age_s(), False, False
@@ -283,7 +284,8 @@ class AutoStrategy(Strategy):
             self._wide_runs += 1
             self.profile.add_speedup(n, spans, micro_batch)
             if self._wide_ends:  # profiled at one granularity: its end-of-iteration costs too
-                self.profile.add_spans(spans, micro_batch, widths=dict.fromkeys(self.workflow.stages, n))
+                widths = dict.fromkeys(self.workflow.stages, n)
+                self.profile.add_spans(spans, micro_batch, widths=widths, per_sample_ends=self._ends)
                 self.profile.refit()
             ranked, again = self.rank(), self._wide_runs == 1 and iteration < self.info.max_iterations
             if again and self._narrows(ranked, iteration):
@@ -293,7 +295,7 @@ class AutoStrategy(Strategy):
                 )  # fmt: skip
                 return None
             return self._profiled(iteration, ranked)
-        self.profile.add_spans(spans, micro_batch, skip_first=iteration == 1)
+        self.profile.add_spans(spans, micro_batch, skip_first=iteration == 1, per_sample_ends=self._ends)
         wide = self._wide_plan(micro_batch)
         if iteration < PROFILING_ITERATIONS:
             second = self.batch.micro_batch_for(n)
@@ -494,7 +496,7 @@ class AutoStrategy(Strategy):
         p = Profile.from_dict({**self.profile.to_dict(), **cleared})
         widths = {st: g.slots_per_replica for g in self.current.plan.groups for st in g.stages}
         for s in seen:
-            p.add_spans(s.spans, s.micro_batch, widths=widths)
+            p.add_spans(s.spans, s.micro_batch, widths=widths, per_sample_ends=self._ends)
         p.refit()
         return p
 

@@ -295,6 +295,8 @@ EMBODIED = [
         "task.env_kwargs: FetchReachDense-v4",
     ),
     ("policy without a checkpoint", "--policy.init_args.model_path=/nonexistent", "policy.model_path"),
+    ("unknown rollout dtype", "--task.init_args.rollout_dtype=bf16", "task.rollout_dtype: must be auto"),
+    ("empty micro-batches", "--task.init_args.train_micro_batch_size=0", "task.train_micro_batch_size"),
     (
         "out-of-range PPO option",
         "--trainer.algorithm={class_path: rlinf_lightning.algorithms.PPO, init_args: {target_kl: -1}}",

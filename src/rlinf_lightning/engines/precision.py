@@ -18,6 +18,8 @@ from functools import cache
 
 import torch
 
+from rlinf_lightning.policies.module import DTYPES
+
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true")
 
 
@@ -46,6 +48,13 @@ def resolve_precision(precision: str, device: str) -> str:
 
 #: ``task.rollout_dtype``'s default: the rollout follows the actor's precision
 AUTO_ROLLOUT_DTYPE = "auto"
+
+
+def rollout_dtype_problem(setting: str | None) -> str | None:
+    """Why ``task.rollout_dtype`` is not a setting :func:`resolve_rollout_dtype` takes, or ``None``."""
+    if setting in (AUTO_ROLLOUT_DTYPE, None, *DTYPES):
+        return None
+    return f"must be auto, float32, bfloat16, float16 or null, got {setting!r}"
 
 
 def resolve_rollout_dtype(setting: str | None, precision: str, device: str, policy_dtype: str) -> str:

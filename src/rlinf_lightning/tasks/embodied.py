@@ -7,12 +7,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE
+from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE, rollout_dtype_problem
 from rlinf_lightning.envs import ENVS, check_env
 from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.workflow import Workflow
-from rlinf_lightning.policies.module import DTYPES
 from rlinf_lightning.tasks.base import RunSpec, Task
 from rlinf_lightning.workflows.embodied import EVAL_SEED, advantage_mode, embodied_workflow
 
@@ -86,8 +85,7 @@ class EmbodiedTask(Task):
         if self.train_micro_batch_size is not None and self.train_micro_batch_size < 1:
             why = f"must be >= 1 or null, got {self.train_micro_batch_size}"
             problems.append(("train_micro_batch_size", why))
-        if self.rollout_dtype not in (AUTO_ROLLOUT_DTYPE, None, *DTYPES):
-            why = f"must be auto, float32, bfloat16, float16 or null, got {self.rollout_dtype!r}"
+        if why := rollout_dtype_problem(self.rollout_dtype):
             problems.append(("rollout_dtype", why))
         if self.eval_metric not in ("success", "return"):
             problems.append(("eval_metric", f"must be success or return, got {self.eval_metric!r}"))

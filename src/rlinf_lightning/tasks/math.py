@@ -11,12 +11,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE
+from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE, rollout_dtype_problem
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, SamplingParams, engine_option_problems
 from rlinf_lightning.errors import ConfigError, DataError
 from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.workflow import Workflow
-from rlinf_lightning.policies.module import DTYPES
 from rlinf_lightning.policies.value import ValueModel
 from rlinf_lightning.prompts import PromptFormat
 from rlinf_lightning.tasks.base import RunSpec, Task
@@ -178,13 +177,8 @@ class MathTask(Task):
             problems.append(("sampling.top_p", f"must be in (0, 1], got {s.top_p}"))
         if s.max_new_tokens < 1:
             problems.append(("sampling.max_new_tokens", f"must be >= 1, got {s.max_new_tokens}"))
-        if self.rollout_dtype not in (AUTO_ROLLOUT_DTYPE, None, *DTYPES):
-            problems.append(
-                (
-                    "rollout_dtype",
-                    f"must be auto, float32, bfloat16, float16 or null, got {self.rollout_dtype!r}",
-                )
-            )
+        if why := rollout_dtype_problem(self.rollout_dtype):
+            problems.append(("rollout_dtype", why))
         if self.rollout not in ROLLOUT_ENGINES:
             return problems + [("rollout", ROLLOUT_ENGINES.unknown_message(self.rollout))]
         return problems + [

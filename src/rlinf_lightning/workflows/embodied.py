@@ -575,8 +575,10 @@ class PPOActorStage(TrainStage):
         if self.norm_adv:
             self._normalize(data)
         if "proximal_logprobs" in self.algorithm.reads:  # the actor before its steps (every rank calls)
-            size = max(1, -(-len(data) // self.num_minibatches)) if data is not None else 1
-            chunks = [] if data is None else list(data.split(min(size, self.micro_batch_size or size)))
+            chunks = []
+            if data is not None:  # a minibatch per forward, or a micro-batch where that is smaller
+                size = max(1, -(-len(data) // self.num_minibatches))
+                chunks = list(data.split(min(size, self.micro_batch_size or size)))
             proximal = self.engine.forward_all(chunks, proximal_outputs)
             if data is not None:
                 data["proximal_logprob"] = torch.cat([lp.cpu() for lp, _ in proximal])

@@ -107,7 +107,7 @@ def rollout_batch(n: int, vocab: int, max_response: int, seed: int = 0):
     """``n`` rollout-shaped samples (prompts 24-64 tokens, responses half to all of
     ``max_response``) packed as the rollout stage packs them, with advantages."""
     from rlinf_lightning.engines.rollout import Completion
-    from rlinf_lightning.workflows.reasoning import pack_samples
+    from rlinf_lightning.workflows.reasoning.rollout import pack_samples
 
     g = torch.Generator().manual_seed(seed)
     prompts, completions = [], []
@@ -130,7 +130,7 @@ def actor_stage(model: Path, engine: str, device: str, max_tokens: int | None):
     from rlinf_lightning.engines.train import TrainSpec
     from rlinf_lightning.flow.stage import StageContext
     from rlinf_lightning.policies import LMPolicy
-    from rlinf_lightning.workflows.reasoning import ActorStage
+    from rlinf_lightning.workflows.reasoning.actor import ActorStage
 
     stage = ActorStage(
         LMPolicy(str(model), lr=1e-6), GRPO(), TrainSpec(engine, {}, "bf16-mixed"), 1.0, None, max_tokens

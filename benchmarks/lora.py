@@ -65,7 +65,7 @@ def state_and_speed(model: Path, lora: bool, steps: int) -> dict[str, float]:
     from rlinf_lightning.flow.stage import StageContext
     from rlinf_lightning.policies import LMPolicy
     from rlinf_lightning.policies.lora import LoRA
-    from rlinf_lightning.workflows.reasoning import ActorStage
+    from rlinf_lightning.workflows.reasoning.actor import ActorStage
 
     precision = resolve_precision("auto", "cpu")
     policy = LMPolicy(str(model), lr=1e-5, lora=LoRA(rank=RANK, alpha=ALPHA) if lora else None)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from children import parse_args, run_child
 
-from rlinf_lightning.workflows.reasoning import ActorStage
+from rlinf_lightning.workflows.reasoning.actor import ActorStage
 
 # Each engine as shipped: ``single`` and ``ddp`` train under the launcher's allocator setting; the fsdp
 # engine fixes its replica processes' mmap threshold (4 MiB). Then, so that the comparison does

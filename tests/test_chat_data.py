@@ -121,7 +121,7 @@ def test_rollout_stage_generates_from_the_chat_prompt(chat_model):
     from rlinf_lightning.engines.rollout import SamplingParams
     from rlinf_lightning.flow.stage import StageContext
     from rlinf_lightning.policies import LMPolicy
-    from rlinf_lightning.workflows.reasoning import RolloutStage
+    from rlinf_lightning.workflows.reasoning.rollout import RolloutStage
 
     fmt = PromptFormat("{prompt} Answer:")
     stage = RolloutStage(

@@ -12,7 +12,7 @@ from rlinf_lightning.engines import HFRolloutEngine
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.policies import LMPolicy
-from rlinf_lightning.workflows.reasoning import ActorStage
+from rlinf_lightning.workflows.reasoning.actor import ActorStage
 from test_lora import _rollout
 
 

@@ -68,7 +68,7 @@ def test_a_multi_discrete_head_samples_each_entry_within_its_own_choices():
 
 def test_the_rollout_values_final_observations_only_where_an_episode_was_truncated():
     from rlinf_lightning.flow.stage import StageContext
-    from rlinf_lightning.workflows.embodied import EnvRolloutStage
+    from rlinf_lightning.workflows.embodied.rollout import EnvRolloutStage
 
     env = make_env(ENV, 4)
     obs = env.reset(seed=0)
@@ -259,7 +259,8 @@ def test_an_embodied_fit_logs_success_and_writes_the_summary(tmp_path):
 def test_grpo_groups_share_reset_seeds_and_score_whole_episodes():
     from rlinf_lightning.algorithms import GRPO
     from rlinf_lightning.flow.stage import StageContext
-    from rlinf_lightning.workflows.embodied import EnvStage, EpisodeAdvantageStage
+    from rlinf_lightning.workflows.embodied.advantage import EpisodeAdvantageStage
+    from rlinf_lightning.workflows.embodied.env import EnvStage
 
     env = EnvStage(ENV, None, steps=3, group_size=4, episodic=True)
     env.setup(StageContext())
@@ -298,7 +299,7 @@ def test_grpo_groups_share_reset_seeds_and_score_whole_episodes():
 
 
 def test_training_reset_seeds_never_reach_the_evaluation_episodes_seeds():
-    from rlinf_lightning.workflows.embodied import EVAL_SEED, EnvStage
+    from rlinf_lightning.workflows.embodied.env import EVAL_SEED, EnvStage
 
     for episodic, group_size in ((False, 1), (True, 4)):
         env = EnvStage(ENV, None, steps=3, group_size=group_size, episodic=episodic, seed=7)
@@ -312,7 +313,7 @@ def test_episodes_without_a_success_value_are_counted_not_dropped_silently():
     """Pendulum reports no success (NaN): its ended episodes count in ``episodes_without_success``
     and ``success`` is left out rather than averaged over nothing; FetchReach's all report one."""
     from rlinf_lightning.flow.stage import StageContext
-    from rlinf_lightning.workflows.embodied import EnvStage
+    from rlinf_lightning.workflows.embodied.env import EnvStage
 
     def episodes(env_id: str, steps: int) -> dict[str, float]:
         stage = EnvStage(env_id, None, steps=steps)
@@ -429,7 +430,7 @@ def test_explained_variance_hand_computed():
     """``1 - Var(R - V) / Var(R)``: returns 1..4 against values (1, 2, 3, 3): 1 - 0.1875 / 1.25."""
     from rlinf_lightning.flow.metrics import Metrics
     from rlinf_lightning.flow.stage import StageContext
-    from rlinf_lightning.workflows.embodied import PPOActorStage
+    from rlinf_lightning.workflows.embodied.actor import PPOActorStage
 
     stage = PPOActorStage.__new__(PPOActorStage)  # only its batch statistics, no engine
     stage.ctx = StageContext("cpu", 0, 1, 1, [0])

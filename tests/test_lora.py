@@ -23,7 +23,8 @@ from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.policies import LMPolicy
 from rlinf_lightning.policies.lora import LoRA, save_adapters, save_merged
 from rlinf_lightning.policies.vla import TinyVLA
-from rlinf_lightning.workflows.reasoning import ActorStage, pack_samples
+from rlinf_lightning.workflows.reasoning.actor import ActorStage
+from rlinf_lightning.workflows.reasoning.rollout import pack_samples
 from trainer_defaults import logged_metrics, tiny_task, tiny_trainer_kwargs
 
 PROMPTS = ["What is 1+2?=", "What is 33+44?=", "What is 7+40?=", "What is 25+25?="]
@@ -141,7 +142,7 @@ class _PolicyGradient:
 
 
 def test_a_vla_trains_adapters_and_its_heads_and_the_rollout_acts_as_the_actor_after_a_sync():
-    from rlinf_lightning.workflows.embodied import EnvRolloutStage
+    from rlinf_lightning.workflows.embodied.rollout import EnvRolloutStage
     from rlinf_lightning.workflows.training import TrainStage
     from test_vla import ACTION_DIM, CHUNK, _gens, _obs
 

@@ -25,7 +25,7 @@ from rlinf_lightning.policies import LMPolicy
 from rlinf_lightning.policies.model_dir import config_shapes
 from rlinf_lightning.strategies import STRATEGIES, HybridStrategy, Resources
 from rlinf_lightning.tasks.data import make_arithmetic_splits
-from rlinf_lightning.workflows.reasoning import ActorStage
+from rlinf_lightning.workflows.reasoning.actor import ActorStage
 from trainer_defaults import cli_fit_args
 
 

@@ -13,7 +13,8 @@ from rlinf_lightning.engines.train import SingleTrainEngine
 from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.policies import LMPolicy
 from rlinf_lightning.workflows.padding import micro_batches, trim_padding
-from rlinf_lightning.workflows.reasoning import PolicyLoss, pack_samples
+from rlinf_lightning.workflows.reasoning.actor import PolicyLoss
+from rlinf_lightning.workflows.reasoning.rollout import pack_samples
 
 PROMPTS = ["What is 1+2?=", "What is 30+45?=", "What is 7+8?=", "Add 12 and 9, then write the sum: 12+9="]
 

@@ -15,7 +15,8 @@ from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
 from rlinf_lightning.engines.train import SingleTrainEngine
 from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.policies import LMPolicy
-from rlinf_lightning.workflows.reasoning import PolicyLoss, pack_samples
+from rlinf_lightning.workflows.reasoning.actor import PolicyLoss
+from rlinf_lightning.workflows.reasoning.rollout import pack_samples
 
 
 def test_auto_resolves_by_hardware_and_names_are_checked():

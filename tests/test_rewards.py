@@ -190,7 +190,7 @@ def test_the_reward_stage_logs_timeouts_and_unreadable_gold_answers():
     from tensordict import TensorDict
 
     from rlinf_lightning.flow.stage import StageContext
-    from rlinf_lightning.workflows.reasoning import RewardStage
+    from rlinf_lightning.workflows.reasoning.reward import RewardStage
 
     stage = RewardStage("math_verify", "boxed_format", 0.1)
     stage.setup(StageContext())

@@ -3,7 +3,7 @@ import torch
 
 from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
 from rlinf_lightning.policies import LMPolicy
-from rlinf_lightning.workflows.reasoning import pack_samples
+from rlinf_lightning.workflows.reasoning.rollout import pack_samples
 
 
 def _prompts(tok, texts):

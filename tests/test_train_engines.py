@@ -13,7 +13,8 @@ from rlinf_lightning.flow import BatchShape, StageError, Workflow
 from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.policies import LMPolicy
 from rlinf_lightning.strategies import STRATEGIES, Resources
-from rlinf_lightning.workflows.reasoning import ActorStage, pack_samples
+from rlinf_lightning.workflows.reasoning.actor import ActorStage
+from rlinf_lightning.workflows.reasoning.rollout import pack_samples
 
 
 class Actor(ActorStage):

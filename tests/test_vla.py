@@ -91,7 +91,7 @@ def test_the_rollout_computes_as_a_bf16_mixed_actor_does():
     under bf16 autocast, so its behaviour log-probs and values are the ones the actor computes
     (float32 tensors), not a float32 forward's; beside a 32-true actor it stays float32."""
     from rlinf_lightning.flow.stage import StageContext
-    from rlinf_lightning.workflows.embodied import EnvRolloutStage
+    from rlinf_lightning.workflows.embodied.rollout import EnvRolloutStage
 
     obs = _obs(4)
     batch = TensorDict(

@@ -11,7 +11,7 @@ import torch
 
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, HFRolloutEngine, SamplingParams
 from rlinf_lightning.policies import LMPolicy
-from rlinf_lightning.workflows.reasoning import pack_samples
+from rlinf_lightning.workflows.reasoning.rollout import pack_samples
 
 PROMPTS = ["What is 1+2?=", "What is 33+44?=", "What is 7+40?=", "What is 25+25?="]
 # vLLM's float32 log-probs against HF's: the largest gap measured here was 1.9e-6 (2026-11-24; the
@@ -86,7 +86,7 @@ def test_a_lora_actors_merged_weights_sync_partially_and_match(assets, engine):
     from rlinf_lightning.engines.train import TrainSpec
     from rlinf_lightning.flow.stage import StageContext
     from rlinf_lightning.policies.lora import LoRA
-    from rlinf_lightning.workflows.reasoning import ActorStage
+    from rlinf_lightning.workflows.reasoning.actor import ActorStage
 
     lora = LoRA(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
     policy = LMPolicy(str(assets["sft"]), lr=1e-2, lora=lora)

@@ -1,7 +1,7 @@
 """PPO (Schulman et al., 2017) for actor-critic policies: GAE advantages, clipped surrogate with an
 optional dual clip, clipped value loss, entropy bonus.
 
-One update, as the embodied workflow runs it (``workflows/embodied.py``):
+One update, as the embodied workflow runs it (``workflows/embodied/``):
 
 1. the env and rollout stages collect ``T`` steps of every env (actions, log-probs, values,
    rewards, terminations, truncations with the value of the final observation);
@@ -13,7 +13,7 @@ One update, as the embodied workflow runs it (``workflows/embodied.py``):
    (``policy.evaluate`` gives new log-probs, entropy and values); with ``target_kl``, no further
    pass once the last minibatch's approximate KL exceeds it (CleanRL's early stop).
 
-On a language model (``workflows/reasoning.py``, with a critic: ``task.critic``) the same options
+On a language model (``workflows/reasoning/``, with a critic: ``task.critic``) the same options
 run token-level PPO as InstructGPT (Ouyang et al., 2022) does, through :meth:`PPO.on_tokens`:
 
 1. the critic stage (``workflows/critic.py``) estimates each response token's value, puts the

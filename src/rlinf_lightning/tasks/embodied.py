@@ -13,7 +13,8 @@ from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.tasks.base import RunSpec, Task
-from rlinf_lightning.workflows.embodied import EVAL_SEED, advantage_mode, embodied_workflow
+from rlinf_lightning.workflows.embodied import advantage_mode, embodied_workflow
+from rlinf_lightning.workflows.embodied.env import EVAL_SEED
 
 if TYPE_CHECKING:
     from rlinf_lightning.launchers.base import Runtime

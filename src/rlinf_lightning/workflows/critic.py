@@ -33,7 +33,7 @@ from rlinf_lightning.workflows.padding import micro_batches
 from rlinf_lightning.workflows.training import TrainStage
 
 if TYPE_CHECKING:
-    from rlinf_lightning.workflows.reasoning import AdvantageStage
+    from rlinf_lightning.workflows.reasoning.advantage import AdvantageStage
 
 #: what the critic keeps of each micro-batch for its update
 KEPT = ("input_ids", "attention_mask", "response_mask", "values", "returns", "group_id")

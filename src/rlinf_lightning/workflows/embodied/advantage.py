@@ -1,0 +1,89 @@
+"""The advantage stages: GAE over the steps with the critic's values, or GRPO over episodes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from rlinf_lightning.algorithms.advantages import groups_with_signal
+from rlinf_lightning.flow.metrics import Metrics
+from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
+
+
+class GAEStage(Stage):
+    """GAE over each shard's trajectory; emits its steps as samples (with a global sample id)."""
+
+    name = "advantage"
+    in_keys = ("reward", "value", "terminated", "truncated", "final_value", "next_value", "env_id",
+               "policy_version")  # fmt: skip
+    out_keys = ("advantage", "return", "sample_id")
+
+    def __init__(self, algorithm: Any) -> None:
+        self.algorithm = algorithm
+
+    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
+        return []  # a few numbers per sample
+
+    def process(self, traj: TensorDict) -> TensorDict:
+        adv, ret = self.algorithm.compute_advantages(
+            traj["reward"], traj["value"], traj["terminated"], traj["truncated"], traj["final_value"],
+            traj["next_value"],
+        )  # fmt: skip
+        n, steps = adv.shape
+        samples = TensorDict(
+            {
+                "obs": traj["obs"],
+                "action": traj["action"],
+                "logprob": traj["logprob"],
+                "value": traj["value"],
+                "policy_version": traj["policy_version"],
+                "advantage": adv,
+                "return": ret,
+                "sample_id": traj["env_id"][:, None] * steps + torch.arange(steps),
+            },
+            batch_size=[n, steps],
+        )
+        return samples.reshape(-1)
+
+
+class EpisodeAdvantageStage(Stage):
+    """GRPO over episodes: one score per env's episode, normalised within its group (whole groups
+    share a shard); every step of the episode until its first end gets that advantage. Groups
+    whose scores are all equal carry no signal and are dropped (masked out)."""
+
+    name = "advantage"
+    in_keys = ("score", "group_id", "mask", "env_id", "policy_version")
+    out_keys = ("advantage", "mask", "sample_id")
+
+    def __init__(self, algorithm: Any) -> None:
+        self.algorithm = algorithm
+
+    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
+        return []  # a few numbers per sample
+
+    def setup(self, ctx: StageContext) -> None:
+        self.metrics = Metrics()
+
+    def process(self, traj: TensorDict) -> TensorDict:
+        adv = self.algorithm.compute_advantages({"rewards": traj["score"], "group_ids": traj["group_id"]})
+        signal = groups_with_signal(adv, traj["group_id"], self.metrics)
+        n, steps = traj["mask"].shape
+        samples = TensorDict(
+            {
+                "obs": traj["obs"],
+                "action": traj["action"],
+                "logprob": traj["logprob"],
+                "value": traj["value"],
+                "policy_version": traj["policy_version"],
+                "advantage": adv[:, None].expand(n, steps),
+                "mask": traj["mask"] & signal[:, None],
+                "sample_id": traj["env_id"][:, None] * steps + torch.arange(steps),
+            },
+            batch_size=[n, steps],
+        )
+        return samples.reshape(-1)
+
+    def end_iteration(self) -> Metrics:
+        return self.metrics.take()

@@ -1,0 +1,255 @@
+"""The rollout stage: samples ``group_size`` completions per prompt with the chosen engine and packs
+them into one padded batch; DAPO's dynamic sampling replaces groups without signal."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from rlinf_lightning.engines.precision import resolve_rollout_dtype
+from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, Completion, SamplingParams
+from rlinf_lightning.evaluation import EVAL_BATCH_SIZE, greedy_accuracy
+from rlinf_lightning.flow.memory import dtype_bytes, weights_part
+from rlinf_lightning.flow.metrics import Metrics
+from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
+from rlinf_lightning.policies.lm import LMPolicy
+from rlinf_lightning.policies.lora import lora_of
+from rlinf_lightning.prompts import PromptFormat
+from rlinf_lightning.rewards import RewardInput
+from rlinf_lightning.seeds import row_seed
+from rlinf_lightning.workflows.reasoning.reward import RewardStage
+
+
+def pack_samples(
+    prompt_ids: list[list[int]], completions: list[list[Completion]], pad_id: int
+) -> dict[str, torch.Tensor]:
+    """Left-pad prompts, right-pad responses: ``input_ids = [prompt | response]`` per sample."""
+    rows = [(p, c) for p, cs in zip(prompt_ids, completions) for c in cs]
+    P = max(len(p) for p, _ in rows)
+    R = max(1, max(len(c.token_ids) for _, c in rows))
+    ids = torch.full((len(rows), P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), P + R), dtype=torch.long)
+    resp_mask = torch.zeros((len(rows), R), dtype=torch.float32)
+    logps = torch.zeros((len(rows), R), dtype=torch.float32)
+    for i, (p, c) in enumerate(rows):
+        n = len(c.token_ids)
+        ids[i, P - len(p) : P] = torch.tensor(p)
+        attn[i, P - len(p) : P + n] = 1
+        if n:
+            ids[i, P : P + n] = torch.tensor(c.token_ids)
+            resp_mask[i, :n] = 1
+            logps[i, :n] = torch.tensor(c.logprobs)
+    return {"input_ids": ids, "attention_mask": attn, "response_mask": resp_mask, "rollout_logprobs": logps}
+
+
+@dataclass
+class DynamicSampling:
+    """DAPO's dynamic sampling, done per prompt slot so that every plan samples the same batch: a
+    slot whose group's rewards (``scorer``'s) are all equal gets the next prompt of its own reserve
+    stream (``problems``, drawn by a hash of the seed, the slot and the round) and a fresh group,
+    up to ``rounds`` times; a slot still without signal then is kept (counted as unfilled)."""
+
+    rounds: int
+    scorer: RewardStage
+    problems: list[tuple[str, str]]  # (prompt, answer) of the training set
+
+    def reserve(self, seed: int, slot: int, round_: int) -> tuple[str, str]:
+        return self.problems[row_seed(seed + RESERVE_SEED, slot, round_) % len(self.problems)]
+
+
+#: mixed into the seed of the reserve prompts and their samples (kept apart from the main stream)
+RESERVE_SEED = 104729
+#: the group id a slot's ``k``-th replacement is sampled under: ``slot + (k + 1) * RESERVE_GROUP_STRIDE``
+RESERVE_GROUP_STRIDE = 1 << 32
+
+
+class RolloutStage(Stage):
+    """Generates ``group_size`` completions per prompt with the chosen rollout engine; prompts are
+    laid out by the task's :class:`PromptFormat` (template, then the chat template if any). With
+    ``dynamic_sampling``, groups without signal are replaced (:class:`DynamicSampling`).
+
+    ``dtype`` is ``task.rollout_dtype``: ``auto`` follows the actor's ``precision`` on this
+    stage's device (``engines.precision.resolve_rollout_dtype``). ``max_prompt_tokens`` (the task's
+    longest prompt) and ``eval_prompts`` (how many it evaluates on) only size the memory estimate.
+    """
+
+    name = "rollout"
+    cost_hint = 1.0
+    in_keys = ("prompt", "answer", "group_id")
+    out_keys = (
+        "input_ids",
+        "attention_mask",
+        "response_mask",
+        "rollout_logprobs",
+        "group_id",
+        "completion",
+        "answer",
+        "prompt",
+        "policy_version",
+    )
+
+    def __init__(
+        self,
+        policy: LMPolicy,
+        engine: str,
+        sampling: SamplingParams,
+        group_size: int,
+        seed: int,
+        prompt_format: PromptFormat | None = None,
+        dtype: str | None = None,
+        max_prompt_tokens: int | None = None,
+        eval_prompts: int = 0,
+        engine_options: dict[str, Any] | None = None,
+        dynamic_sampling: DynamicSampling | None = None,
+        precision: str = "32-true",
+    ) -> None:
+        self.policy, self.engine_name, self.sampling = policy, engine, sampling
+        self.dynamic_sampling = dynamic_sampling
+        self.engine_options = dict(engine_options or {})
+        self.group_size, self.seed = group_size, seed
+        self.prompt_format = prompt_format or PromptFormat()
+        self.dtype_setting, self.precision = dtype, precision
+        self.max_prompt_tokens, self.eval_prompts = max_prompt_tokens, eval_prompts
+
+    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
+        """The weights in the rollout dtype, and the KV cache of the largest batch it generates:
+        ``rows x (longest prompt + max_new_tokens) x layers x 2 (keys, values) x KV heads x head
+        dim x dtype bytes``, rows being the larger of a micro-batch's samples and an evaluation
+        batch. Not counted: the logits and sampling buffers of a step, and what an engine reserves
+        beyond this (vLLM takes ``gpu_memory_utilization`` of the device)."""
+        architecture = getattr(self.policy, "architecture", None)  # an LMPolicy's; unknown otherwise
+        shape = architecture() if architecture is not None else None
+        if shape is None:
+            return None
+        dtype = self.dtype(device)
+        size = dtype_bytes(dtype)
+        rows = max(micro_batch, min(self.eval_prompts, EVAL_BATCH_SIZE))
+        tokens = (self.max_prompt_tokens or 0) + self.sampling.max_new_tokens
+        kv = rows * tokens * shape.layers * 2 * shape.kv_heads * shape.head_dim * size
+        fix = None if size <= 2 else "task.rollout_dtype=bfloat16 (half the rollout's memory)"
+        return [
+            weights_part(shape.parameters, dtype, fix=fix),
+            MemoryPart(
+                kv,
+                f"KV cache ({rows} rows x {tokens} tokens x {shape.layers} layers x 2 x "
+                f"{shape.kv_heads} KV heads x {shape.head_dim} x {size} bytes)",
+            ),
+        ]
+
+    def dtype(self, device: str) -> str:
+        """The engine's dtype on ``device``."""
+        return resolve_rollout_dtype(self.dtype_setting, self.precision, device, self.policy.dtype)
+
+    def setup(self, ctx: StageContext) -> None:
+        self.tokenizer = self.policy.load_tokenizer()
+        self.engine = ROLLOUT_ENGINES.get(self.engine_name)(
+            self.policy.model_path, device=ctx.device, dtype=self.dtype(ctx.device), **self.engine_options
+        )
+        self.metrics = Metrics()
+        if self.dynamic_sampling is not None:
+            self.dynamic_sampling.scorer.setup(ctx)
+
+    def onload(self) -> None:
+        self.engine.onload()
+
+    def offload(self) -> None:
+        self.engine.offload()
+
+    def teardown(self) -> None:
+        if self.dynamic_sampling is not None:  # its scorer's judge process, if any
+            self.dynamic_sampling.scorer.teardown()
+
+    def _generate(self, prompts: list[str], groups: list[int], n: int, params: SamplingParams):
+        prompt_ids = self.prompt_format.encode(self.tokenizer, prompts)
+        completions = self.engine.generate(
+            prompt_ids, groups, n, params, self.seed, eos_token_id=self.tokenizer.eos_token_id
+        )
+        return prompt_ids, completions
+
+    def _texts(self, completions: list[list[Completion]]) -> list[str]:
+        return [
+            self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for cs in completions for c in cs
+        ]
+
+    def _resample(
+        self, prompts: list[str], answers: list[str], groups: list[int], prompt_ids: list, completions: list
+    ) -> None:
+        """Replace, in place, the slots whose group's rewards are all equal (dynamic sampling)."""
+        ds, n = self.dynamic_sampling, self.group_size
+        for round_ in range(ds.rounds + 1):
+            reward, _ = ds.scorer.score(
+                RewardInput(self._texts(completions), [a for a in answers for _ in range(n)])
+            )
+            flat = reward.view(len(prompts), n)
+            todo = [i for i in range(len(prompts)) if bool((flat[i] == flat[i, 0]).all())]
+            if not todo or round_ == ds.rounds:
+                self.metrics.sum("unfilled_groups", len(todo))
+                return
+            self.metrics.sum("resampled_groups", len(todo))
+            for i in todo:
+                prompts[i], answers[i] = ds.reserve(self.seed, groups[i], round_)
+            ids, comps = self._generate(
+                [prompts[i] for i in todo],
+                [groups[i] + (round_ + 1) * RESERVE_GROUP_STRIDE for i in todo],
+                n,
+                self.sampling,
+            )
+            for j, i in enumerate(todo):
+                prompt_ids[i], completions[i] = ids[j], comps[j]
+
+    def process(self, batch: TensorDict) -> TensorDict:
+        groups = batch["group_id"].tolist()
+        prompts, answers = list(batch["prompt"]), list(batch["answer"])
+        prompt_ids, completions = self._generate(prompts, groups, self.group_size, self.sampling)
+        if self.dynamic_sampling is not None:
+            self._resample(prompts, answers, groups, prompt_ids, completions)
+        tensors = pack_samples(prompt_ids, completions, self.tokenizer.pad_token_id)
+        n = self.group_size
+        texts = self._texts(completions)
+        out = TensorDict(
+            {
+                **tensors,
+                "group_id": torch.tensor(groups).repeat_interleave(n),
+                "completion": texts,
+                "answer": [a for a in answers for _ in range(n)],
+                "prompt": [p for p in prompts for _ in range(n)],
+                "policy_version": torch.full((len(texts),), self.policy_version),
+            },
+            batch_size=[len(texts)],
+        )
+        lengths = tensors["response_mask"].sum(-1)
+        self.metrics.distribution("response_length", lengths)
+        self.metrics.distribution("prompt_length", [len(p) for p in prompt_ids])
+        self.metrics.sum("tokens_total", tensors["attention_mask"].sum())  # prompts + responses
+        self.metrics.sum("response_tokens_total", lengths.sum())
+        # clipped: stopped by max_new_tokens rather than by the end-of-sequence token
+        eos = self.tokenizer.eos_token_id
+        clipped = [
+            len(c.token_ids) >= self.sampling.max_new_tokens and c.token_ids[-1] != eos
+            for cs in completions
+            for c in cs
+        ]
+        self.metrics.mean("clipped_ratio", sum(clipped) / len(clipped), len(clipped))
+        return out
+
+    def end_iteration(self) -> Metrics:
+        return self.metrics.take()
+
+    def apply_sync(self, source: str, state: TensorDict) -> None:
+        # a LoRA actor sends only the merged layers that changed (see policies.lora)
+        self.engine.update_weights(state.items(), partial=lora_of(self.policy) is not None)
+
+    def evaluate(self, prompts: list[str], answers: list[str], reward: str) -> float:
+        """Greedy held-out accuracy with the live rollout engine (current weights)."""
+        return greedy_accuracy(
+            self.engine,
+            self.tokenizer,
+            prompts,
+            answers,
+            reward,
+            self.sampling.max_new_tokens,
+            prompt_format=self.prompt_format,
+        )

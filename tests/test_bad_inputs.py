@@ -286,6 +286,9 @@ class _Payload:
         return (exec, (f"open({self.marker!r}, 'w').write('x')",))
 
 
+FETCH, CARTPOLE = "embodied_ppo_fetchreach.yaml", "embodied_ppo_cartpole.yaml"
+
+# (id, override, text the message must contain, config: FetchReach's unless named)
 EMBODIED = [
     ("unknown env", "--task.init_args.env=FetchReech-v4", "task.env"),
     ("no envs", "--task.init_args.num_envs=0", "task.num_envs"),
@@ -302,12 +305,27 @@ EMBODIED = [
         "--trainer.algorithm={class_path: rlinf_lightning.algorithms.PPO, init_args: {target_kl: -1}}",
         "trainer.algorithm.target_kl: must be > 0",
     ),
+    (
+        "one sample per mini-batch (FetchReach)",
+        "--trainer.algorithm.init_args.num_minibatches=1000",
+        "trainer.algorithm.num_minibatches: 1000 mini-batches of the 1024 samples one rollout batch "
+        "yields (task.num_envs=16 x task.steps=64) hold 1.02 samples each, fewer than 2",
+    ),
+    (
+        "no sample in most mini-batches (CartPole)",
+        "--trainer.algorithm.init_args.num_minibatches=5000",
+        "trainer.algorithm.num_minibatches: 5000 mini-batches of the 512 samples one rollout batch "
+        "yields (task.num_envs=4 x task.steps=128) hold 0.102 samples each, fewer than 2",
+        CARTPOLE,
+    ),
 ]
 
 
-@pytest.mark.parametrize(("override", "needle"), [c[1:] for c in EMBODIED], ids=[c[0] for c in EMBODIED])
-def test_bad_embodied_input_is_one_message_and_exit_2(tmp_path, capsys, override, needle):
-    config = Path(__file__).parents[1] / "configs" / "embodied_ppo_fetchreach.yaml"
+@pytest.mark.parametrize(
+    ("override", "needle", "config"), [(*c[1:], FETCH)[:3] for c in EMBODIED], ids=[c[0] for c in EMBODIED]
+)
+def test_bad_embodied_input_is_one_message_and_exit_2(tmp_path, capsys, override, needle, config):
+    config = Path(__file__).parents[1] / "configs" / config
     argv = ["fit", f"--config={config}", f"--trainer.default_root_dir={tmp_path / 'run'}", override]
     try:
         status = main(argv)

@@ -15,6 +15,7 @@ from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.tasks.base import RunSpec, Task
 from rlinf_lightning.workflows.embodied import advantage_mode, embodied_workflow
 from rlinf_lightning.workflows.embodied.env import EVAL_SEED
+from rlinf_lightning.workflows.mini_batches import split_problem
 
 if TYPE_CHECKING:
     from rlinf_lightning.launchers.base import Runtime
@@ -131,6 +132,12 @@ class EmbodiedTask(Task):
         if self._episodic(run) and self.num_envs % self.group_size:
             why = f"{self.group_size} does not cut task.num_envs={self.num_envs} into whole groups"
             raise ConfigError([("task.group_size", why)])
+        samples = f"task.num_envs={self.num_envs} x task.steps={self.steps}"
+        count = getattr(run.algorithm, "num_minibatches", 1)
+        if split := split_problem(
+            "trainer.algorithm.num_minibatches", count, self.num_envs * self.steps, samples
+        ):
+            raise ConfigError([split])
 
         try:  # one env made here, before any worker: a bad keyword is one line, not a worker's traceback
             obs, shape, choices = self._spaces(run.seed)

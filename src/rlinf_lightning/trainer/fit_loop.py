@@ -27,13 +27,15 @@ from rlinf_lightning.checkpoint import (
     save_sync_backlog,
     set_rng_state,
 )
-from rlinf_lightning.errors import CheckpointError
+from rlinf_lightning.errors import CheckpointError, RunError
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.trace import write_chrome_trace
+from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.policies.lora import checkpoint_mismatch
 from rlinf_lightning.strategies import Replan, RunInfo
 from rlinf_lightning.trainer.ahead import AheadLaunch
+from rlinf_lightning.trainer.failures import RunLog, failure_line
 from rlinf_lightning.trainer.logger_connector import hyperparameters
 
 if TYPE_CHECKING:
@@ -62,14 +64,31 @@ class FitLoop:
         self.replan_s = 0.0  # seconds spent starting the workers of a new plan mid-run
         self.ahead: AheadLaunch | None = None  # workers the strategy asked to start in the background
         self.discarded: list[AheadLaunch] = []
+        self.nonfinite: dict[str, int] = {}  # per learning stage, its skipped non-finite steps
 
     # -- the whole fit ---------------------------------------------------------------------------
     def run(self, ckpt_path: str | None) -> dict[str, Any]:
+        """The fit; a stage that stops the run or runs out of memory ends it with a
+        :class:`RunError` of one line, its traceback in ``run.log`` (``trainer.failures``)."""
         t = self.trainer
         resume = self._read_checkpoint(ckpt_path)
+        t.default_root_dir.mkdir(parents=True, exist_ok=True)
+        self.run_log = RunLog(t.default_root_dir)
+        try:
+            return self._run(resume)
+        except StageError as exc:
+            line = failure_line(exc, self.workflow, self.plan, t.ckpt_dir, self.run_log.path)
+            if line is None:
+                raise
+            self.run_log.failure(line, exc.tb)  # the terminal gets the line once, from the caller
+            raise RunError(line) from None
+        finally:
+            self.run_log.close()
+
+    def _run(self, resume: tuple[Path, Any, Any, Any, Any] | None) -> dict[str, Any]:
+        t = self.trainer
         torch.manual_seed(t.seed)
         t.callback_connector.setup()
-        t.default_root_dir.mkdir(parents=True, exist_ok=True)
         t.logger_connector.setup()
         log.info("%s", self.plan.describe(self.workflow))
         t.logger_connector.log_hyperparams(hyperparameters(t, self.policy, self.task, self.plan))
@@ -172,6 +191,9 @@ class FitLoop:
             ready = self.ahead is not None and self.ahead.ready()
             replan = self.strategy.observe(it, dt, spans, micro_batch.pop(it), queued, ahead_ready=ready)
             metrics = self._metrics(stage_metrics, spans, dt, per_iteration)
+            for k, v in metrics.items():
+                if k.endswith("/nonfinite_steps"):
+                    self.nonfinite[k.split("/")[0]] = int(v)
             t.logger_connector.log_metrics(metrics, it)
             calls.call("on_iteration_end", it, metrics)
             self._after_iteration(it)
@@ -364,8 +386,11 @@ class FitLoop:
     # -- the end ---------------------------------------------------------------------------------
     def _summary(self, start_it: int, wall_s: float, train_s: float, samples: int) -> dict[str, Any]:
         t, head, history = self.trainer, self.task.eval_metric, self.history
-        extras = {k: v for k, v in history[-1].items() if k not in (head, "iteration")}
+        extras = {  # NaN: a metric the env cannot report (success without a notion of it)
+            k: v for k, v in history[-1].items() if k not in (head, "iteration") and v == v
+        }
         summary = {
+            "eval_metric": head,
             f"eval_{head}_before": history[0][head],
             f"eval_{head}_after": history[-1][head],
             f"{head}_before": history[0][head],
@@ -380,6 +405,7 @@ class FitLoop:
             "samples_per_s": samples / train_s if train_s else 0.0,
             "strategy": self.plan.strategy,
             "train_engine": t.train_engine,
+            "nonfinite_steps": self.nonfinite,
         }
         counts = ", ".join(f"{int(v)} {k}" for k, v in extras.items() if float(v).is_integer())
         log.info(

@@ -8,6 +8,7 @@ from tensordict import TensorDict
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.rewards import RewardInput, close_judges, load_reward, score
+from rlinf_lightning.workflows.finite import check_finite
 
 
 class RewardStage(Stage):
@@ -36,6 +37,9 @@ class RewardStage(Stage):
     def teardown(self) -> None:
         close_judges()
 
+    def begin_iteration(self, iteration: int) -> None:
+        self.iteration = iteration
+
     def score(self, inputs: RewardInput) -> tuple[torch.Tensor, torch.Tensor]:
         """``(reward, correct)`` per completion of ``inputs``."""
         correct = score(self.correct_fn, inputs)
@@ -55,6 +59,7 @@ class RewardStage(Stage):
             self.metrics,
         )
         reward, correct = self.score(inputs)
+        check_finite(self.name, self.iteration, "rewards", reward)
         batch["reward"] = reward
         batch["correct"] = correct
         self.metrics.distribution("reward", reward)

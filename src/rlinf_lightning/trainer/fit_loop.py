@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import yaml
 
 from rlinf_lightning.checkpoint import (
     load_checkpoint,
@@ -27,7 +28,7 @@ from rlinf_lightning.checkpoint import (
     save_sync_backlog,
     set_rng_state,
 )
-from rlinf_lightning.errors import CheckpointError, RunError
+from rlinf_lightning.errors import CheckpointError, ConfigError, RunError
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.trace import write_chrome_trace
 from rlinf_lightning.flow.worker import StageError
@@ -37,6 +38,7 @@ from rlinf_lightning.strategies import Replan, RunInfo
 from rlinf_lightning.trainer.ahead import AheadLaunch
 from rlinf_lightning.trainer.failures import RunLog, failure_line
 from rlinf_lightning.trainer.logger_connector import hyperparameters
+from rlinf_lightning.trainer.run_config import algorithm_text, collision, resolved_config, resume_mismatch
 
 if TYPE_CHECKING:
     from rlinf_lightning.trainer.trainer import RLTrainer
@@ -65,6 +67,7 @@ class FitLoop:
         self.ahead: AheadLaunch | None = None  # workers the strategy asked to start in the background
         self.discarded: list[AheadLaunch] = []
         self.nonfinite: dict[str, int] = {}  # per learning stage, its skipped non-finite steps
+        self.config = resolved_config(trainer, policy, task)  # recorded in the run dir, checkpoints, summary
 
     # -- the whole fit ---------------------------------------------------------------------------
     def run(self, ckpt_path: str | None) -> dict[str, Any]:
@@ -72,7 +75,10 @@ class FitLoop:
         :class:`RunError` of one line, its traceback in ``run.log`` (``trainer.failures``)."""
         t = self.trainer
         resume = self._read_checkpoint(ckpt_path)
+        if not ckpt_path and not t.allow_config_change and (problem := collision(t.ckpt_dir, self.config)):
+            raise ConfigError([problem])
         t.default_root_dir.mkdir(parents=True, exist_ok=True)
+        (t.default_root_dir / "config.yaml").write_text(yaml.safe_dump(self.config, sort_keys=False))
         self.run_log = RunLog(t.default_root_dir)
         try:
             return self._run(resume)
@@ -90,6 +96,7 @@ class FitLoop:
         torch.manual_seed(t.seed)
         t.callback_connector.setup()
         t.logger_connector.setup()
+        log.info("algorithm: %s", algorithm_text(self.run_spec.algorithm))
         log.info("%s", self.plan.describe(self.workflow))
         t.logger_connector.log_hyperparams(hyperparameters(t, self.policy, self.task, self.plan))
         t0 = time.perf_counter()
@@ -121,6 +128,9 @@ class FitLoop:
             return None
         path = resolve_checkpoint(ckpt_path, self.trainer.ckpt_dir)
         train_state, state, rng = load_checkpoint(path)
+        why = resume_mismatch(path, state.get("config"), self.config)
+        if why and not self.trainer.allow_config_change:
+            raise CheckpointError(why)
         if why := checkpoint_mismatch(self.policy, train_state["lora"]):
             raise CheckpointError(f"{path}: {why}")
         if (
@@ -288,7 +298,7 @@ class FitLoop:
             t.ckpt_dir,
             it,
             self.runtime.call(train, "state_dict", replicas="all")[0],
-            {"eval_history": self.history, "seed": t.seed},
+            {"eval_history": self.history, "seed": t.seed, "config": self.config},
             write_extra=write_extra,
             stage_states=self._extra_states(),
         )
@@ -405,7 +415,9 @@ class FitLoop:
             "samples_per_s": samples / train_s if train_s else 0.0,
             "strategy": self.plan.strategy,
             "train_engine": t.train_engine,
+            "algorithm": type(self.run_spec.algorithm).__name__,
             "nonfinite_steps": self.nonfinite,
+            "config": self.config,
         }
         counts = ", ".join(f"{int(v)} {k}" for k, v in extras.items() if float(v).is_integer())
         log.info(

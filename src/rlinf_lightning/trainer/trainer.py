@@ -96,6 +96,10 @@ class RLTrainer:
             ``stop`` (the run ends at the first, naming the stage, iteration and metric; the last
             checkpoint stays as it was). Non-finite advantages or rewards always stop the run.
         max_consecutive_nonfinite: under ``skip``, this many skipped steps in a row stop the run.
+        allow_config_change: let a run resume from (``ckpt_path``), or start afresh into the
+            directory of, checkpoints written under another configuration of what changes the
+            update (the algorithm and its options, ``max_staleness``, the policy's or the task's
+            settings); refused by default, naming the keys that differ (``docs/failures.md``).
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class RLTrainer:
         trace: str | None = None,
         on_nonfinite: str = "skip",
         max_consecutive_nonfinite: int = 3,
+        allow_config_change: bool = False,
     ) -> None:
         self.algorithm, self.strategy, self.launcher = algorithm, strategy, launcher
         self.train_engine, self.train_engine_options = train_engine, dict(train_engine_options or {})
@@ -138,6 +143,7 @@ class RLTrainer:
         self.enable_progress_bar, self.seed = enable_progress_bar, seed
         self.timeout_s, self.num_threads, self.trace = timeout_s, num_threads, trace
         self.on_nonfinite, self.max_consecutive_nonfinite = on_nonfinite, max_consecutive_nonfinite
+        self.allow_config_change = allow_config_change
         self.iteration = 0
         self.policy: Any = None  # the policy and task being fit (for callbacks)
         self.task: Any = None

@@ -460,3 +460,18 @@ def test_a_success_headline_the_env_cannot_report_falls_back_to_the_return(tmp_p
     summary = json.loads(text)
     assert summary["eval_metric"] == "return" and "eval_success_after" not in summary and "NaN" not in text
     assert all(math.isfinite(summary[k]) for k in ("eval_return_before", "eval_return_after"))
+
+
+def test_the_memory_check_warns_only_where_the_user_can_act(caplog):
+    """A simulator's memory is unknown before it runs: the check counts it as nothing, without a
+    warning the user could do nothing about (a policy that cannot be sized still warns)."""
+    task = EmbodiedTask(DISCRETE_ENV, num_envs=2, steps=4, eval_metric="return")
+    RLTrainer(algorithm=PPO(num_minibatches=2), logger=False).validate(MLPActorCritic(), task)
+    assert "memory check" not in caplog.text
+
+    class Unsized(MLPActorCritic):
+        def parameter_count(self):
+            return None
+
+    RLTrainer(algorithm=PPO(num_minibatches=2), logger=False).validate(Unsized(), task)
+    assert "memory check: stage(s) actor, rollout give no estimate" in caplog.text

@@ -69,10 +69,17 @@ def memory_context(exc: StageError, workflow: Any, plan: Any) -> str:
     else:
         w = mine[0]
         predicted = (
-            f"the plan's memory check predicted {gib(w.stage_bytes(exc.stage))} for it on {w.device} "
-            f"({gib(w.nbytes)} for the worker; a floor: activations are not counted)"
+            f"the plan's memory check predicted {_size(w.stage_bytes(exc.stage))} for it on {w.device} "
+            f"({_size(w.nbytes)} for the worker; a floor: activations are not counted)"
         )
     return f"{budget} in force (lower {', '.join(keys)}); {predicted}"
+
+
+def _size(nbytes: int) -> str:
+    """``"45.1 GiB"``, ``"3.2 MiB"`` or ``"12 KiB"``: a small model's estimate is not ``0.0 GiB``."""
+    if nbytes >= 2**30:
+        return gib(nbytes)
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
 
 
 def checkpoint_left(ckpt_dir: Path) -> str:

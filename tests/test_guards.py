@@ -151,3 +151,28 @@ def test_the_cli_prints_an_out_of_memory_as_one_line_and_exits_1(tmp_path, capsy
     assert status == 1 and len(lines) == 1, err
     assert lines[0].startswith("rlinf fit: stage 'actor' ran out of memory on cpu"), err
     assert "Traceback" not in err and "task.train_micro_batch_size" in lines[0]
+
+
+def test_the_out_of_memory_line_of_each_reasoning_stage_names_its_own_budget(assets, tmp_path):
+    """The line is completed on the driver from the plan: the actor's micro-batches, the rollout's
+    messages and new tokens, each with the keys that lower them and the plan's estimate."""
+    from rlinf_lightning.flow.worker import StageError
+    from rlinf_lightning.policies import LMPolicy
+    from rlinf_lightning.trainer.failures import failure_line
+    from trainer_defaults import tiny_task, tiny_trainer_kwargs
+
+    trainer = RLTrainer(**tiny_trainer_kwargs(tmp_path))
+    trainer.validate(LMPolicy(str(assets["sft"])), tiny_task(assets, train_micro_batch_size=8))
+    workflow, plan = trainer.plan_connector.workflow, trainer.plan
+
+    def line(stage: str) -> str:
+        why = f"stage {stage!r} ran out of memory"
+        exc = StageError(stage, "all/0", "Traceback ...", "out_of_memory", why)
+        return failure_line(exc, workflow, plan, trainer.ckpt_dir, tmp_path / "run.log")
+
+    actor, rollout = line("actor"), line("rollout")
+    assert "micro-batches of 8 samples in force (lower task.train_micro_batch_size)" in actor
+    assert re.search(r"memory check predicted [\d.]+ MiB for it on cpu", actor), actor
+    assert "messages of 16 samples of up to " in rollout and "task.sampling.max_new_tokens" in rollout
+    other = StageError("actor", "all/0", "tb")  # any other error: its traceback is the report
+    assert failure_line(other, workflow, plan, trainer.ckpt_dir, tmp_path) is None

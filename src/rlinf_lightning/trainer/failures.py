@@ -60,8 +60,7 @@ def failure_line(exc: StageError, workflow: Any, plan: Any, ckpt_dir: Path, log_
 def memory_context(exc: StageError, workflow: Any, plan: Any) -> str:
     """The stage's budget in force, the keys that lower it, and the plan's estimate for it."""
     stage = workflow.stages[exc.stage]
-    budget, keys = stage.budget()
-    budget = budget or f"messages of {stage_micro_batch(workflow, plan, exc.stage)} samples"
+    budget, keys = stage.budget(stage_micro_batch(workflow, plan, exc.stage))
     workers = [w for w in worker_memory(workflow, plan) if exc.stage in w.parts or exc.stage in w.unknown]
     mine = [w for w in workers if w.group.worker_name(w.replica) == exc.worker] or workers
     if not mine or exc.stage in mine[0].unknown:

@@ -103,14 +103,15 @@ class CriticStage(TrainStage):
             return [("trainer.train_engine", why)]
         return super().check_placement(replicas, own_process)
 
-    def budget(self) -> tuple[str, tuple[str, ...]]:
+    def budget(self, micro_batch: int) -> tuple[str, tuple[str, ...]]:
         keys = ("task.critic.train_micro_batch_size", "task.train_micro_batch_size")
         if self.max_tokens:
             tokens = ("task.train_max_tokens_per_micro_batch",)
             return f"micro-batches of at most {self.max_tokens} tokens", tokens
         if self.micro_batch_size:
             return f"micro-batches of {self.micro_batch_size} samples", keys
-        return "", (*keys, "trainer.micro_batch_size")
+        keys = (*keys, "trainer.micro_batch_size")
+        return f"micro-batches of {micro_batch} samples (the plan's messages)", keys
 
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)

@@ -94,7 +94,7 @@ class PPOActorStage(TrainStage):
         self.norm_adv = getattr(algorithm, "norm_adv", False)
         self.target_kl = getattr(algorithm, "target_kl", None)
 
-    def budget(self) -> tuple[str, tuple[str, ...]]:
+    def budget(self, micro_batch: int) -> tuple[str, tuple[str, ...]]:
         minibatch = -(-self.total_samples // self.num_minibatches)
         if self.micro_batch_size and self.micro_batch_size < minibatch:
             return f"micro-batches of {self.micro_batch_size} samples", ("task.train_micro_batch_size",)

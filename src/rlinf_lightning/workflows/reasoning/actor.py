@@ -144,14 +144,17 @@ class ActorStage(TrainStage):
         self.metrics = Metrics()
         self.kl_seen = torch.zeros(2, dtype=torch.float64)  # KL x samples, samples (adaptive KL)
 
-    def budget(self) -> tuple[str, tuple[str, ...]]:
+    def budget(self, micro_batch: int) -> tuple[str, tuple[str, ...]]:
         if self.train_max_tokens:
             return f"micro-batches of at most {self.train_max_tokens} tokens", (
                 "task.train_max_tokens_per_micro_batch",
             )
         if self.train_micro_batch_size:
             return f"micro-batches of {self.train_micro_batch_size} samples", ("task.train_micro_batch_size",)
-        return "", ("task.train_micro_batch_size", "trainer.micro_batch_size")
+        return f"micro-batches of {micro_batch} samples (the plan's messages)", (
+            "task.train_micro_batch_size",
+            "trainer.micro_batch_size",
+        )
 
     def engine_info(self) -> dict[str, Any]:
         """The train engine's, and the truncated-importance-sampling cap in force (``None``: off)."""

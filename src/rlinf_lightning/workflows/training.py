@@ -88,7 +88,7 @@ class TrainStage(Stage):
                 )
                 raise NonFiniteError(
                     f"stage {self.name!r} stopped the run: {what}, {why}; no step was taken on it "
-                    "(lower policy.lr or policy.max_grad_norm, or check the rewards)"
+                    "(lower policy.lr, or check the rewards and the policy's outputs)"
                 )
             if self.nonfinite_steps == 1 and self.ctx.replica == 0:
                 log.warning(

@@ -65,7 +65,11 @@ def _arguments(obj: Any) -> dict[str, Any]:
     if dataclasses.is_dataclass(obj):
         return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
     out = {}
-    for name, p in inspect.signature(type(obj).__init__).parameters.items():
+    try:
+        params = inspect.signature(type(obj).__init__).parameters
+    except (TypeError, ValueError):  # a builtin's: nothing to read back
+        return out
+    for name, p in params.items():
         if name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         try:

@@ -160,6 +160,12 @@ CASES: list[tuple[str, object, str]] = [
         ["--trainer.algorithm=grpo", "--trainer.algorithm.num_mini_batches=3"],
         "trainer.algorithm.num_mini_batches: 3 does not divide the 16 prompt groups",
     ),
+    (
+        "PPO's minibatches finer than a prompt group",
+        ["--trainer.algorithm=ppo", "--task.critic={}", "--trainer.algorithm.init_args.num_minibatches=32"],
+        "trainer.algorithm.num_minibatches: 32 does not divide the 16 prompt groups of an iteration "
+        "(task.rollout_batch_size=128 / task.group_size=8)",
+    ),
     ("unknown precision", ["--trainer.precision=16-mixed"], "trainer.precision: must be one of auto"),
     # -- out-of-range and inconsistent sizes
     ("group size < 2", ["--task.group_size=1"], "task.group_size"),

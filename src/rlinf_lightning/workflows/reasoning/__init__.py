@@ -91,9 +91,10 @@ def reasoning_workflow(
     mini = getattr(algorithm, "num_mini_batches", 1)
     if prompts_per_iteration % mini:  # whole groups each: at least one group, >= 2 samples
         divisors = [d for d in range(1, prompts_per_iteration + 1) if prompts_per_iteration % d == 0]
+        option = "num_minibatches" if hasattr(given, "num_minibatches") else "num_mini_batches"  # PPO's name
         problems.append(
             (
-                "trainer.algorithm.num_mini_batches",
+                f"trainer.algorithm.{option}",
                 f"{mini} does not divide the {prompts_per_iteration} prompt groups of an iteration "
                 f"(task.rollout_batch_size={prompts_per_iteration * group_size} / "
                 f"task.group_size={group_size}); a mini-batch is whole groups (advantages compare a "

@@ -361,7 +361,7 @@ def test_ppo_learns_cartpole_from_its_config(tmp_path):
     start, end = sum(returns[:3]) / 3, sum(returns[-5:]) / 5
     assert start < 30 and end > 2.5 * start, (start, end)
     assert summary["eval_return_before"] < 20 and summary["eval_return_after"] > 100, summary
-    assert math.isnan(summary["eval_success"])  # CartPole has no success: the headline is the return
+    assert "eval_success" not in summary  # CartPole has no success: the headline is the return, no NaN
 
 
 @pytest.mark.slow

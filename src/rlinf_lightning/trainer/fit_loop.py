@@ -281,6 +281,8 @@ class FitLoop:
     # -- evaluation, checkpoints, re-plans -------------------------------------------------------
     def _evaluate(self, it: int) -> dict[str, float]:
         metrics = self.task.evaluate(self.runtime)
+        head = self.task.eval_metric  # NaN elsewhere: a metric the env cannot report (no success)
+        metrics = {k: v for k, v in metrics.items() if k == head or v == v}
         self.trainer.logger_connector.log_metrics({f"eval/{k}": v for k, v in metrics.items()}, it)
         self.trainer.callback_connector.call("on_evaluation_end", it, metrics)
         return {"iteration": it, **metrics}
@@ -396,9 +398,7 @@ class FitLoop:
     # -- the end ---------------------------------------------------------------------------------
     def _summary(self, start_it: int, wall_s: float, train_s: float, samples: int) -> dict[str, Any]:
         t, head, history = self.trainer, self.task.eval_metric, self.history
-        extras = {  # NaN: a metric the env cannot report (success without a notion of it)
-            k: v for k, v in history[-1].items() if k not in (head, "iteration") and v == v
-        }
+        extras = {k: v for k, v in history[-1].items() if k not in (head, "iteration")}
         summary = {
             "eval_metric": head,
             f"eval_{head}_before": history[0][head],

@@ -20,6 +20,7 @@ class GAEStage(Stage):
     in_keys = ("reward", "value", "terminated", "truncated", "final_value", "next_value", "env_id",
                "policy_version")  # fmt: skip
     out_keys = ("advantage", "return", "sample_id")
+    iteration = 0  # the one running (begin_iteration), for the non-finite guard's message
 
     def __init__(self, algorithm: Any) -> None:
         self.algorithm = algorithm
@@ -62,6 +63,7 @@ class EpisodeAdvantageStage(Stage):
     name = "advantage"
     in_keys = ("score", "group_id", "mask", "env_id", "policy_version")
     out_keys = ("advantage", "mask", "sample_id")
+    iteration = 0  # the one running (begin_iteration), for the non-finite guard's message
 
     def __init__(self, algorithm: Any) -> None:
         self.algorithm = algorithm

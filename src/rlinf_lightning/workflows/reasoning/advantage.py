@@ -25,6 +25,7 @@ class AdvantageStage(Stage):
     name = "advantage"
     cost_hint = 0.01
     out_keys = ("advantage",)
+    iteration = 0  # the one running (begin_iteration), for the non-finite guard's message
 
     def __init__(self, algorithm: Any, horizon: int) -> None:
         self.algorithm, self.horizon = algorithm, horizon

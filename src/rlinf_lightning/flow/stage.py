@@ -86,6 +86,12 @@ class Stage:
         """
         return None
 
+    def budget(self, micro_batch: int) -> tuple[str, tuple[str, ...]]:
+        """What bounds the working memory :meth:`memory` cannot count (activations), for an
+        out-of-memory message: the budget in force and the config keys that lower it; by default
+        the messages of ``micro_batch`` samples the plan sends the stage."""
+        return f"messages of {micro_batch} samples", ("trainer.micro_batch_size",)
+
     def memory_bytes(self, device: str = "cpu", replicas: int = 1, micro_batch: int = 1) -> int | None:
         """The sum of :meth:`memory` (``None``: unknown)."""
         parts = self.memory(device, replicas, micro_batch)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from rlinf_lightning.errors import RunError
 from rlinf_lightning.flow.channel import Channel, ChannelTimeout, EndOfIteration, Message
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.plan import WorkerGroup
@@ -50,14 +51,22 @@ class Span:
 
 
 class StageError(RuntimeError):
-    """A stage raised; carries the stage, the worker and the worker-side traceback."""
+    """A stage raised; carries the stage, the worker and the worker-side traceback.
 
-    def __init__(self, stage: str, worker: str, tb: str) -> None:
-        self.stage, self.worker, self.tb = stage, worker, tb
-        super().__init__(f"stage {stage!r} failed on worker {worker!r}:\n{tb}")
+    ``kind`` says what ended it: ``error`` (anything: the message is the traceback), ``stopped``
+    (the stage stopped the run on purpose, a :class:`~rlinf_lightning.errors.RunError` such as a
+    non-finite guard's) or ``out_of_memory`` (``torch.OutOfMemoryError`` on a GPU, ``MemoryError``
+    on the host). For the last two ``line`` is the one-line message users see; the traceback is
+    kept for the run's log file."""
+
+    def __init__(
+        self, stage: str, worker: str, tb: str, kind: str = "error", line: str | None = None
+    ) -> None:
+        self.stage, self.worker, self.tb, self.kind, self.line = stage, worker, tb, kind, line
+        super().__init__(line or f"stage {stage!r} failed on worker {worker!r}:\n{tb}")
 
     def __reduce__(self):  # keep fields across pickling (process and Ray launchers)
-        return (StageError, (self.stage, self.worker, self.tb))
+        return (StageError, (self.stage, self.worker, self.tb, self.kind, self.line))
 
 
 @dataclass
@@ -151,6 +160,13 @@ class Worker:
             return fn(*args)
         except StageError:
             raise
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            said = str(exc).strip().splitlines()
+            what = type(exc).__name__ + (f": {said[0]}" if said else "")
+            line = f"stage {stage!r} ran out of memory on {self.ctx.device} (worker {self.name}; {what})"
+            raise StageError(stage, self.name, traceback.format_exc(), "out_of_memory", line) from None
+        except RunError as exc:
+            raise StageError(stage, self.name, traceback.format_exc(), "stopped", str(exc)) from None
         except Exception:
             raise StageError(stage, self.name, traceback.format_exc()) from None
 

@@ -296,7 +296,7 @@ class RayRuntime(Runtime):
 def _plain(exc: BaseException) -> BaseException:
     """Ray wraps a remote exception in a subclass of its own; give callers the original type."""
     if isinstance(exc, StageError):
-        return StageError(exc.stage, exc.worker, exc.tb)
+        return StageError(exc.stage, exc.worker, exc.tb, exc.kind, exc.line)
     if isinstance(exc, ChannelTimeout):
         return ChannelTimeout(*getattr(exc, "cause", exc).args)
     return exc

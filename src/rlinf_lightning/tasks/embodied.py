@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,9 +17,12 @@ from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.tasks.base import RunSpec, Task
 from rlinf_lightning.workflows.embodied import advantage_mode, embodied_workflow
 from rlinf_lightning.workflows.embodied.env import EVAL_SEED
+from rlinf_lightning.workflows.mini_batches import split_problem
 
 if TYPE_CHECKING:
     from rlinf_lightning.launchers.base import Runtime
+
+log = logging.getLogger(__name__)
 
 
 class EmbodiedTask(Task):
@@ -37,7 +42,8 @@ class EmbodiedTask(Task):
         eval_episodes: deterministic episodes (one per env) per evaluation.
         eval_metric: the evaluation's headline, reported before and after training: ``success``
             (the rate of episodes the env calls a success) or ``return`` (for an env without a
-            notion of success, e.g. CartPole).
+            notion of success, e.g. CartPole). ``success`` on an env that reports none in the
+            first evaluation falls back to ``return``, with one warning.
         group_size: for GRPO over episodes (``trainer.algorithm: grpo``): envs per group, reset
             with the same seed (at least 2; ``num_envs`` a multiple of it). Each iteration then
             runs new episodes of ``steps`` steps.
@@ -131,6 +137,12 @@ class EmbodiedTask(Task):
         if self._episodic(run) and self.num_envs % self.group_size:
             why = f"{self.group_size} does not cut task.num_envs={self.num_envs} into whole groups"
             raise ConfigError([("task.group_size", why)])
+        samples = f"task.num_envs={self.num_envs} x task.steps={self.steps}"
+        count = getattr(run.algorithm, "num_minibatches", 1)
+        if split := split_problem(
+            "trainer.algorithm.num_minibatches", count, self.num_envs * self.steps, samples
+        ):
+            raise ConfigError([split])
 
         try:  # one env made here, before any worker: a bad keyword is one line, not a worker's traceback
             obs, shape, choices = self._spaces(run.seed)
@@ -178,8 +190,8 @@ class EmbodiedTask(Task):
 
     def evaluate(self, runtime: Runtime) -> dict[str, float]:
         """Success rate and return of deterministic episodes with the current weights (``eval_metric``
-        names the headline)."""
-        return runtime.call(
+        names the headline; ``success`` becomes ``return`` when the env reports no success)."""
+        metrics = runtime.call(
             runtime.workflow.roles["evaluate"],
             "evaluate",
             self.env,
@@ -187,3 +199,12 @@ class EmbodiedTask(Task):
             self.eval_episodes,
             EVAL_SEED,
         )
+        if self.eval_metric == "success" and math.isnan(metrics["success"]):
+            log.warning(
+                "task.eval_metric is success, but %s reported no success in its %d evaluation episodes "
+                "(an env without a notion of success): the headline is the return instead "
+                "(set task.eval_metric=return to say so)",
+                self.env, self.eval_episodes,
+            )  # fmt: skip
+            self.eval_metric = "return"
+        return metrics

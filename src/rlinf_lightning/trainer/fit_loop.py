@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import yaml
 
 from rlinf_lightning.checkpoint import (
     load_checkpoint,
@@ -27,14 +28,17 @@ from rlinf_lightning.checkpoint import (
     save_sync_backlog,
     set_rng_state,
 )
-from rlinf_lightning.errors import CheckpointError
+from rlinf_lightning.errors import CheckpointError, ConfigError, RunError
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.trace import write_chrome_trace
+from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.policies.lora import checkpoint_mismatch
 from rlinf_lightning.strategies import Replan, RunInfo
 from rlinf_lightning.trainer.ahead import AheadLaunch
+from rlinf_lightning.trainer.failures import RunLog, failure_line
 from rlinf_lightning.trainer.logger_connector import hyperparameters
+from rlinf_lightning.trainer.run_config import algorithm_text, collision, resolved_config, resume_mismatch
 
 if TYPE_CHECKING:
     from rlinf_lightning.trainer.trainer import RLTrainer
@@ -62,15 +66,37 @@ class FitLoop:
         self.replan_s = 0.0  # seconds spent starting the workers of a new plan mid-run
         self.ahead: AheadLaunch | None = None  # workers the strategy asked to start in the background
         self.discarded: list[AheadLaunch] = []
+        self.nonfinite: dict[str, int] = {}  # per learning stage, its skipped non-finite steps
+        self.config = resolved_config(trainer, policy, task)  # recorded in the run dir, checkpoints, summary
 
     # -- the whole fit ---------------------------------------------------------------------------
     def run(self, ckpt_path: str | None) -> dict[str, Any]:
+        """The fit; a stage that stops the run or runs out of memory ends it with a
+        :class:`RunError` of one line, its traceback in ``run.log`` (``trainer.failures``)."""
         t = self.trainer
         resume = self._read_checkpoint(ckpt_path)
+        if not ckpt_path and not t.allow_config_change and (problem := collision(t.ckpt_dir, self.config)):
+            raise ConfigError([problem])
+        t.default_root_dir.mkdir(parents=True, exist_ok=True)
+        (t.default_root_dir / "config.yaml").write_text(yaml.safe_dump(self.config, sort_keys=False))
+        self.run_log = RunLog(t.default_root_dir)
+        try:
+            return self._run(resume)
+        except StageError as exc:
+            line = failure_line(exc, self.workflow, self.plan, t.ckpt_dir, self.run_log.path)
+            if line is None:
+                raise
+            self.run_log.failure(line, exc.tb)  # the terminal gets the line once, from the caller
+            raise RunError(line) from None
+        finally:
+            self.run_log.close()
+
+    def _run(self, resume: tuple[Path, Any, Any, Any, Any] | None) -> dict[str, Any]:
+        t = self.trainer
         torch.manual_seed(t.seed)
         t.callback_connector.setup()
-        t.default_root_dir.mkdir(parents=True, exist_ok=True)
         t.logger_connector.setup()
+        log.info("algorithm: %s", algorithm_text(self.run_spec.algorithm))
         log.info("%s", self.plan.describe(self.workflow))
         t.logger_connector.log_hyperparams(hyperparameters(t, self.policy, self.task, self.plan))
         t0 = time.perf_counter()
@@ -102,6 +128,9 @@ class FitLoop:
             return None
         path = resolve_checkpoint(ckpt_path, self.trainer.ckpt_dir)
         train_state, state, rng = load_checkpoint(path)
+        why = resume_mismatch(path, state.get("config"), self.config)
+        if why and not self.trainer.allow_config_change:
+            raise CheckpointError(why)
         if why := checkpoint_mismatch(self.policy, train_state["lora"]):
             raise CheckpointError(f"{path}: {why}")
         if (
@@ -172,6 +201,9 @@ class FitLoop:
             ready = self.ahead is not None and self.ahead.ready()
             replan = self.strategy.observe(it, dt, spans, micro_batch.pop(it), queued, ahead_ready=ready)
             metrics = self._metrics(stage_metrics, spans, dt, per_iteration)
+            for k, v in metrics.items():
+                if k.endswith("/nonfinite_steps"):
+                    self.nonfinite[k.split("/")[0]] = int(v)
             t.logger_connector.log_metrics(metrics, it)
             calls.call("on_iteration_end", it, metrics)
             self._after_iteration(it)
@@ -249,6 +281,8 @@ class FitLoop:
     # -- evaluation, checkpoints, re-plans -------------------------------------------------------
     def _evaluate(self, it: int) -> dict[str, float]:
         metrics = self.task.evaluate(self.runtime)
+        head = self.task.eval_metric  # NaN elsewhere: a metric the env cannot report (no success)
+        metrics = {k: v for k, v in metrics.items() if k == head or v == v}
         self.trainer.logger_connector.log_metrics({f"eval/{k}": v for k, v in metrics.items()}, it)
         self.trainer.callback_connector.call("on_evaluation_end", it, metrics)
         return {"iteration": it, **metrics}
@@ -266,7 +300,7 @@ class FitLoop:
             t.ckpt_dir,
             it,
             self.runtime.call(train, "state_dict", replicas="all")[0],
-            {"eval_history": self.history, "seed": t.seed},
+            {"eval_history": self.history, "seed": t.seed, "config": self.config},
             write_extra=write_extra,
             stage_states=self._extra_states(),
         )
@@ -366,6 +400,7 @@ class FitLoop:
         t, head, history = self.trainer, self.task.eval_metric, self.history
         extras = {k: v for k, v in history[-1].items() if k not in (head, "iteration")}
         summary = {
+            "eval_metric": head,
             f"eval_{head}_before": history[0][head],
             f"eval_{head}_after": history[-1][head],
             f"{head}_before": history[0][head],
@@ -380,6 +415,9 @@ class FitLoop:
             "samples_per_s": samples / train_s if train_s else 0.0,
             "strategy": self.plan.strategy,
             "train_engine": t.train_engine,
+            "algorithm": type(self.run_spec.algorithm).__name__,
+            "nonfinite_steps": self.nonfinite,
+            "config": self.config,
         }
         counts = ", ".join(f"{int(v)} {k}" for k, v in extras.items() if float(v).is_integer())
         log.info(

@@ -101,11 +101,15 @@ class PlanConnector:
             for s in g.stages
             for problem in workflow.stages[s].check_placement(g.replicas, separate)
         ]
-        if unknown := unestimated_stages(workflow, plan):
+        # only where the user can act: a policy that cannot be sized on the meta device (a
+        # simulator's memory is not known before it runs; the check counts it as nothing and names
+        # it only if the plan does not fit)
+        unknown = [s for s in unestimated_stages(workflow, plan) if hasattr(workflow.stages[s], "policy")]
+        if unknown:
             log.warning(
                 "memory check: stage(s) %s give no estimate before they run, so the check counts only "
-                "the other stages (a simulator; or a policy whose configure_model cannot run on the "
-                "meta device: override RLModule.parameter_count to give its size)",
+                "the other stages (their policy's configure_model cannot run on the meta device: "
+                "override RLModule.parameter_count to give its size)",
                 ", ".join(unknown),
             )
         return placement or memory_problems(workflow, plan)

@@ -90,6 +90,16 @@ class RLTrainer:
         timeout_s: longest wait for any stage's input before the run fails instead of hanging.
         num_threads: torch threads per device slot on CPU (0: the machine's cores shared evenly).
         trace: write a Chrome trace-event JSON of every stage call here (open in Perfetto).
+        on_nonfinite: what a learning stage does with an optimizer step whose loss or gradient
+            norm is NaN or infinite: ``skip`` (default: the step is not taken, its gradients are
+            dropped, it is counted as ``<stage>/nonfinite_steps`` and warned about once) or
+            ``stop`` (the run ends at the first, naming the stage, iteration and metric; the last
+            checkpoint stays as it was). Non-finite advantages or rewards always stop the run.
+        max_consecutive_nonfinite: under ``skip``, this many skipped steps in a row stop the run.
+        allow_config_change: let a run resume from (``ckpt_path``), or start afresh into the
+            directory of, checkpoints written under another configuration of what changes the
+            update (the algorithm and its options, ``max_staleness``, the policy's or the task's
+            settings); refused by default, naming the keys that differ (``docs/failures.md``).
     """
 
     def __init__(
@@ -117,6 +127,9 @@ class RLTrainer:
         timeout_s: float = 600.0,
         num_threads: int = 0,
         trace: str | None = None,
+        on_nonfinite: str = "skip",
+        max_consecutive_nonfinite: int = 3,
+        allow_config_change: bool = False,
     ) -> None:
         self.algorithm, self.strategy, self.launcher = algorithm, strategy, launcher
         self.train_engine, self.train_engine_options = train_engine, dict(train_engine_options or {})
@@ -129,6 +142,8 @@ class RLTrainer:
         self.callbacks: list[Any] = list(callbacks or [])
         self.enable_progress_bar, self.seed = enable_progress_bar, seed
         self.timeout_s, self.num_threads, self.trace = timeout_s, num_threads, trace
+        self.on_nonfinite, self.max_consecutive_nonfinite = on_nonfinite, max_consecutive_nonfinite
+        self.allow_config_change = allow_config_change
         self.iteration = 0
         self.policy: Any = None  # the policy and task being fit (for callbacks)
         self.task: Any = None
@@ -142,7 +157,14 @@ class RLTrainer:
         """What the task is told about the run."""
         return RunSpec(
             algorithm=ALGORITHMS.resolve(self.algorithm),
-            train=TrainSpec(self.train_engine, self.train_engine_options, self.precision, self.compile),
+            train=TrainSpec(
+                self.train_engine,
+                self.train_engine_options,
+                self.precision,
+                self.compile,
+                self.on_nonfinite,
+                self.max_consecutive_nonfinite,
+            ),
             seed=self.seed,
             micro_batch_size=self.micro_batch_size,
             max_staleness=self.max_staleness,
@@ -191,7 +213,8 @@ class RLTrainer:
             ]
         if resolve_train_engine(self.train_engine, 1) not in TRAIN_ENGINES:
             p.append(("trainer.train_engine", TRAIN_ENGINES.unknown_message(self.train_engine)))
-        for key in ("devices", "num_nodes", "max_iterations", "micro_batch_size"):
+        positive = ("devices", "num_nodes", "max_iterations", "micro_batch_size", "max_consecutive_nonfinite")
+        for key in positive:
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 p.append((f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}"))
         for key in ("eval_every", "ckpt_every", "num_threads", "max_staleness"):
@@ -199,6 +222,9 @@ class RLTrainer:
                 p.append((f"trainer.{key}", f"must be >= 0, got {getattr(self, key)}"))
         if self.timeout_s <= 0:
             p.append(("trainer.timeout_s", f"must be > 0, got {self.timeout_s}"))
+        if self.on_nonfinite not in ("skip", "stop"):
+            why = f"must be skip or stop, got {self.on_nonfinite!r}"
+            p.append(("trainer.on_nonfinite", why))
         if self.precision not in PRECISIONS:
             p.append(("trainer.precision", f"must be one of {', '.join(PRECISIONS)}; got {self.precision!r}"))
         if self.accelerator not in ("auto", "cpu", "cuda"):

@@ -103,6 +103,16 @@ class CriticStage(TrainStage):
             return [("trainer.train_engine", why)]
         return super().check_placement(replicas, own_process)
 
+    def budget(self, micro_batch: int) -> tuple[str, tuple[str, ...]]:
+        keys = ("task.critic.train_micro_batch_size", "task.train_micro_batch_size")
+        if self.max_tokens:
+            tokens = ("task.train_max_tokens_per_micro_batch",)
+            return f"micro-batches of at most {self.max_tokens} tokens", tokens
+        if self.micro_batch_size:
+            return f"micro-batches of {self.micro_batch_size} samples", keys
+        keys = (*keys, "trainer.micro_batch_size")
+        return f"micro-batches of {micro_batch} samples (the plan's messages)", keys
+
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         self.advantage.setup(ctx)
@@ -113,6 +123,7 @@ class CriticStage(TrainStage):
 
     def begin_iteration(self, iteration: int) -> None:
         super().begin_iteration(iteration)
+        self.advantage.begin_iteration(iteration)
         self.iteration, self.kept = iteration, []
 
     def process(self, batch: TensorDict) -> TensorDict:
@@ -141,7 +152,7 @@ class CriticStage(TrainStage):
                 for chunk in micro_batches(part, self.micro_batch_size, self.max_tokens):
                     for k, v in self.engine.accumulate(chunk, self.loss).items():
                         metrics.mean(k, v, len(chunk))
-            metrics.merge(self.engine.step())
+            self.step(metrics)
         self.kept = []
         return metrics
 

@@ -6,6 +6,11 @@ optimizer steps over it. A mini-batch is a set of whole prompt groups, chosen by
 the iteration's group positions seeded by seed, iteration and epoch, so every replica of a
 data-parallel group, under every plan, agrees on which of its samples belong to which step
 without exchanging them; each step then divides by its own count summed over the replicas.
+
+How many mini-batches a batch may be cut into is checked before anything loads
+(:func:`split_problem`): a step on fewer than :data:`MIN_SAMPLES_PER_MINI_BATCH` samples is a
+degenerate update (one optimizer step per sample: the iteration's actor time grows by the number of
+steps while each step's loss, its advantages normalised over almost nothing, carries no signal).
 """
 
 from __future__ import annotations
@@ -17,6 +22,25 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.seeds import row_seed
+
+#: the fewest samples an optimizer step of several updates per batch may train on
+MIN_SAMPLES_PER_MINI_BATCH = 2
+
+
+def split_problem(key: str, count: int, samples: int, yielded_by: str) -> tuple[str, str] | None:
+    """``(key, problem)`` when cutting ``samples`` (one rollout batch, ``yielded_by`` says how it
+    is made, e.g. ``task.num_envs=4 x task.steps=128``) into ``count`` mini-batches leaves fewer
+    than :data:`MIN_SAMPLES_PER_MINI_BATCH` samples in one, with the arithmetic and the largest
+    count that works; ``None`` when the split is fine."""
+    if count < 1 or samples / count >= MIN_SAMPLES_PER_MINI_BATCH:
+        return None
+    most = max(1, samples // MIN_SAMPLES_PER_MINI_BATCH)
+    return (
+        key,
+        f"{count} mini-batches of the {samples} samples one rollout batch yields ({yielded_by}) hold "
+        f"{samples / count:.3g} samples each, fewer than {MIN_SAMPLES_PER_MINI_BATCH}: an optimizer step "
+        f"per sample, whose normalised advantages carry no signal; use at most {most}",
+    )
 
 
 def mini_batch_steps(

@@ -4,14 +4,16 @@ What every learning stage shares, whatever its loss: building the engine named b
 ``train_engine`` for the replicas the plan gives it (and refusing placements the engine cannot
 train on, before anything starts), handing its weights to sync targets, and checkpointing (full
 state on replica 0, or ``torch.distributed.checkpoint`` shards for a sharded engine), and
-checking that no sample it trains on is staler than the run allows (:meth:`check_staleness`).
-Subclasses say what to do with micro-batches (``process``) and when to step (``end_iteration``).
+checking that no sample it trains on is staler than the run allows (:meth:`check_staleness`),
+and guarding every optimizer step against non-finite numbers (:meth:`step`). Subclasses say what
+to do with micro-batches (``process``) and when to step (``end_iteration``, through :meth:`step`).
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import logging
 from typing import Any
 
 import torch
@@ -24,11 +26,14 @@ from rlinf_lightning.engines.train import (
     build_train_engine,
     resolve_train_engine,
 )
+from rlinf_lightning.errors import NonFiniteError
 from rlinf_lightning.flow.memory import count_text, dtype_bytes
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.policies.lora import lora_of, lora_record, merged_weights, sync_names
 from rlinf_lightning.policies.module import RLModule
+
+log = logging.getLogger(__name__)
 
 
 def policy_dtype(policy: RLModule) -> str:
@@ -45,13 +50,53 @@ class TrainStage(Stage):
         train = train or TrainSpec()
         self.policy, self.train_engine, self.precision = policy, train.engine, train.precision
         self.train_engine_options, self.compile = dict(train.options), train.compile
+        self.on_nonfinite = train.on_nonfinite
+        self.max_consecutive_nonfinite = train.max_consecutive_nonfinite
         self.max_staleness = max_staleness
+        self.nonfinite_steps, self.nonfinite_in_a_row = 0, 0
 
     def begin_iteration(self, iteration: int) -> None:
         """Subclasses call this first: the engine measures the device's peak for MFU at torch's
         current threads here, outside any stage call's span, when a re-plan changed them (auto
         widening its worker), so the call auto times for the speed-up does not carry it."""
+        self.iteration = iteration
         self.engine.peak_flops()
+
+    def step(self, metrics: Metrics) -> None:
+        """One optimizer step of the engine over what was accumulated, its metrics merged into
+        ``metrics``. A step whose loss or gradient norm is not finite is not taken (the engine
+        drops its gradients) and is counted (``nonfinite_steps``, logged as ``<stage>/nonfinite_steps``);
+        the first is warned about. The run stops with :class:`NonFiniteError` naming the stage,
+        iteration and metric at the first such step under ``trainer.on_nonfinite=stop``, else
+        after ``trainer.max_consecutive_nonfinite`` in a row, before any checkpoint of this
+        iteration is written, so the last checkpoint holds the weights from before."""
+        out = self.engine.step()
+        bad = self.engine.nonfinite
+        if bad is None:
+            self.nonfinite_in_a_row = 0
+            metrics.merge(out)
+        else:
+            self.nonfinite_steps += 1
+            self.nonfinite_in_a_row += 1
+            what = f"non-finite {bad} at iteration {self.iteration}"
+            if self.on_nonfinite == "stop" or self.nonfinite_in_a_row >= self.max_consecutive_nonfinite:
+                why = (
+                    "(trainer.on_nonfinite=stop)"
+                    if self.on_nonfinite == "stop"
+                    else f"{self.nonfinite_in_a_row} optimizer steps in a row "
+                    f"(trainer.max_consecutive_nonfinite={self.max_consecutive_nonfinite})"
+                )
+                raise NonFiniteError(
+                    f"stage {self.name!r} stopped the run: {what}, {why}; no step was taken on it "
+                    "(lower policy.lr, or check the rewards and the policy's outputs)"
+                )
+            if self.nonfinite_steps == 1 and self.ctx.replica == 0:
+                log.warning(
+                    "%s: %s: optimizer step skipped, its gradients dropped (counted as %s/nonfinite_steps; "
+                    "%d in a row stop the run: trainer.max_consecutive_nonfinite)",
+                    self.name, what, self.name, self.max_consecutive_nonfinite,
+                )  # fmt: skip
+        metrics.max("nonfinite_steps", self.nonfinite_steps)
 
     def check_staleness(self, iteration: int, versions: torch.Tensor, metrics: Metrics) -> None:
         """Record ``async/staleness`` (mean, std, max) of samples produced by weight ``versions``

@@ -94,6 +94,13 @@ class PPOActorStage(TrainStage):
         self.norm_adv = getattr(algorithm, "norm_adv", False)
         self.target_kl = getattr(algorithm, "target_kl", None)
 
+    def budget(self, micro_batch: int) -> tuple[str, tuple[str, ...]]:
+        minibatch = -(-self.total_samples // self.num_minibatches)
+        if self.micro_batch_size and self.micro_batch_size < minibatch:
+            return f"micro-batches of {self.micro_batch_size} samples", ("task.train_micro_batch_size",)
+        keys = ("task.train_micro_batch_size", "trainer.algorithm.num_minibatches")
+        return f"minibatches of {minibatch} samples in one forward/backward", keys
+
     def begin_iteration(self, iteration: int) -> None:
         super().begin_iteration(iteration)
         self.iteration, self.buffer, self.metrics = iteration, [], Metrics()
@@ -173,7 +180,7 @@ class PPOActorStage(TrainStage):
                             metrics.mean(k, v, len(piece))
                         kl_sum += stats.get("approx_kl", 0.0) * len(piece)
                         count += float(len(piece))
-                metrics.merge(self.engine.step())
+                self.step(metrics)
             epochs += 1
             if self.target_kl is not None and self._kl_exceeded(kl_sum, count):
                 break

@@ -10,6 +10,7 @@ from tensordict import TensorDict
 from rlinf_lightning.algorithms.advantages import groups_with_signal
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
+from rlinf_lightning.workflows.finite import check_finite
 
 
 class GAEStage(Stage):
@@ -19,6 +20,7 @@ class GAEStage(Stage):
     in_keys = ("reward", "value", "terminated", "truncated", "final_value", "next_value", "env_id",
                "policy_version")  # fmt: skip
     out_keys = ("advantage", "return", "sample_id")
+    iteration = 0  # the one running (begin_iteration), for the non-finite guard's message
 
     def __init__(self, algorithm: Any) -> None:
         self.algorithm = algorithm
@@ -26,11 +28,16 @@ class GAEStage(Stage):
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
         return []  # a few numbers per sample
 
+    def begin_iteration(self, iteration: int) -> None:
+        self.iteration = iteration
+
     def process(self, traj: TensorDict) -> TensorDict:
+        check_finite(self.name, self.iteration, "rewards", traj["reward"])
         adv, ret = self.algorithm.compute_advantages(
             traj["reward"], traj["value"], traj["terminated"], traj["truncated"], traj["final_value"],
             traj["next_value"],
         )  # fmt: skip
+        check_finite(self.name, self.iteration, "advantages", adv)
         n, steps = adv.shape
         samples = TensorDict(
             {
@@ -56,6 +63,7 @@ class EpisodeAdvantageStage(Stage):
     name = "advantage"
     in_keys = ("score", "group_id", "mask", "env_id", "policy_version")
     out_keys = ("advantage", "mask", "sample_id")
+    iteration = 0  # the one running (begin_iteration), for the non-finite guard's message
 
     def __init__(self, algorithm: Any) -> None:
         self.algorithm = algorithm
@@ -66,8 +74,13 @@ class EpisodeAdvantageStage(Stage):
     def setup(self, ctx: StageContext) -> None:
         self.metrics = Metrics()
 
+    def begin_iteration(self, iteration: int) -> None:
+        self.iteration = iteration
+
     def process(self, traj: TensorDict) -> TensorDict:
+        check_finite(self.name, self.iteration, "episode scores", traj["score"])
         adv = self.algorithm.compute_advantages({"rewards": traj["score"], "group_ids": traj["group_id"]})
+        check_finite(self.name, self.iteration, "advantages", adv)
         signal = groups_with_signal(adv, traj["group_id"], self.metrics)
         n, steps = traj["mask"].shape
         samples = TensorDict(

@@ -89,12 +89,16 @@ def reasoning_workflow(
     if getattr(given, "target_kl", None) is not None:
         problems.append(("trainer.algorithm.target_kl", "stops env-step PPO early (embodied only); set null"))
     mini = getattr(algorithm, "num_mini_batches", 1)
-    if prompts_per_iteration % mini:
+    if prompts_per_iteration % mini:  # whole groups each: at least one group, >= 2 samples
+        divisors = [d for d in range(1, prompts_per_iteration + 1) if prompts_per_iteration % d == 0]
+        option = "num_minibatches" if hasattr(given, "num_minibatches") else "num_mini_batches"  # PPO's name
         problems.append(
             (
-                "trainer.algorithm.num_mini_batches",
+                f"trainer.algorithm.{option}",
                 f"{mini} does not divide the {prompts_per_iteration} prompt groups of an iteration "
-                "(task.rollout_batch_size / task.group_size); a mini-batch is whole groups",
+                f"(task.rollout_batch_size={prompts_per_iteration * group_size} / "
+                f"task.group_size={group_size}); a mini-batch is whole groups (advantages compare a "
+                f"group's samples): use one of {', '.join(map(str, divisors))}",
             )
         )
     if problems:

@@ -144,6 +144,18 @@ class ActorStage(TrainStage):
         self.metrics = Metrics()
         self.kl_seen = torch.zeros(2, dtype=torch.float64)  # KL x samples, samples (adaptive KL)
 
+    def budget(self, micro_batch: int) -> tuple[str, tuple[str, ...]]:
+        if self.train_max_tokens:
+            return f"micro-batches of at most {self.train_max_tokens} tokens", (
+                "task.train_max_tokens_per_micro_batch",
+            )
+        if self.train_micro_batch_size:
+            return f"micro-batches of {self.train_micro_batch_size} samples", ("task.train_micro_batch_size",)
+        return f"micro-batches of {micro_batch} samples (the plan's messages)", (
+            "task.train_micro_batch_size",
+            "trainer.micro_batch_size",
+        )
+
     def engine_info(self) -> dict[str, Any]:
         """The train engine's, and the truncated-importance-sampling cap in force (``None``: off)."""
         return {**super().engine_info(), "tis_cap": getattr(self.algorithm, "tis_cap", None)}
@@ -180,7 +192,7 @@ class ActorStage(TrainStage):
         if self.keeps_batch:
             self._update_on_kept_batch(metrics)
         else:
-            metrics.merge(self.engine.step())
+            self.step(metrics)
         self._adapt_kl(metrics)
         return metrics
 
@@ -228,7 +240,7 @@ class ActorStage(TrainStage):
         for parts in steps:
             for part in parts:
                 self._train_on(part, metrics)
-            metrics.merge(self.engine.step())
+            self.step(metrics)
 
     def _behaviour(self, policy: LMPolicy, mb: TensorDict) -> torch.Tensor:
         return behaviour_logprobs(policy, mb, self.temperature)

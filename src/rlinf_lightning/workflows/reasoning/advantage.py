@@ -13,6 +13,7 @@ from rlinf_lightning.algorithms.losses import kl_penalty
 from rlinf_lightning.algorithms.policy_gradient import adapt_kl_coef
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
+from rlinf_lightning.workflows.finite import check_finite
 
 
 class AdvantageStage(Stage):
@@ -24,6 +25,7 @@ class AdvantageStage(Stage):
     name = "advantage"
     cost_hint = 0.01
     out_keys = ("advantage",)
+    iteration = 0  # the one running (begin_iteration), for the non-finite guard's message
 
     def __init__(self, algorithm: Any, horizon: int) -> None:
         self.algorithm, self.horizon = algorithm, horizon
@@ -43,9 +45,13 @@ class AdvantageStage(Stage):
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
         return []  # a few numbers per sample
 
+    def begin_iteration(self, iteration: int) -> None:
+        self.iteration = iteration
+
     def process(self, batch: TensorDict) -> TensorDict:
         alg, mask = self.algorithm, batch["response_mask"]
         rewards = batch["reward"]
+        check_finite(self.name, self.iteration, "rewards", rewards)
         if getattr(alg, "overlong_buffer", 0.0) > 0:
             penalty = alg.overlong_penalty_of(mask.sum(-1), self.horizon)
             rewards = rewards + penalty
@@ -66,6 +72,7 @@ class AdvantageStage(Stage):
         adv = alg.compute_advantages(inputs)
         adv = adv[:, None].expand(mask.shape) if adv.dim() == 1 else adv
         batch["advantage"] = (adv * mask).float()
+        check_finite(self.name, self.iteration, "advantages", batch["advantage"])
         groups_with_signal(batch["advantage"], batch["group_id"], self.metrics)
         return batch
 

@@ -8,6 +8,7 @@ from tensordict import TensorDict
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.rewards import RewardInput, close_judges, load_reward, score
+from rlinf_lightning.workflows.finite import check_finite
 
 
 class RewardStage(Stage):
@@ -18,6 +19,7 @@ class RewardStage(Stage):
     cost_hint = 0.15
     in_keys = ("completion", "answer", "prompt", "response_mask")
     out_keys = ("reward", "correct")
+    iteration = 0  # the one running (begin_iteration), for the non-finite guard's message
 
     def __init__(self, reward: str, format_reward: str | None = None, format_weight: float = 0.0) -> None:
         self.reward, self.format_reward, self.format_weight = reward, format_reward, format_weight
@@ -35,6 +37,9 @@ class RewardStage(Stage):
 
     def teardown(self) -> None:
         close_judges()
+
+    def begin_iteration(self, iteration: int) -> None:
+        self.iteration = iteration
 
     def score(self, inputs: RewardInput) -> tuple[torch.Tensor, torch.Tensor]:
         """``(reward, correct)`` per completion of ``inputs``."""
@@ -55,6 +60,7 @@ class RewardStage(Stage):
             self.metrics,
         )
         reward, correct = self.score(inputs)
+        check_finite(self.name, self.iteration, "rewards", reward)
         batch["reward"] = reward
         batch["correct"] = correct
         self.metrics.distribution("reward", reward)

@@ -139,6 +139,14 @@ class RolloutStage(Stage):
             ),
         ]
 
+    def budget(self, micro_batch: int) -> tuple[str, tuple[str, ...]]:
+        """The rows it generates at once and their length (the KV cache grows with both)."""
+        return f"messages of {micro_batch} samples of up to {self.sampling.max_new_tokens} new tokens", (
+            "trainer.micro_batch_size",
+            "task.sampling.max_new_tokens",
+            "task.rollout_engine_options",
+        )
+
     def dtype(self, device: str) -> str:
         """The engine's dtype on ``device``."""
         return resolve_rollout_dtype(self.dtype_setting, self.precision, device, self.policy.dtype)

@@ -22,7 +22,6 @@ anything loads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE
@@ -57,7 +56,6 @@ def advantage_mode(algorithm: Any) -> str:
     return mode
 
 
-@dataclass
 def embodied_workflow(
     *,
     policy: RLModule,

@@ -3,7 +3,7 @@ running across iterations and evaluates on held-out seeds."""
 
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ EVAL_SEED = 2**31
 EVAL_MAX_STEPS = 10_000
 
 
+@dataclass
 class _Shard:
     """One shard's envs and the trajectory being collected this iteration."""
 

@@ -80,13 +80,13 @@ def rloo_advantages(inputs: Mapping[str, torch.Tensor], config: Any) -> torch.Te
 def returns_to_go(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """``G_t = sum_{k >= t} gamma^(k-t) r_k`` over each row's generated tokens (zero elsewhere; a
     tool reply between two of them is no step: ``flow.batch.compact``)."""
-    r, mask, order = compact(token_rewards * mask, mask)
+    r, packed, order = compact(token_rewards * mask, mask)
     out = torch.zeros_like(r)
     following = torch.zeros(r.shape[0], dtype=r.dtype)
     for t in reversed(range(r.shape[1])):
         following = r[:, t] + gamma * following
         out[:, t] = following
-    return expand(out * mask, mask, order)
+    return expand(out * packed, mask, order)
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")

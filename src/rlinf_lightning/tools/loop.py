@@ -8,11 +8,12 @@ Each sample alternates the policy's turns and its environment's replies::
 The loop calls ``engine.generate`` once per step on the samples still running, with each one's
 context so far as its prompt (``n=1`` after the first step), stopping at the end-of-sequence token
 or at the last token of an environment's stop string (a closing tag). A sample whose text then ends
-with a stop string is answered by ``env.step`` (run abandonably: a raise, a timeout or a malformed
-call becomes an error reply, counted); one that stopped on that token elsewhere (the ``>`` of an
-opening tag) just continues. A sample ends at its answer (the end-of-sequence token), when its
-environment says done, after ``max_turns`` turns, when its response span reaches ``max_tokens``, or
-when a turn reaches ``max_new_tokens`` without ending.
+with a stop string is answered by ``env.step`` (run abandonably, the steps due at once
+concurrently: a raise, a timeout or a malformed call becomes an error reply, counted); one that
+stopped on that token elsewhere (the ``>`` of an opening tag) just continues. A sample ends at
+its answer (the end-of-sequence token), when its environment says done, after ``max_turns`` turns,
+when its response span reaches ``max_tokens``, or when a turn reaches ``max_new_tokens`` without
+ending.
 
 Sampling stays reproducible per sample, whatever the batching: the first step draws as a
 single-turn rollout does (group ``g``, sample ``j``), and the ``k``-th later step of a sample draws
@@ -26,6 +27,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from rlinf_lightning.engines.rollout import Completion, RolloutEngine, SamplingParams
@@ -33,7 +35,7 @@ from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.prompts import PromptFormat
 from rlinf_lightning.seeds import row_seed
 from rlinf_lightning.tools.environment import ToolEnvironment
-from rlinf_lightning.tools.tool import run_abandonable
+from rlinf_lightning.tools.tool import Outcome, run_abandonable
 
 #: mixed into the seed of a sample's later steps (apart from the first step's stream)
 TURN_SEED = 15485863
@@ -100,6 +102,7 @@ class _Sample:
     turns: int = 1
     calls: int = 0  # tool calls answered
     steps: int = 0  # engine calls after the first
+    pending: str | None = None  # a finished turn waiting for its environment's step
     ended: str = ""
 
 
@@ -149,10 +152,9 @@ class TurnLoop:
         ]
         first = replace(params, max_new_tokens=min(params.max_new_tokens, self.max_tokens))
         outs = engine.generate(prompt_ids, groups, n, first, seed, stop_ids)
-        running = []
-        for sample, completion in zip(samples, (c for cs in outs for c in cs)):
-            if self._advance(sample, completion, tokenizer, stops, params, metrics):
-                running.append(sample)
+        firsts = (c for cs in outs for c in cs)
+        running = [s for s, c in zip(samples, firsts) if self._advance(s, c, tokenizer, stops, params)]
+        running = self._answer(running, tokenizer, metrics)
         while running:
             cap = max(self._cap(s, params) for s in running)
             outs = engine.generate(
@@ -165,9 +167,8 @@ class TurnLoop:
             )
             for s in running:
                 s.steps += 1
-            running = [
-                s for s, (c,) in zip(running, outs) if self._advance(s, c, tokenizer, stops, params, metrics)
-            ]
+            running = [s for s, (c,) in zip(running, outs) if self._advance(s, c, tokenizer, stops, params)]
+            running = self._answer(running, tokenizer, metrics)
         self._count(samples, metrics)
         completions = [Completion(s.tokens, s.logprobs, s.mask) for s in samples]
         return prompt_ids, [completions[i : i + n] for i in range(0, len(completions), n)]
@@ -179,10 +180,9 @@ class TurnLoop:
         tokenizer: Any,
         stops: list[str],
         params: SamplingParams,
-        metrics: Metrics,
     ) -> bool:
-        """Append a step's tokens to ``s`` (cut to its own caps) and answer a finished call;
-        whether ``s`` keeps running."""
+        """Append a step's tokens to ``s`` (cut to its own caps), marking a finished call as
+        ``pending``; whether ``s`` keeps running."""
         cap = self._cap(s, params)
         tokens = new.token_ids[:cap]
         s.tokens += tokens
@@ -192,17 +192,25 @@ class TurnLoop:
         if tokens and tokens[-1] == tokenizer.eos_token_id:
             return self._end(s, "answer")
         if any(turn.endswith(stop) for stop in stops):
-            return self._reply(s, turn, tokenizer, metrics)
+            s.pending = turn
+            return True
         if len(s.tokens) >= self.max_tokens:
             return self._end(s, "budget")
         if len(s.tokens) - s.turn_start >= params.max_new_tokens or not tokens:
             return self._end(s, "length")
         return True  # stopped on a stop string's last token inside the turn: go on
 
-    def _reply(self, s: _Sample, turn: str, tokenizer: Any, metrics: Metrics) -> bool:
-        s.calls += 1
+    def _answer(self, running: list[_Sample], tokenizer: Any, metrics: Metrics) -> list[_Sample]:
+        """Run the pending steps of ``running`` at once (each abandoned after ``timeout_s``) and
+        append their replies; the samples still running."""
+        calling = [s for s in running if s.pending is not None]
+        outcomes = run_abandonable([partial(s.env.step, s.pending) for s in calling], self.timeout_s)
+        ended = {id(s) for s, out in zip(calling, outcomes) if not self._reply(s, out, tokenizer, metrics)}
+        return [s for s in running if id(s) not in ended]
+
+    def _reply(self, s: _Sample, outcome: Outcome, tokenizer: Any, metrics: Metrics) -> bool:
+        s.calls, s.pending = s.calls + 1, None
         metrics.sum("tools/calls", 1)
-        outcome = run_abandonable(lambda: s.env.step(turn), self.timeout_s)
         if outcome.status == "ok":
             reply, done = outcome.value
             if done:

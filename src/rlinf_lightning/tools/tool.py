@@ -3,14 +3,15 @@
 A :class:`Tool` is a function ``(argument text) -> reply text`` with a name; built-ins and plugins
 register theirs in :data:`TOOLS` (a plugin's entry point calls ``TOOLS.register(...)``) and a task
 picks them by name (``task.tools``). Users' complaint about every tool-using trainer is a hung
-worker, so nothing an environment runs is trusted: :func:`run_abandonable` runs it in a daemon
-thread and stops waiting after the timeout (the thread is abandoned, the rollout goes on), and an
+worker, so nothing an environment runs is trusted: :func:`run_abandonable` runs each call in a
+daemon thread and stops waiting after the timeout (the thread is abandoned, the rollout goes on), and an
 exception becomes an error message for the model.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,25 +52,35 @@ class Outcome:
     message: str = ""
 
 
-def run_abandonable(fn: Callable[[], Any], timeout_s: float) -> Outcome:
-    """``fn()`` in a daemon thread, waited for at most ``timeout_s`` seconds: an exception is an
-    ``error`` (``malformed`` for :class:`MalformedCall`), a call still running then a ``timeout``
-    (its thread is left to finish on its own; a daemon thread never keeps the process alive)."""
-    box: dict[str, Any] = {}
+def run_abandonable(calls: list[Callable[[], Any]], timeout_s: float) -> list[Outcome]:
+    """Each of ``calls`` in a daemon thread of its own, all at once, each waited for at most
+    ``timeout_s`` seconds from the start: an exception is an ``error`` (``malformed`` for
+    :class:`MalformedCall`), a call still running then a ``timeout`` (its thread is left to
+    finish on its own; a daemon thread never keeps the process alive)."""
+    boxes: list[dict[str, Any]] = [{} for _ in calls]
 
-    def target() -> None:
+    def target(fn: Callable[[], Any], box: dict[str, Any]) -> None:
         try:
             box["value"] = fn()
         except BaseException as exc:  # noqa: BLE001 - anything a user's tool raises is reported
             box["error"] = exc
 
-    thread = threading.Thread(target=target, name="rlinf-tool-call", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        return Outcome("timeout", message=f"timed out after {timeout_s:g} s")
-    if "error" in box:
-        exc = box["error"]
-        status = "malformed" if isinstance(exc, MalformedCall) else "error"
-        return Outcome(status, message=f"{type(exc).__name__}: {exc}")
-    return Outcome("ok", box.get("value"))
+    threads = [
+        threading.Thread(target=target, args=(fn, box), name="rlinf-tool-call", daemon=True)
+        for fn, box in zip(calls, boxes)
+    ]
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.start()
+    outcomes = []
+    for thread, box in zip(threads, boxes):
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            outcomes.append(Outcome("timeout", message=f"timed out after {timeout_s:g} s"))
+        elif "error" in box:
+            exc = box["error"]
+            status = "malformed" if isinstance(exc, MalformedCall) else "error"
+            outcomes.append(Outcome(status, message=f"{type(exc).__name__}: {exc}"))
+        else:
+            outcomes.append(Outcome("ok", box.get("value")))
+    return outcomes

@@ -1,15 +1,16 @@
 """Multi-turn RL with a calculator: the tiny model learns to delegate what it cannot compute.
 
-    python benchmarks/tools.py [--seeds 0 1] [--iterations 40] [--sft-steps 120]
+    python benchmarks/tools.py [--seeds 0 1] [--iterations 40] [--sft-steps 200]
 
 The task: products of two numbers up to 999 (``What is 123*456?=``), which the 0.4 M-parameter
 tiny Qwen2 cannot compute by itself; the twin-free held-out split (no operand multiset of a test
 problem in train) of ``tasks.data.make_arithmetic_splits``. The warm start (``rlinf sft`` with
 ``tools: [calculator]``) imitates ``--sft-steps`` steps of tool-use traces of *easier* problems
-(products of numbers up to 30, none sharing its operands with a held-out problem):
+(products of numbers up to 99 and sums and differences of numbers up to 999, none sharing its
+operands with a held-out problem):
 ``<calc>12*7</calc>`` then the calculator's reply ``<res>84</res>`` (masked out of the loss) then
-``84``. It teaches the call format, not the task: copying three-digit operands and five-digit
-results is left to GRPO.
+``84``. It teaches the call format, not the task: a product of three-digit operands, and copying
+its five- or six-digit result, is left to GRPO.
 
 Per seed, from the same warm start and on the same budget (``--iterations`` of 8 prompts x 8
 samples, the same learning rate): GRPO with the calculator (``task.tools: [calculator]``, two turns
@@ -33,7 +34,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-EASY_MAX = 30
+EASY_MAX = 99
 TRACES = 200  # of each kind
 TURN_TOKENS, TURNS = 24, 2
 
@@ -54,8 +55,8 @@ def make_data(root: Path) -> dict[str, Path]:
     )
     held_out = {operand_multiset(p.prompt) for s in ("test", "validation") for p in load_problems(hard[s])}
     easy = [
-        *generate_arithmetic(TRACES, max_value=EASY_MAX, ops="*", seed=1),  # the operator
-        *generate_arithmetic(TRACES, max_value=999, ops="+", seed=2),  # long operands
+        *generate_arithmetic(TRACES, max_value=EASY_MAX, ops="*", seed=1),  # the operator, short
+        *generate_arithmetic(TRACES, max_value=999, ops="+-", seed=2),  # long operands, either operator
     ]
     traces = [p for p in easy if operand_multiset(p.prompt) not in held_out]
     return {**hard, "warm_start": write_jsonl(traces, root / "warm_start.jsonl")}
@@ -95,8 +96,8 @@ def grpo(model: Path, data: dict, run: Path, seed: int, args, tools: bool) -> di
     )  # fmt: skip
     trainer = RLTrainer(
         max_iterations=args.iterations, eval_every=args.eval_every, ckpt_every=args.iterations,
-        default_root_dir=str(run), seed=seed, enable_progress_bar=False, logger=False,
-        strategy="collocated", num_threads=args.threads, timeout_s=1200,
+        default_root_dir=str(run), seed=seed, enable_progress_bar=False,
+        strategy="collocated", num_threads=args.threads, timeout_s=1200, logger=True,
     )  # fmt: skip
     start = time.perf_counter()
     summary = trainer.fit(LMPolicy(str(model), lr=args.lr, max_grad_norm=1.0), task)
@@ -115,11 +116,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--iterations", type=int, default=40)
-    parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--sft-steps", type=int, default=120)
-    parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--eval-size", type=int, default=200)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--sft-steps", type=int, default=200)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--eval-size", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--root", type=Path, default=ROOT / "runs" / "bench_tools")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)

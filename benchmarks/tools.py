@@ -1,6 +1,6 @@
 """Multi-turn RL with a calculator: the tiny model learns to delegate what it cannot compute.
 
-    python benchmarks/tools.py [--seeds 0 1] [--iterations 40] [--sft-steps 200]
+    python benchmarks/tools.py [--seeds 0 1] [--iterations 60] [--sft-steps 200]
 
 The task: products of two numbers up to 999 (``What is 123*456?=``), which the 0.4 M-parameter
 tiny Qwen2 cannot compute by itself; the twin-free held-out split (no operand multiset of a test
@@ -12,7 +12,7 @@ operands with a held-out problem):
 ``84``. It teaches the call format, not the task: a product of three-digit operands, and copying
 its five- or six-digit result, is left to GRPO.
 
-Per seed, from the same warm start and on the same budget (``--iterations`` of 8 prompts x 8
+Per seed, from the same warm start and on the same budget (``--iterations`` of ``--prompts`` x 8
 samples, the same learning rate): GRPO with the calculator (``task.tools: [calculator]``, two turns
 of at most 24 tokens) and GRPO without tools (single turn, 24 tokens). Measured: greedy held-out
 accuracy of the warm start, of each run's curve (``--eval-every``) and at its end, and the share of
@@ -90,7 +90,7 @@ def grpo(model: Path, data: dict, run: Path, seed: int, args, tools: bool) -> di
 
     task = MathTask(
         str(data["train"]), str(data["test"]), reward="math_verify", eval_size=args.eval_size,
-        group_size=8, rollout_batch_size=64, train_micro_batch_size=64,
+        group_size=8, rollout_batch_size=8 * args.prompts, train_micro_batch_size=64,
         sampling=SamplingParams(temperature=1.0, max_new_tokens=TURN_TOKENS),
         tools=["calculator"] if tools else None, max_turns=TURNS,
     )  # fmt: skip
@@ -115,10 +115,11 @@ def grpo(model: Path, data: dict, run: Path, seed: int, args, tools: bool) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--iterations", type=int, default=60)
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--sft-steps", type=int, default=200)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per iteration (8 samples each)")
     parser.add_argument("--eval-size", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--root", type=Path, default=ROOT / "runs" / "bench_tools")
@@ -159,7 +160,8 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "tools", "task": "products up to 999x999, twin-free held-out",
         "iterations": args.iterations,
-        "sft_steps": args.sft_steps, "lr": args.lr, "eval_size": args.eval_size, "seeds": results,
+        "sft_steps": args.sft_steps, "lr": args.lr, "prompts": args.prompts, "eval_size": args.eval_size,
+        "seeds": results,
         "bars": {"gain_over_no_tools": 0.3, "gain_over_start": 0.2, "sft_start_below": 0.5}, "bars_met": met,
     }))  # fmt: skip
 

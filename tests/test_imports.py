@@ -16,7 +16,7 @@ LAYERS = [
     {"flow"},
     {"algorithms", "checkpoint", "envs", "loggers", "rewards", "policies"},
     {"engines"},
-    {"evaluation"},
+    {"evaluation", "tools"},
     {"workflows"},
     {"tasks", "launchers", "strategies"},
     {"callbacks"},

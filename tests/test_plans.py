@@ -30,7 +30,10 @@ PLANS = {  # every plan gets the same two slots of one thread
 }
 
 
-def _fit(assets, root, critic=None, keys=("actor/loss", "actor/grad_norm", "reward/reward"), **over):
+KEYS = ("actor/loss", "actor/grad_norm", "reward/reward")
+
+
+def _fit(assets, root, critic=None, keys=KEYS, task=None, **over):
     steps = MetricsRecorder(keys=keys)
     # float32: plans compute the same update exactly (under bf16 autocast, only up to its rounding)
     kw = tiny_trainer_kwargs(
@@ -46,6 +49,7 @@ def _fit(assets, root, critic=None, keys=("actor/loss", "actor/grad_norm", "rewa
             format_weight=1.0,
             eval_size=8,
             critic=critic,
+            **(task or {}),
         ),
     )
     ckpts = root / "run" / "checkpoints"
@@ -447,6 +451,47 @@ def test_the_critics_updates_are_the_same_under_every_plan(assets, tmp_path, cri
         )
         assert _maxdiff(weights[0], ref_weights[-1]) <= 1e-4, (name, launcher)
         assert _maxdiff(_critic_state(root)["model"], ref_critic) <= 1e-4, (name, launcher)
+        for it in range(3):
+            for key, value in metrics[it].items():
+                assert abs(value - ref_metrics[it][key]) <= 1e-4, (name, launcher, it, key, value)
+
+
+#: every sample multi-turn: each digit the policy writes ends a turn, answered by a masked reply
+MULTI_TURN = {
+    "environment": {"class_path": "rlinf_lightning.testing.DigitTurns"},
+    "max_turns": 3,
+    "max_response_tokens": 24,
+}
+MULTI_TURN_KEYS = ("actor/loss", "actor/grad_norm", "reward/reward", "rollout/tools/masked_tokens")
+
+
+@pytest.fixture(scope="module")
+def multi_turn_reference(assets, tmp_path_factory):
+    root = tmp_path_factory.mktemp("multi_turn")
+    _, _, metrics, weights = _fit(
+        assets, root, keys=MULTI_TURN_KEYS, task=MULTI_TURN, strategy=PLANS["collocated_1worker"],
+        ckpt_every=1,
+    )  # fmt: skip
+    assert all(m["rollout/tools/masked_tokens"] > 0 and m["actor/grad_norm"] > 0.1 for m in metrics), metrics
+    return metrics, weights
+
+
+@pytest.mark.parametrize(
+    "launcher", ["inprocess", *(pytest.param(n, marks=pytest.mark.slow) for n in LAUNCHER_NAMES[1:])]
+)
+def test_multi_turn_updates_are_the_same_under_every_plan(assets, tmp_path, multi_turn_reference, launcher):
+    """Multi-turn rows (tool replies masked inside the response), queued iterations: each turn is
+    sampled from the sample's own stream whichever rows share the engine call, so the replies,
+    the loss, grad norm and reward per iteration and the final weights equal the one-worker run's."""
+    ref_metrics, ref_weights = multi_turn_reference
+    for name, strategy in PLANS.items():
+        if name == "collocated_1worker":
+            continue
+        _, _, metrics, weights = _fit(
+            assets, tmp_path / name, keys=MULTI_TURN_KEYS, task=MULTI_TURN, strategy=strategy,
+            launcher=launcher, ckpt_every=0,
+        )  # fmt: skip
+        assert _maxdiff(weights[0], ref_weights[-1]) <= 1e-4, (name, launcher)
         for it in range(3):
             for key, value in metrics[it].items():
                 assert abs(value - ref_metrics[it][key]) <= 1e-4, (name, launcher, it, key, value)

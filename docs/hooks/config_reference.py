@@ -216,6 +216,7 @@ def build_sections(parser: Any = None) -> list[Section]:
     from rlinf_lightning.envs import ENVS
     from rlinf_lightning.loggers import LOGGERS
     from rlinf_lightning.rewards import REWARDS
+    from rlinf_lightning.tools import TOOLS
 
     parser = parser or build_parser()
     fit = subcommand_parser(parser, "fit")
@@ -284,6 +285,7 @@ def build_sections(parser: Any = None) -> list[Section]:
         ("policy loss", "trainer.algorithm.init_args.policy_loss", POLICY_LOSSES),
         ("reward", "task.init_args.reward", REWARDS),
         ("env", "task.init_args.env", ENVS),
+        ("tool", "task.init_args.tools", TOOLS),
         ("logger", "trainer.logger", LOGGERS),
     ):
         extra = "\n\nAny gymnasium id works too (built in)." if kind == "env" else ""

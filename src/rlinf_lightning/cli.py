@@ -201,13 +201,14 @@ def list_plugins() -> None:
     from rlinf_lightning.registry import installed_plugins, plugin_errors
     from rlinf_lightning.rewards import REWARDS
     from rlinf_lightning.strategies import STRATEGIES
+    from rlinf_lightning.tools import TOOLS
 
     plugins = installed_plugins()
     print("installed plugins:", ", ".join(f"{n} ({d} {v})" for n, d, v in plugins) or "none")
     for name, err in plugin_errors().items():
         print(f"  plugin {name} failed to load: {err}")
     registries = (STRATEGIES, LAUNCHERS, ROLLOUT_ENGINES, TRAIN_ENGINES, ALGORITHMS, ADVANTAGE_ESTIMATORS)
-    for reg in (*registries, POLICY_LOSSES, REWARDS, ENVS, LOGGERS):
+    for reg in (*registries, POLICY_LOSSES, REWARDS, ENVS, TOOLS, LOGGERS):
         print(f"{reg.kind}:")
         for name, origin, desc in reg.describe():
             print(f"  {name:<20} {origin:<22} {desc}")

@@ -3,6 +3,11 @@
 GRPO learns only from groups whose samples disagree; from a policy that is never right every
 group is all-zero and nothing is learned. The output directory is a normal ``save_pretrained``
 checkpoint and is cached: a second call with the same settings returns at once.
+
+With ``tools``, each problem becomes a multi-turn trace that teaches the call format: the policy
+calls a tool on the problem's expression (``<calc>12+7</calc>``), the environment's reply
+(``<res>19</res>``, made by the same :class:`~rlinf_lightning.tools.ToolEnvironment` the rollouts
+use) is context only, masked out of the loss, and the policy then answers (``19``).
 """
 
 from __future__ import annotations
@@ -14,13 +19,17 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from rlinf_lightning.assets import is_model_dir
-from rlinf_lightning.tasks.data import load_problems
+from rlinf_lightning.tasks.data import Problem, expression_of, load_problems
 
 log = logging.getLogger(__name__)
+
+#: the settings of a warm start with tools only (a plain one's cache ignores them)
+TOOL_SETTINGS = ("tools", "max_turns", "max_new_tokens")
 
 
 def run_sft(
@@ -35,6 +44,9 @@ def run_sft(
     eval_size: int = 500,
     num_threads: int = 0,
     force: bool = False,
+    tools: list[str] | None = None,
+    max_turns: int = 2,
+    max_new_tokens: int = 16,
 ) -> dict:
     """Fine-tune ``base_model`` on prompt -> answer pairs (loss on the answer tokens) and save it.
 
@@ -50,12 +62,22 @@ def run_sft(
         eval_size: held-out problems to evaluate on.
         num_threads: torch threads (0 leaves the default).
         force: retrain even if ``output_dir`` holds a result with the same settings.
+        tools: train on tool-use traces with these tools (registry ``rlinf_lightning.tools.TOOLS``,
+            e.g. ``[calculator]``), replies masked; evaluated with them (``docs/tools.md``).
+        max_turns: with ``tools``, the turns per sample when evaluating.
+        max_new_tokens: with ``tools``, the longest turn when evaluating.
     """
-    settings = {k: v for k, v in locals().items() if k not in ("force", "num_threads")}
+    settings = {
+        k: v
+        for k, v in locals().items()
+        if k not in ("force", "num_threads") and (tools or k not in TOOL_SETTINGS)
+    }
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlinf_lightning.engines.rollout import HFRolloutEngine
+    from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
     from rlinf_lightning.evaluation import greedy_accuracy
+    from rlinf_lightning.prompts import RAW
+    from rlinf_lightning.tools import ToolEnvironment, TurnLoop
 
     train = load_problems(train_path)
     # the cache holds for the same problems, not only the same path: `rlinf prepare` rewrites data
@@ -82,19 +104,18 @@ def run_sft(
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     test = load_problems(test_path)[:eval_size]
+    env = ToolEnvironment(list(tools)) if tools else None
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
         batch = [train[rng.randrange(len(train))] for _ in range(batch_size)]
-        prompts = [tok(p.prompt, add_special_tokens=False)["input_ids"] for p in batch]
-        answers = [tok(p.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for p in batch]
-        width = max(len(p) + len(a) for p, a in zip(prompts, answers))
+        rows = [_example(tok, p, env) for p in batch]
+        width = max(len(seq) for seq, _ in rows)
         ids = torch.full((batch_size, width), tok.pad_token_id)
         labels = torch.full((batch_size, width), -100)
         mask = torch.zeros((batch_size, width), dtype=torch.long)
-        for i, (p, a) in enumerate(zip(prompts, answers)):
-            seq = p + a
+        for i, (seq, target) in enumerate(rows):
             ids[i, width - len(seq) :] = torch.tensor(seq)
-            labels[i, width - len(a) :] = torch.tensor(a)
+            labels[i, width - len(seq) :] = torch.tensor(target)
             mask[i, width - len(seq) :] = 1
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         loss = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss
@@ -108,10 +129,35 @@ def run_sft(
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     engine = HFRolloutEngine(str(tmp))
-    acc = greedy_accuracy(engine, tok, [p.prompt for p in test], [p.answer for p in test])
-    result = {"settings": settings, "eval_accuracy": acc, "train_s": time.perf_counter() - t0}
+    prompts, golds = [p.prompt for p in test], [p.answer for p in test]
+    result = {"settings": settings}
+    if env is None:
+        acc = greedy_accuracy(engine, tok, prompts, golds)
+    else:
+        loop = TurnLoop(lambda: ToolEnvironment(list(tools)), max_turns, max_turns * max_new_tokens)
+        acc, calling = loop.evaluate(
+            engine, tok, RAW, prompts, golds, "math_verify", SamplingParams(max_new_tokens=max_new_tokens)
+        )
+        result["eval_calling_share"] = calling
+    result.update(eval_accuracy=acc, train_s=time.perf_counter() - t0)
     (tmp / "sft_settings.json").write_text(json.dumps(result, indent=1))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     log.info("sft: held-out accuracy %.3f on %d problems; saved to %s", acc, len(test), out)
     return result
+
+
+def _example(tok: Any, problem: Problem, env: Any) -> tuple[list[int], list[int]]:
+    """``(token ids, labels)`` of one problem: the prompt (label -100), then the answer and the end
+    of sequence; with a tool environment ``env``, first a call on the problem's expression and the
+    environment's reply to it (label -100: context, not imitated)."""
+    ids = tok(problem.prompt, add_special_tokens=False)["input_ids"]
+    labels = [-100] * len(ids)
+    if env is not None:
+        tag = next(iter(env.tools))
+        call = tok(f"<{tag}>{expression_of(problem.prompt)}</{tag}>", add_special_tokens=False)["input_ids"]
+        reply, _ = env.step(tok.decode(call))
+        reply_ids = tok(reply, add_special_tokens=False)["input_ids"]
+        ids, labels = ids + call + reply_ids, labels + call + [-100] * len(reply_ids)
+    answer = tok(problem.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    return ids + answer, labels + answer

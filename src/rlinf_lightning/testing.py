@@ -1,6 +1,6 @@
 """Fixture builders for tests and benchmarks: everything they train from, built in one place so
 they all start alike; and the fit check the simulator plugins' tests share (the library itself
-never imports this module)."""
+never imports this module); and an environment that makes any policy's samples multi-turn."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from rlinf_lightning.assets import build_tiny_qwen2
 from rlinf_lightning.sft import run_sft
 from rlinf_lightning.tasks.data import make_arithmetic_splits
+from rlinf_lightning.tools import Environment, MalformedCall
 
 
 def build_warm_started(
@@ -60,3 +62,25 @@ def check_one_embodied_iteration(config: Path, run: Path, *overrides: str) -> No
         ]
     assert step["env/env_steps_total"] == 2 * 4, step
     assert math.isfinite(step["actor/loss"]) and step["actor/grad_norm"] > 0, step
+
+
+class DigitTurns(Environment):
+    """A test environment that makes every sample multi-turn, whatever the policy: each digit the
+    policy writes ends a turn (the arithmetic warm start writes one first), and the step then does
+    what ``mode`` says: ``reply`` (``<ok>``; after ``done_after`` steps it ends the sample),
+    ``raise``, ``sleep`` (for ``sleep_s``, past any short timeout) or ``malformed``."""
+
+    stop = tuple("0123456789")
+
+    def __init__(self, mode: str = "reply", done_after: int = 0, sleep_s: float = 3.0) -> None:
+        self.mode, self.done_after, self.sleep_s, self.steps = mode, done_after, sleep_s, 0
+
+    def step(self, turn: str) -> tuple[str, bool]:
+        self.steps += 1
+        if self.mode == "raise":
+            raise RuntimeError("the tool broke")
+        if self.mode == "sleep":
+            time.sleep(self.sleep_s)
+        if self.mode == "malformed":
+            raise MalformedCall("not a call")
+        return "<ok>", self.done_after > 0 and self.steps >= self.done_after

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from rlinf_lightning.algorithms.contract import reads
+from rlinf_lightning.flow.batch import compact, expand
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.registry import Registry
 
@@ -77,14 +78,15 @@ def rloo_advantages(inputs: Mapping[str, torch.Tensor], config: Any) -> torch.Te
 
 
 def returns_to_go(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``G_t = sum_{k >= t} gamma^(k-t) r_k`` over each row's response tokens (zero on padding)."""
-    r = token_rewards * mask
+    """``G_t = sum_{k >= t} gamma^(k-t) r_k`` over each row's generated tokens (zero elsewhere; a
+    tool reply between two of them is no step: ``flow.batch.compact``)."""
+    r, packed, order = compact(token_rewards * mask, mask)
     out = torch.zeros_like(r)
     following = torch.zeros(r.shape[0], dtype=r.dtype)
     for t in reversed(range(r.shape[1])):
         following = r[:, t] + gamma * following
         out[:, t] = following
-    return out * mask
+    return expand(out * packed, mask, order)
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
@@ -156,18 +158,18 @@ def gae(
 def token_gae(
     token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`gae` over responses (``[B, T]``), each token a step: with rewards and values zeroed
-    on the padding behind a response's last token (``mask``; the response tokens are its first
-    ``mask.sum()`` positions), that token bootstraps nothing, so the response ends there, and
-    padding is no step. ``values[:, t]`` is the critic's estimate before token ``t``; returns
-    ``(advantages, returns)``, zero on padding."""
+    """:func:`gae` over responses (``[B, T]``), each generated token a step: the generated tokens
+    (``mask``) are moved to the front first (``flow.batch.compact``; a tool reply between two of
+    them is part of the transition, no step), so with rewards and values zeroed behind the last,
+    that token bootstraps nothing and the response ends there. ``values[:, t]`` is the critic's
+    estimate before token ``t``; returns ``(advantages, returns)``, zero off the mask."""
     mask = mask.to(token_rewards.dtype)
+    rewards, packed, order = compact(token_rewards * mask, mask)
+    values = (values * mask).gather(-1, order)
     never = torch.zeros(mask.shape, dtype=torch.bool)
     zeros = torch.zeros_like(mask)
-    advantages, returns = gae(
-        token_rewards * mask, values * mask, never, never, zeros, zeros[:, 0], gamma=gamma, lam=lam
-    )
-    return advantages * mask, returns * mask
+    advantages, returns = gae(rewards, values, never, never, zeros, zeros[:, 0], gamma=gamma, lam=lam)
+    return expand(advantages * packed, mask, order), expand(returns * packed, mask, order)
 
 
 @ADVANTAGE_ESTIMATORS.register("gae")

@@ -31,6 +31,7 @@ from rlinf_lightning.algorithms.losses import (
     kl_penalty,
     masked_mean,
 )
+from rlinf_lightning.flow.batch import last_loss_token
 
 
 def adapt_kl_coef(coef: float, kl: float, target: float, horizon: int, samples: int) -> float:
@@ -177,8 +178,7 @@ class PolicyGradient(Algorithm):
         """Per-token rewards ``[B, T]``: each sample's reward on its last response token, minus
         ``kl_coef x kl`` on every token when the KL is in the reward (``kl`` per token, or ``None``)."""
         out = torch.zeros(mask.shape, dtype=torch.float32)
-        last = (mask.sum(-1).long() - 1).clamp_min(0)
-        out[torch.arange(len(rewards)), last] = rewards.float()
+        out[torch.arange(len(rewards)), last_loss_token(mask)] = rewards.float()  # holes: tool replies
         if kl is not None:
             out = out - kl_coef * kl * mask
         return out * mask

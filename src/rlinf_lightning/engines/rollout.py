@@ -48,6 +48,8 @@ class SamplingParams:
 class Completion:
     token_ids: list[int]
     logprobs: list[float]  # log-prob of each sampled token under softmax(logits / temperature)
+    #: 1 where the policy generated the token, 0 on a tool reply (``None``: all generated)
+    mask: list[int] | None = None
 
 
 class RolloutEngine(ABC):
@@ -72,11 +74,13 @@ class RolloutEngine(ABC):
         n: int,
         params: SamplingParams,
         seed: int,
-        eos_token_id: int,
+        eos_token_id: int | list[int],
     ) -> list[list[Completion]]:
         """``n`` completions per prompt; ``groups[i]`` names prompt ``i`` for per-sample seeding.
 
-        ``eos_token_id=-1`` never stops early: every completion has ``max_new_tokens`` tokens.
+        A completion ends with the first token in ``eos_token_id`` (one id or several: the end of
+        a tool call stops a turn too), kept as its last token. ``-1`` never stops early: every
+        completion has ``max_new_tokens`` tokens.
         """
 
     @abstractmethod
@@ -146,7 +150,8 @@ class HFRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompt_ids, groups, n, params, seed, eos_token_id):
-        pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else eos_token_id
+        stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else stops[0]
         rows = [(p, g, j) for p, g in zip(prompt_ids, groups) for j in range(n)]
         width = max(len(p) for p, _, _ in rows)
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -159,7 +164,12 @@ class HFRolloutEngine(RolloutEngine):
         # noise per row on the host and copying it over bounded the GPU rollout by the CPU)
         gens = [torch.Generator(self.device).manual_seed(row_seed(seed, g, j)) for _, g, j in rows]
         tokens, logps = self._sample(
-            ids.to(self.device), mask.to(self.device), gens, params, eos_token_id, pad
+            ids.to(self.device),
+            mask.to(self.device),
+            gens,
+            params,
+            torch.tensor(stops, device=self.device),
+            pad,
         )
         out: list[list[Completion]] = []
         for i in range(len(rows)):
@@ -167,14 +177,14 @@ class HFRolloutEngine(RolloutEngine):
             for t, lp in zip(tokens[i].tolist(), logps[i].tolist()):
                 toks.append(t)
                 lps.append(lp)
-                if t == eos_token_id:
+                if t in stops:
                     break
             if i % n == 0:
                 out.append([])
             out[-1].append(Completion(toks, lps))
         return out
 
-    def _sample(self, ids, mask, gens, params, eos, pad):
+    def _sample(self, ids, mask, gens, params, stops, pad):
         greedy = params.temperature <= 0
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         res = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
@@ -195,7 +205,7 @@ class HFRolloutEngine(RolloutEngine):
                 nxt = (top_k_top_p_filter(scaled, params.top_k, params.top_p) + gumbel).argmax(-1)
             tokens.append(torch.where(done, pad, nxt))
             logps.append(torch.where(done, 0.0, logp.gather(-1, nxt[:, None]).squeeze(-1)))
-            done = done | (nxt == eos)
+            done = done | torch.isin(nxt, stops)
             if bool(done.all()):
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)

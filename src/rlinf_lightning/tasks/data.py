@@ -191,6 +191,15 @@ def _arithmetic_draws(operands: int, max_value: int, ops: str, seed: int) -> Ite
         yield Problem(f"What is {expr}?=", str(eval(expr)))  # expr is digits and + - * only
 
 
+def expression_of(prompt: str) -> str:
+    """The arithmetic of a generated problem: ``What is 12*34?=`` -> ``12*34`` (what a tool-use
+    trace hands the calculator)."""
+    match = re.fullmatch(r"What is (.+)\?=", prompt)
+    if match is None:
+        raise ValueError(f"not a generated arithmetic problem: {prompt!r}")
+    return match.group(1)
+
+
 def operand_multiset(prompt: str) -> tuple[int, ...]:
     """The operands of a generated problem, sorted: ``What is 12+7?=`` and ``What is 7+12?=`` (and
     ``7*12``) share ``(7, 12)``. The unit the splits hold out: a model that saw ``7+12`` has seen the

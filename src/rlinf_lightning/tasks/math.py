@@ -23,6 +23,7 @@ from rlinf_lightning.tasks.data import Problem, is_pattern, load_problems
 
 if TYPE_CHECKING:
     from rlinf_lightning.launchers.base import Runtime
+    from rlinf_lightning.tools.loop import TurnLoop
 
 #: mixed into the seed of each epoch's shuffle of the training problems (any fixed odd number)
 EPOCH_SEED_STRIDE = 7919
@@ -68,6 +69,19 @@ class MathTask(Task):
             its own stage, placed by the plan like the others, with its own optimizer
             (:class:`~rlinf_lightning.policies.ValueModel`; ``critic: {}`` in YAML takes its
             defaults and the policy's ``model_path``; ``--task.critic.lr=...`` sets an option).
+        tools: names of tools (registry ``rlinf_lightning.tools.TOOLS``, e.g. ``[calculator]``)
+            the policy may call: rollouts become multi-turn, a call ``<calc>12*34</calc>`` ends a
+            turn and its reply ``<res>408</res>`` is appended, masked out of the loss
+            (``docs/tools.md``). Empty: single-turn.
+        environment: instead of ``tools``, an environment class answering the policy's turns,
+            ``{class_path, init_args}`` (``reset(problem) -> str``, ``step(turn) -> (reply,
+            done)``, ``stop`` strings; ``rlinf_lightning.tools.Environment``); one per sample.
+        max_turns: with tools, the policy's turns per sample (a call in the last one gets no reply).
+        max_response_tokens: with tools, each sample's budget of response tokens, generated and
+            replies together (``sampling.max_new_tokens`` caps each turn); ``None``:
+            ``max_turns`` x ``sampling.max_new_tokens``.
+        tool_timeout_s: with tools, how long one call may run before it is abandoned and the
+            policy is told it timed out (counted in ``rollout/tools/timeouts``).
     """
 
     input_keys = ("prompt", "answer", "group_id")
@@ -94,6 +108,11 @@ class MathTask(Task):
         train_micro_batch_size: int | None = None,
         train_max_tokens_per_micro_batch: int | None = None,
         critic: ValueModel | None = None,
+        tools: list[str] | None = None,
+        environment: dict[str, Any] | None = None,
+        max_turns: int = 4,
+        max_response_tokens: int | None = None,
+        tool_timeout_s: float = 5.0,
     ) -> None:
         self.train_path, self.test_path = str(train_path), str(test_path)
         self.group_size, self.rollout_batch_size = group_size, rollout_batch_size
@@ -107,6 +126,9 @@ class MathTask(Task):
         self.reward, self.format_reward, self.format_weight = reward, format_reward, format_weight
         self.eval_size = eval_size
         self.critic = critic
+        self.tools, self.environment = list(tools or []), environment
+        self.max_turns, self.max_response_tokens = max_turns, max_response_tokens
+        self.tool_timeout_s = tool_timeout_s
         self._train: list[Problem] | None = None
         self._test: list[Problem] | None = None
         self._orders: dict[tuple[int, int], list[int]] = {}
@@ -136,7 +158,36 @@ class MathTask(Task):
             problems.append(("eval_size", f"must be >= 1 or null, got {self.eval_size}"))
         if self.critic is not None:
             problems += [(f"critic.{k}", m) for k, m in self.critic.validate_config()]
-        return problems + self._batch_problems() + self._rollout_problems()
+        return problems + self._batch_problems() + self._rollout_problems() + self._turn_problems()
+
+    def _turn_problems(self) -> list[tuple[str, str]]:
+        from rlinf_lightning.tools.loop import environment_problems
+
+        problems = environment_problems(self.environment, self.tools)
+        for key in ("max_turns", "max_response_tokens"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                problems.append((key, f"must be >= 1, got {getattr(self, key)}"))
+        if self.tool_timeout_s <= 0:
+            problems.append(("tool_timeout_s", f"must be > 0, got {self.tool_timeout_s}"))
+        return problems
+
+    @property
+    def turns(self) -> TurnLoop | None:
+        """The multi-turn loop of ``tools`` / ``environment`` (``None``: single-turn rollouts)."""
+        if not self.tools and self.environment is None:
+            return None
+        from rlinf_lightning.tools.loop import TurnLoop, environment_factory
+
+        budget = self.max_response_tokens or self.max_turns * self.sampling.max_new_tokens
+        return TurnLoop(
+            environment_factory(self.environment, self.tools), self.max_turns, budget, self.tool_timeout_s
+        )
+
+    @property
+    def response_tokens(self) -> int:
+        """The longest response span: ``sampling.max_new_tokens``, or the multi-turn budget."""
+        turns = self.turns
+        return self.sampling.max_new_tokens if turns is None else turns.max_tokens
 
     def _batch_problems(self) -> list[tuple[str, str]]:
         problems = [
@@ -260,18 +311,21 @@ class MathTask(Task):
             if getattr(run.algorithm, "max_sampling_rounds", 0)
             else None,
             critic=self.critic,
+            turns=self.turns,
         )
 
     def _check_token_budget(self, policy: Any) -> None:
-        """A token budget below the longest sample (longest prompt + ``max_new_tokens``) would train
-        such samples one per forward/backward: refused, naming the smallest budget that works."""
+        """A token budget below the longest sample (longest prompt + the longest response) would
+        train such samples one per forward/backward: refused, naming the smallest budget that works."""
         budget, prompt = self.train_max_tokens_per_micro_batch, self.longest_prompt_tokens(policy)
-        if budget is None or prompt is None or budget >= prompt + self.sampling.max_new_tokens:
+        response = self.response_tokens
+        if budget is None or prompt is None or budget >= prompt + response:
             return
-        need = prompt + self.sampling.max_new_tokens
+        need = prompt + response
+        key = "sampling.max_new_tokens" if self.turns is None else "max_response_tokens"
         why = (
-            f"{budget} tokens is less than one sample ({prompt} prompt tokens + "
-            f"task.sampling.max_new_tokens={self.sampling.max_new_tokens}); use at least {need}"
+            f"{budget} tokens is less than one sample ({prompt} prompt tokens + task.{key}={response}); "
+            f"use at least {need}"
         )
         raise ConfigError([("task.train_max_tokens_per_micro_batch", why)])
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
+from rlinf_lightning.flow.batch import span_lengths
+
 RESPONSE_KEYS = (
     "response_mask", "rollout_logprobs", "ref_logprobs", "old_logprobs", "advantage", "values", "returns",
 )  # fmt: skip
@@ -30,7 +32,8 @@ def trim_padding(batch: TensorDict) -> TensorDict:
     response = batch["response_mask"].shape[-1]
     prompt_width = batch["input_ids"].shape[-1] - response
     prompt_used = int(batch["attention_mask"][:, :prompt_width].sum(-1).max())
-    response_used = max(1, int(batch["response_mask"].sum(-1).max()))
+    # the span, not the loss mask: a multi-turn response has tool replies (mask 0) inside it
+    response_used = max(1, int(span_lengths(batch["attention_mask"], response).max()))
     if prompt_used == prompt_width and response_used == response:
         return batch
     columns = slice(prompt_width - prompt_used, prompt_width + response_used)

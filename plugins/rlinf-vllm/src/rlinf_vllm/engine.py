@@ -223,12 +223,13 @@ class VLLMRolloutEngine(RolloutEngine):
         n: int,
         params: SamplingParams,
         seed: int,
-        eos_token_id: int,
+        eos_token_id: int | list[int],
     ) -> list[list[Completion]]:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
         greedy = params.temperature <= 0
+        stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         requests = [
             VLLMSamplingParams(
                 n=n,
@@ -238,8 +239,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 max_tokens=params.max_new_tokens,
                 logprobs=0,  # the sampled token's log-prob only
                 seed=row_seed(seed, g, 0),
-                stop_token_ids=[eos_token_id] if eos_token_id >= 0 else None,
-                ignore_eos=eos_token_id < 0,  # eos_token_id=-1: always max_new_tokens (benchmarks)
+                stop_token_ids=[t for t in stops if t >= 0] or None,
+                ignore_eos=stops == [-1],  # eos_token_id=-1: always max_new_tokens (benchmarks)
                 detokenize=False,
             )
             for g in groups

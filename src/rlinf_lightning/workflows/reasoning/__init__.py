@@ -26,6 +26,7 @@ from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.policies.value import ValueModel
 from rlinf_lightning.prompts import PromptFormat
+from rlinf_lightning.tools.loop import TurnLoop
 from rlinf_lightning.workflows.reasoning.actor import ActorStage
 from rlinf_lightning.workflows.reasoning.advantage import AdvantageStage
 from rlinf_lightning.workflows.reasoning.inference import InferenceStage
@@ -67,10 +68,12 @@ def reasoning_workflow(
     train_problems: list[tuple[str, str]] | None = None,
     critic: ValueModel | None = None,
     max_staleness: int = 0,
+    turns: TurnLoop | None = None,
 ) -> Workflow:
     """The stages for ``algorithm`` (``train_problems``: the reserve prompts of DAPO's dynamic
     sampling; ``critic``: the value model of an algorithm that reads values, whose stage then
-    takes the advantage stage's place); raises :class:`ConfigError` when the algorithm reads an
+    takes the advantage stage's place; ``turns``: multi-turn rollouts with an environment, whose
+    token budget is then the horizon); raises :class:`ConfigError` when the algorithm reads an
     input this workflow does not provide (values without a critic), a critic is given to an
     algorithm that reads no values, or mini-batches cannot be cut from the batch."""
     given, name = algorithm, type(algorithm).__name__
@@ -104,7 +107,7 @@ def reasoning_workflow(
     if problems:
         raise ConfigError(problems)
     temperature = sampling.temperature if sampling.temperature > 0 else 1.0
-    horizon = sampling.max_new_tokens
+    horizon = sampling.max_new_tokens if turns is None else turns.max_tokens
     advantage = AdvantageStage(algorithm, horizon)
     if critic is not None:
         from rlinf_lightning.workflows.critic import CriticStage
@@ -139,6 +142,7 @@ def reasoning_workflow(
                 rollout_engine_options,
                 dynamic,
                 train.precision,
+                turns,
             ),
             RewardStage(reward, format_reward, format_weight),
             # a KL in the reward needs the reference log-probs before the advantages

@@ -20,13 +20,15 @@ from rlinf_lightning.policies.lora import lora_of
 from rlinf_lightning.prompts import PromptFormat
 from rlinf_lightning.rewards import RewardInput
 from rlinf_lightning.seeds import row_seed
+from rlinf_lightning.tools.loop import TurnLoop, final_turn
 from rlinf_lightning.workflows.reasoning.reward import RewardStage
 
 
 def pack_samples(
     prompt_ids: list[list[int]], completions: list[list[Completion]], pad_id: int
 ) -> dict[str, torch.Tensor]:
-    """Left-pad prompts, right-pad responses: ``input_ids = [prompt | response]`` per sample."""
+    """Left-pad prompts, right-pad responses: ``input_ids = [prompt | response]`` per sample, in
+    the layout of ``flow.batch`` (a completion's ``mask`` marks tool replies: loss mask 0)."""
     rows = [(p, c) for p, cs in zip(prompt_ids, completions) for c in cs]
     P = max(len(p) for p, _ in rows)
     R = max(1, max(len(c.token_ids) for _, c in rows))
@@ -40,7 +42,7 @@ def pack_samples(
         attn[i, P - len(p) : P + n] = 1
         if n:
             ids[i, P : P + n] = torch.tensor(c.token_ids)
-            resp_mask[i, :n] = 1
+            resp_mask[i, :n] = 1 if c.mask is None else torch.tensor(c.mask, dtype=torch.float32)
             logps[i, :n] = torch.tensor(c.logprobs)
     return {"input_ids": ids, "attention_mask": attn, "response_mask": resp_mask, "rollout_logprobs": logps}
 
@@ -70,6 +72,10 @@ class RolloutStage(Stage):
     """Generates ``group_size`` completions per prompt with the chosen rollout engine; prompts are
     laid out by the task's :class:`PromptFormat` (template, then the chat template if any). With
     ``dynamic_sampling``, groups without signal are replaced (:class:`DynamicSampling`).
+
+    With ``turns`` (a :class:`~rlinf_lightning.tools.TurnLoop`), each sample is a multi-turn
+    exchange with its environment (tool replies masked out of the loss); its ``completion`` is the
+    final turn's text, the answer the reward reads.
 
     ``dtype`` is ``task.rollout_dtype``: ``auto`` follows the actor's ``precision`` on this
     stage's device (``engines.precision.resolve_rollout_dtype``). ``max_prompt_tokens`` (the task's
@@ -105,8 +111,10 @@ class RolloutStage(Stage):
         engine_options: dict[str, Any] | None = None,
         dynamic_sampling: DynamicSampling | None = None,
         precision: str = "32-true",
+        turns: TurnLoop | None = None,
     ) -> None:
         self.policy, self.engine_name, self.sampling = policy, engine, sampling
+        self.turns = turns
         self.dynamic_sampling = dynamic_sampling
         self.engine_options = dict(engine_options or {})
         self.group_size, self.seed = group_size, seed
@@ -127,7 +135,8 @@ class RolloutStage(Stage):
         dtype = self.dtype(device)
         size = dtype_bytes(dtype)
         rows = max(micro_batch, min(self.eval_prompts, EVAL_BATCH_SIZE))
-        tokens = (self.max_prompt_tokens or 0) + self.sampling.max_new_tokens
+        response = self.sampling.max_new_tokens if self.turns is None else self.turns.max_tokens
+        tokens = (self.max_prompt_tokens or 0) + response
         kv = rows * tokens * shape.layers * 2 * shape.kv_heads * shape.head_dim * size
         fix = None if size <= 2 else "task.rollout_dtype=bfloat16 (half the rollout's memory)"
         return [
@@ -171,6 +180,18 @@ class RolloutStage(Stage):
             self.dynamic_sampling.scorer.teardown()
 
     def _generate(self, prompts: list[str], groups: list[int], n: int, params: SamplingParams):
+        if self.turns is not None:
+            return self.turns.generate(
+                self.engine,
+                self.tokenizer,
+                self.prompt_format,
+                prompts,
+                groups,
+                n,
+                params,
+                self.seed,
+                self.metrics,
+            )
         prompt_ids = self.prompt_format.encode(self.tokenizer, prompts)
         completions = self.engine.generate(
             prompt_ids, groups, n, params, self.seed, eos_token_id=self.tokenizer.eos_token_id
@@ -179,7 +200,7 @@ class RolloutStage(Stage):
 
     def _texts(self, completions: list[list[Completion]]) -> list[str]:
         return [
-            self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for cs in completions for c in cs
+            self.tokenizer.decode(final_turn(c), skip_special_tokens=True) for cs in completions for c in cs
         ]
 
     def _resample(
@@ -228,15 +249,16 @@ class RolloutStage(Stage):
             },
             batch_size=[len(texts)],
         )
-        lengths = tensors["response_mask"].sum(-1)
+        lengths = tensors["response_mask"].sum(-1)  # generated tokens (tool replies not counted)
         self.metrics.distribution("response_length", lengths)
         self.metrics.distribution("prompt_length", [len(p) for p in prompt_ids])
         self.metrics.sum("tokens_total", tensors["attention_mask"].sum())  # prompts + responses
         self.metrics.sum("response_tokens_total", lengths.sum())
         # clipped: stopped by max_new_tokens rather than by the end-of-sequence token
         eos = self.tokenizer.eos_token_id
-        clipped = [
-            len(c.token_ids) >= self.sampling.max_new_tokens and c.token_ids[-1] != eos
+        clipped = [  # with turns: any sample that did not end with an answer
+            (self.turns is not None or len(c.token_ids) >= self.sampling.max_new_tokens)
+            and (not c.token_ids or c.token_ids[-1] != eos)
             for cs in completions
             for c in cs
         ]
@@ -252,6 +274,11 @@ class RolloutStage(Stage):
 
     def evaluate(self, prompts: list[str], answers: list[str], reward: str) -> float:
         """Greedy held-out accuracy with the live rollout engine (current weights)."""
+        if self.turns is not None:
+            accuracy, _ = self.turns.evaluate(
+                self.engine, self.tokenizer, self.prompt_format, prompts, answers, reward, self.sampling
+            )
+            return accuracy
         return greedy_accuracy(
             self.engine,
             self.tokenizer,

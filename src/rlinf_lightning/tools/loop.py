@@ -1,0 +1,283 @@
+"""The turn loop: multi-turn rollouts as a layer above any rollout engine.
+
+Each sample alternates the policy's turns and its environment's replies::
+
+    prompt | turn 1 <calc>12*34</calc> | reply <res>408</res> | turn 2 408</s>
+             ^ generated (loss mask 1)   ^ context only (0)     ^ generated (1)
+
+The loop calls ``engine.generate`` once per step on the samples still running, with each one's
+context so far as its prompt (``n=1`` after the first step), stopping at the end-of-sequence token
+or at the last token of an environment's stop string (a closing tag). A sample whose text then ends
+with a stop string is answered by ``env.step`` (run abandonably, the steps due at once
+concurrently: a raise, a timeout or a malformed call becomes an error reply, counted); one that
+stopped on that token elsewhere (the ``>`` of an opening tag) just continues. A sample ends at
+its answer (the end-of-sequence token), when its environment says done, after ``max_turns`` turns,
+when its response span reaches ``max_tokens``, or when a turn reaches ``max_new_tokens`` without
+ending.
+
+Sampling stays reproducible per sample, whatever the batching: the first step draws as a
+single-turn rollout does (group ``g``, sample ``j``), and the ``k``-th later step of a sample draws
+from its own stream, a function of ``(seed, g, j, k)`` (:func:`step_group`). Every step of a call to
+:meth:`TurnLoop.generate` uses the engine's weights of that moment, so all turns of a sample come
+from one policy version (a weight sync lands between calls).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any
+
+from rlinf_lightning.engines.rollout import Completion, RolloutEngine, SamplingParams
+from rlinf_lightning.flow.metrics import Metrics
+from rlinf_lightning.prompts import PromptFormat
+from rlinf_lightning.seeds import row_seed
+from rlinf_lightning.tools.environment import ToolEnvironment
+from rlinf_lightning.tools.tool import Outcome, run_abandonable
+
+#: mixed into the seed of a sample's later steps (apart from the first step's stream)
+TURN_SEED = 15485863
+#: why a sample ended, as counted in ``tools/ended_<why>``
+ENDINGS = ("answer", "done", "turns", "budget", "length")
+
+
+def step_group(group: int, sample: int, step: int) -> int:
+    """The group id under which sample ``sample`` of ``group`` draws its ``step``-th later step
+    (with ``n=1``): a per-sample stream independent of which samples share the engine call."""
+    return row_seed(TURN_SEED + step, group, sample)
+
+
+def final_turn(completion: Completion) -> list[int]:
+    """The tokens after the last environment reply (all of them without one): the answer."""
+    mask = completion.mask or []
+    last_reply = max((i for i, m in enumerate(mask) if not m), default=-1)
+    return completion.token_ids[last_reply + 1 :]
+
+
+def environment_factory(spec: dict[str, Any] | None, tools: list[str]) -> Callable[[], Any]:
+    """A function building one environment: ``spec``'s ``{class_path, init_args}``, or a
+    :class:`ToolEnvironment` with ``tools``."""
+    if spec is None:
+        return lambda: ToolEnvironment(list(tools))
+    module, _, name = spec["class_path"].rpartition(".")
+    cls, kwargs = getattr(importlib.import_module(module), name), dict(spec.get("init_args") or {})
+    return lambda: cls(**kwargs)
+
+
+def environment_problems(spec: Any, tools: list[str]) -> list[tuple[str, str]]:
+    """``(key, problem)`` for an environment that cannot be built (checked before any worker
+    starts: the class imports, it has ``step``, and an instance builds), or unknown tools."""
+    from rlinf_lightning.tools.tool import TOOLS
+
+    problems = [("tools", TOOLS.unknown_message(t)) for t in tools if t not in TOOLS]
+    if spec is None:
+        return problems
+    if tools:
+        return problems + [("environment", "set task.tools or task.environment, not both "
+                            "(an environment builds its own tools)")]  # fmt: skip
+    if not isinstance(spec, dict) or "class_path" not in spec:
+        return problems + [("environment", f"must be {{class_path, init_args}}, got {spec!r}")]
+    try:
+        env = environment_factory(spec, tools)()
+    except Exception as exc:  # noqa: BLE001 - the user's class: any failure is reported by key
+        return problems + [("environment", f"cannot build {spec['class_path']}: {type(exc).__name__}: {exc}")]
+    missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+    if missing:
+        problems.append(("environment", f"{spec['class_path']} has no {' or '.join(missing)} method"))
+    return problems
+
+
+@dataclass
+class _Sample:
+    env: Any
+    prompt: list[int]
+    group: int
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turn_start: int = 0  # where the current turn began in ``tokens``
+    turns: int = 1
+    calls: int = 0  # tool calls answered
+    steps: int = 0  # engine calls after the first
+    pending: str | None = None  # a finished turn waiting for its environment's step
+    ended: str = ""
+
+
+@dataclass
+class TurnLoop:
+    """Multi-turn generation (see the module docstring).
+
+    Args:
+        environment: builds one environment per sample (:func:`environment_factory`).
+        max_turns: the policy's turns per sample (a call in the last one gets no reply).
+        max_tokens: the response span's budget: generated tokens and replies together.
+        timeout_s: how long one ``env.step`` (a tool call) may take before it is abandoned.
+    """
+
+    environment: Callable[[], Any]
+    max_turns: int
+    max_tokens: int
+    timeout_s: float = 5.0
+
+    def generate(
+        self,
+        engine: RolloutEngine,
+        tokenizer: Any,
+        prompt_format: PromptFormat,
+        problems: list[str],
+        groups: list[int],
+        n: int,
+        params: SamplingParams,
+        seed: int,
+        metrics: Metrics | None = None,
+    ) -> tuple[list[list[int]], list[list[Completion]]]:
+        """``(prompt_ids, completions)`` as ``engine.generate`` gives them for a single turn, each
+        completion's ``mask`` marking the replies (0) among its tokens."""
+        metrics = metrics if metrics is not None else Metrics()
+        for counter in ("calls", "errors", "timeouts", "malformed"):
+            metrics.sum(f"tools/{counter}", 0)
+        samples, prompt_ids = [], []
+        for problem, group in zip(problems, groups):
+            envs = [self.environment() for _ in range(n)]
+            texts = [env.reset(problem) for env in envs]  # each env starts; the first's text is the prompt
+            (ids,) = prompt_format.encode(tokenizer, texts[:1])
+            prompt_ids.append(ids)
+            samples += [_Sample(env, ids, group, j) for j, env in enumerate(envs)]
+        stops = list(getattr(samples[0].env, "stop", ())) if samples else []
+        stop_ids = [tokenizer.eos_token_id] + [
+            tokenizer(s, add_special_tokens=False)["input_ids"][-1] for s in stops
+        ]
+        first = replace(params, max_new_tokens=min(params.max_new_tokens, self.max_tokens))
+        outs = engine.generate(prompt_ids, groups, n, first, seed, stop_ids)
+        firsts = (c for cs in outs for c in cs)
+        running = [s for s, c in zip(samples, firsts) if self._advance(s, c, tokenizer, stops, params)]
+        running = self._answer(running, tokenizer, metrics)
+        while running:
+            cap = max(self._cap(s, params) for s in running)
+            outs = engine.generate(
+                [s.prompt + s.tokens for s in running],
+                [step_group(s.group, s.index, s.steps) for s in running],
+                1,
+                replace(params, max_new_tokens=cap),
+                seed,
+                stop_ids,
+            )
+            for s in running:
+                s.steps += 1
+            running = [s for s, (c,) in zip(running, outs) if self._advance(s, c, tokenizer, stops, params)]
+            running = self._answer(running, tokenizer, metrics)
+        self._count(samples, metrics)
+        completions = [Completion(s.tokens, s.logprobs, s.mask) for s in samples]
+        return prompt_ids, [completions[i : i + n] for i in range(0, len(completions), n)]
+
+    def _advance(
+        self,
+        s: _Sample,
+        new: Completion,
+        tokenizer: Any,
+        stops: list[str],
+        params: SamplingParams,
+    ) -> bool:
+        """Append a step's tokens to ``s`` (cut to its own caps), marking a finished call as
+        ``pending``; whether ``s`` keeps running."""
+        cap = self._cap(s, params)
+        tokens = new.token_ids[:cap]
+        s.tokens += tokens
+        s.logprobs += new.logprobs[:cap]
+        s.mask += [1] * len(tokens)
+        turn = tokenizer.decode(s.tokens[s.turn_start :], skip_special_tokens=True)
+        if tokens and tokens[-1] == tokenizer.eos_token_id:
+            return self._end(s, "answer")
+        if any(turn.endswith(stop) for stop in stops):
+            s.pending = turn
+            return True
+        if len(s.tokens) >= self.max_tokens:
+            return self._end(s, "budget")
+        if len(s.tokens) - s.turn_start >= params.max_new_tokens or not tokens:
+            return self._end(s, "length")
+        return True  # stopped on a stop string's last token inside the turn: go on
+
+    def _answer(self, running: list[_Sample], tokenizer: Any, metrics: Metrics) -> list[_Sample]:
+        """Run the pending steps of ``running`` at once (each abandoned after ``timeout_s``) and
+        append their replies; the samples still running."""
+        calling = [s for s in running if s.pending is not None]
+        outcomes = run_abandonable([partial(s.env.step, s.pending) for s in calling], self.timeout_s)
+        ended = {id(s) for s, out in zip(calling, outcomes) if not self._reply(s, out, tokenizer, metrics)}
+        return [s for s in running if id(s) not in ended]
+
+    def _reply(self, s: _Sample, outcome: Outcome, tokenizer: Any, metrics: Metrics) -> bool:
+        s.calls, s.pending = s.calls + 1, None
+        metrics.sum("tools/calls", 1)
+        if outcome.status == "ok":
+            reply, done = outcome.value
+            if done:
+                return self._end(s, "done")
+        else:
+            metrics.sum("tools/errors", 1)  # every failed call; timeouts and malformed ones also apart
+            if outcome.status == "timeout":
+                metrics.sum("tools/timeouts", 1)
+            elif outcome.status == "malformed":
+                metrics.sum("tools/malformed", 1)
+            error = getattr(s.env, "error", None)
+            reply = error(outcome.message) if error is not None else f"error: {outcome.message}"
+        if s.turns >= self.max_turns:
+            return self._end(s, "turns")
+        ids = tokenizer(str(reply), add_special_tokens=False)["input_ids"]
+        if len(s.tokens) + len(ids) >= self.max_tokens:  # no room left to answer after it
+            return self._end(s, "budget")
+        s.tokens += ids
+        s.logprobs += [0.0] * len(ids)
+        s.mask += [0] * len(ids)
+        s.turns, s.turn_start = s.turns + 1, len(s.tokens)
+        return True
+
+    def _cap(self, s: _Sample, params: SamplingParams) -> int:
+        """How many more tokens ``s`` may generate now: its turn's and its budget's rest."""
+        return min(params.max_new_tokens - (len(s.tokens) - s.turn_start), self.max_tokens - len(s.tokens))
+
+    @staticmethod
+    def _end(s: _Sample, why: str) -> bool:
+        s.ended = why
+        return False
+
+    @staticmethod
+    def _count(samples: list[_Sample], metrics: Metrics) -> None:
+        if not samples:
+            return
+        metrics.distribution("tools/turns", [s.turns for s in samples])
+        metrics.sum("tools/masked_tokens", sum(len(s.mask) - sum(s.mask) for s in samples))
+        metrics.mean("tools/calling_share", sum(s.calls > 0 for s in samples) / len(samples), len(samples))
+        for why in ENDINGS:
+            metrics.sum(f"tools/ended_{why}", sum(s.ended == why for s in samples))
+
+    def evaluate(
+        self,
+        engine: RolloutEngine,
+        tokenizer: Any,
+        prompt_format: PromptFormat,
+        prompts: list[str],
+        answers: list[str],
+        reward: str,
+        sampling: SamplingParams,
+        batch_size: int = 256,
+    ) -> tuple[float, float]:
+        """Greedy held-out ``(accuracy, share of samples that called a tool)``: the final turn's
+        text judged by ``reward``, each turn capped at ``sampling.max_new_tokens``."""
+        from rlinf_lightning.rewards import RewardInput, load_reward, score
+
+        judge = load_reward(reward)
+        judge.setup()
+        greedy = replace(sampling, temperature=0.0)
+        correct = calling = 0.0
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i : i + batch_size]
+            _, outs = self.generate(
+                engine, tokenizer, prompt_format, chunk, list(range(i, i + len(chunk))), 1, greedy, 0
+            )
+            texts = [tokenizer.decode(final_turn(cs[0]), skip_special_tokens=True) for cs in outs]
+            correct += float(score(judge, RewardInput(texts, answers[i : i + batch_size], chunk)).sum())
+            calling += sum(0 in (cs[0].mask or []) for cs in outs)
+        return correct / max(1, len(prompts)), calling / max(1, len(prompts))

@@ -1,0 +1,222 @@
+"""Multi-turn rollouts with tools: the calculator, the turn loop's endings and failure replies, the
+loss mask with holes (no gradient, no count on tool replies), behaviour log-probs, and a run that
+goes on through failing tools."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlinf_lightning import LMPolicy, RLTrainer
+from rlinf_lightning.algorithms import ALGORITHMS
+from rlinf_lightning.algorithms.advantages import returns_to_go, token_gae
+from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
+from rlinf_lightning.errors import ConfigError
+from rlinf_lightning.flow.metrics import Metrics
+from rlinf_lightning.prompts import RAW
+from rlinf_lightning.tools import TurnLoop, calculate, environment_factory, final_turn
+from rlinf_lightning.workflows.padding import trim_padding
+from rlinf_lightning.workflows.reasoning.actor import PolicyLoss
+from rlinf_lightning.workflows.reasoning.rollout import pack_samples
+from trainer_defaults import MetricsRecorder, tiny_task, tiny_trainer_kwargs
+
+DIGITS = "rlinf_lightning.testing.DigitTurns"
+PROMPTS = ["What is 12+7?=", "What is 3+30?=", "What is 41+5?="]
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def engine(assets):
+    return HFRolloutEngine(str(assets["sft"]))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(assets):
+    return LMPolicy(str(assets["sft"])).load_tokenizer()
+
+
+def _loop(mode="reply", max_turns=3, max_tokens=40, timeout_s=5.0, **env):
+    spec = {"class_path": DIGITS, "init_args": {"mode": mode, **env}}
+    return TurnLoop(environment_factory(spec, []), max_turns, max_tokens, timeout_s)
+
+
+def _run(loop, engine, tokenizer, prompts=PROMPTS, groups=None, n=2, sampling=SAMPLING):
+    metrics = Metrics()
+    groups = list(range(len(prompts))) if groups is None else groups
+    ids, comps = loop.generate(engine, tokenizer, RAW, prompts, groups, n, sampling, 0, metrics)
+    return ids, comps, metrics.compute()
+
+
+def _replies(tokenizer, completion) -> list[str]:
+    """The texts of a completion's masked runs (the environment's replies)."""
+    runs, current = [], []
+    for t, m in zip(completion.token_ids, completion.mask):
+        if not m:
+            current.append(t)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    return runs + ([tokenizer.decode(current)] if current else [])
+
+
+def test_calculator_computes_arithmetic_and_refuses_everything_else():
+    assert [calculate(e) for e in ("12*34", "-(3+4)/2", "7/7", " 2 - -3 ")] == ["408", "-3.5", "1", "5"]
+    for bad in ("__import__('os')", "2**3", "a+1", "(1).real", "[1]", "1 if 1 else 2", "", "9" * 201):
+        with pytest.raises(ValueError):
+            calculate(bad)
+    with pytest.raises(ZeroDivisionError):
+        calculate("1/0")
+
+
+@pytest.mark.parametrize(
+    ("mode", "counter", "message"),
+    [("raise", None, "error: RuntimeError: the tool broke"),
+     ("sleep", "tools/timeouts", "error: timed out after 0.2 s"),
+     ("malformed", "tools/malformed", "error: MalformedCall: not a call")],
+)  # fmt: skip
+def test_a_failing_call_gets_an_error_reply_and_is_counted(engine, tokenizer, mode, counter, message):
+    """A step that raises, outlives its timeout or reads a malformed call: the policy gets an error
+    reply as context and goes on to its next turn; the failure is counted, and nothing hangs."""
+    start = time.perf_counter()
+    _, comps, metrics = _run(_loop(mode, max_turns=2, timeout_s=0.2, sleep_s=60.0), engine, tokenizer)
+    assert time.perf_counter() - start < 30  # calls that sleep a minute, none waited for
+    calls = metrics["tools/calls"]
+    assert calls >= 4, metrics  # a digit ends the warm start's first turn in most samples
+    assert metrics["tools/errors"] == calls
+    if counter:
+        assert metrics[counter] == calls
+    replies = [r for cs in comps for c in cs for r in _replies(tokenizer, c)]
+    # every call is answered, but a call in the last turn has nothing after it to read its reply
+    assert len(replies) == calls - metrics["tools/ended_turns"] > 0 and set(replies) == {message}
+
+
+def test_turn_cap_and_token_budget_end_samples(engine, tokenizer):
+    _, comps, metrics = _run(_loop(max_turns=2, max_tokens=40), engine, tokenizer)
+    assert metrics["tools/turns_max"] == 2 and metrics["tools/ended_turns"] >= 1, metrics
+    for c in (c for cs in comps for c in cs):
+        assert len(_replies(tokenizer, c)) <= 1  # a call in the last turn gets no reply
+    # a budget of 5: a one-digit turn and its 4-token reply leave no room to answer, so every
+    # sample that calls ends there, although 10 turns are allowed
+    _, comps, metrics = _run(_loop(max_turns=10, max_tokens=5), engine, tokenizer)
+    assert metrics["tools/ended_budget"] >= metrics["tools/calls"] >= 1, metrics
+    assert max(len(c.token_ids) for cs in comps for c in cs) <= 5
+    _, _, metrics = _run(_loop(done_after=1), engine, tokenizer)
+    assert metrics["tools/ended_done"] >= 3 and metrics["tools/turns_max"] == 1, metrics
+
+
+def test_multi_turn_sampling_does_not_depend_on_the_batch(engine, tokenizer):
+    """A sample's turns draw from its own streams: alone or beside others, it is the same (hot
+    sampling, so that a later turn drawn from another stream would differ)."""
+    hot = SamplingParams(temperature=3.0, max_new_tokens=8)
+    _, together, _ = _run(_loop(), engine, tokenizer, n=4, sampling=hot)
+    _, apart, _ = _run(_loop(), engine, tokenizer, PROMPTS[1:], [1, 2], n=4, sampling=hot)
+    assert [[c.token_ids for c in cs] for cs in together[1:]] == [[c.token_ids for c in cs] for cs in apart]
+    assert any(0 in c.mask for cs in apart for c in cs)  # several turns were taken
+
+
+def _multi_turn_batch(engine, tokenizer) -> TensorDict:
+    ids, comps, metrics = _run(_loop(), engine, tokenizer)
+    assert metrics["tools/masked_tokens"] > 0
+    tensors = pack_samples(ids, comps, tokenizer.pad_token_id)
+    return TensorDict(tensors, batch_size=[len(tensors["input_ids"])])
+
+
+def test_behaviour_logprobs_of_multi_turn_samples_equal_the_actors(assets, engine, tokenizer):
+    batch = _multi_turn_batch(engine, tokenizer)
+    policy = LMPolicy(str(assets["sft"]))
+    policy.configure_model()
+    with torch.no_grad():
+        actor = policy.forward_logprobs(batch, 1.0)
+    mask = batch["response_mask"]
+    assert (mask == 0).logical_and(batch["attention_mask"][:, -mask.shape[1] :] == 1).any()  # holes
+    torch.testing.assert_close(actor * mask, batch["rollout_logprobs"], atol=2e-4, rtol=0)
+
+
+def test_tool_reply_tokens_get_no_gradient_and_no_count(assets, engine, tokenizer):
+    """The loss over a multi-turn batch: zero gradient on every reply token's log-prob, the token
+    count is the generated tokens only, and the reply tokens' advantages change nothing."""
+    batch = _multi_turn_batch(engine, tokenizer)
+    mask = batch["response_mask"]
+    span = batch["attention_mask"][:, -mask.shape[1] :]
+    replies = (span == 1) & (mask == 0)
+    batch["advantage"] = torch.linspace(0.5, 1.5, mask.numel()).view(mask.shape)  # non-zero everywhere
+    policy = LMPolicy(str(assets["sft"]))
+    policy.configure_model()
+    algorithm = ALGORITHMS.get("grpo")(loss_agg="token-mean")
+    logp = policy.forward_logprobs(batch, 1.0).detach().requires_grad_(True)
+    loss, count, _ = algorithm.loss(logp, batch["rollout_logprobs"], batch["advantage"], mask)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert count == mask.sum() < span.sum()
+    assert bool((grad[replies] == 0).all()) and bool((grad[mask == 1] != 0).all())
+    # through the actor's loss on the policy: the reply tokens' advantages do not move it
+    full = PolicyLoss(algorithm, 1.0)(policy, batch)
+    batch["advantage"] = torch.where(replies, 100.0, batch["advantage"])
+    again = PolicyLoss(algorithm, 1.0)(policy, batch)
+    assert full[1] == count and torch.equal(full[0], again[0])
+
+
+def test_the_recursions_and_the_reward_skip_tool_replies():
+    """With holes in the mask, returns and GAE equal those of the generated tokens alone, the
+    reward sits on the last generated token, and trimming keeps the whole span."""
+    mask = torch.tensor([[1.0, 1, 0, 0, 1, 1, 0], [1, 0, 1, 0, 0, 0, 0]])
+    rewards = torch.tensor([[0.1, 0.2, 5.0, 5.0, 0.3, 1.0, 9.0], [0.5, 7.0, 1.0, 0, 0, 0, 0]])
+    values = torch.tensor([[0.4, 0.3, 8.0, 8.0, 0.2, 0.1, 8.0], [0.6, 8.0, 0.5, 0, 0, 0, 0]])
+    dense = [torch.tensor([[0.1, 0.2, 0.3, 1.0]]), torch.tensor([[0.5, 1.0]])]
+    dense_v = [torch.tensor([[0.4, 0.3, 0.2, 0.1]]), torch.tensor([[0.6, 0.5]])]
+    adv, ret = token_gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    g = returns_to_go(rewards, mask, 0.9)
+    for row, (r, v) in enumerate(zip(dense, dense_v)):
+        keep = mask[row] > 0
+        a, rt = token_gae(r, v, torch.ones_like(r), gamma=0.9, lam=0.8)
+        torch.testing.assert_close(adv[row][keep], a[0])
+        torch.testing.assert_close(ret[row][keep], rt[0])
+        torch.testing.assert_close(g[row][keep], returns_to_go(r, torch.ones_like(r), 0.9)[0])
+        assert bool((adv[row][~keep] == 0).all())
+    grpo = ALGORITHMS.get("grpo")()
+    placed = grpo.token_rewards(torch.tensor([1.0, 2.0]), mask, None, 0.0)
+    assert placed[0, 5] == 1.0 and placed[1, 2] == 2.0 and placed.sum() == 3.0
+    attention = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 0, 0, 0, 0]])
+    batch = TensorDict(
+        {"input_ids": torch.zeros(2, 9, dtype=torch.long), "attention_mask": attention,
+         "response_mask": torch.cat([mask[:, :6], torch.zeros(2, 1)], 1)[:, :7]},
+        batch_size=[2],
+    )  # fmt: skip
+    assert trim_padding(batch)["response_mask"].shape[-1] == 6  # the span, past its last 1 (column 5)
+
+
+def test_a_run_goes_on_through_failing_tools(assets, tmp_path):
+    """Three iterations, asynchronous (``max_staleness=1``), whose every call sleeps past its
+    timeout: the run ends normally (every sample's turns within the staleness bound the actor
+    checks), its samples keep their turns, and the timeouts are logged."""
+    steps = MetricsRecorder()
+    trainer = RLTrainer(**tiny_trainer_kwargs(tmp_path, max_staleness=1, callbacks=[steps]))
+    env = {"class_path": DIGITS, "init_args": {"mode": "sleep", "sleep_s": 2.0}}
+    task = tiny_task(assets, format_reward="number_format", environment=env, tool_timeout_s=0.1, eval_size=4)
+    summary = trainer.fit(LMPolicy(str(assets["sft"]), lr=1e-3), task)
+    assert summary["iterations"] == 3
+    for m in steps.metrics:
+        assert m["rollout/tools/timeouts"] == m["rollout/tools/calls"] > 0, m
+        assert m["rollout/tools/masked_tokens"] > 0 and m["actor/grad_norm"] > 0, m
+
+
+@pytest.mark.parametrize(
+    ("over", "key"),
+    [({"tools": ["calculater"]}, "task.tools"),
+     ({"tools": ["calculator"], "environment": {"class_path": DIGITS}}, "task.environment"),
+     ({"environment": {"class_path": "nowhere.Env"}}, "task.environment"),
+     ({"tools": ["calculator"], "max_turns": 0}, "task.max_turns")],
+)  # fmt: skip
+def test_bad_tool_settings_are_refused_by_key(assets, tmp_path, over, key):
+    trainer = RLTrainer(**tiny_trainer_kwargs(tmp_path))
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        trainer.fit(LMPolicy(str(assets["sft"])), tiny_task(assets, **over))
+
+
+def test_final_turn_is_the_answer_after_the_last_reply(engine, tokenizer):
+    _, comps, _ = _run(_loop(), engine, tokenizer)
+    for c in (c for cs in comps for c in cs):
+        last = max((i for i, m in enumerate(c.mask) if not m), default=-1)
+        assert final_turn(c) == c.token_ids[last + 1 :] and all(c.mask[last + 1 :])

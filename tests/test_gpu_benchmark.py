@@ -36,3 +36,17 @@ def test_every_section_runs_on_the_cpu_with_a_tiny_model():
     assert r["iteration"]["stages_s"]["actor"] > 0  # the timing reward gives every group signal
     # on one CPU rank FSDP runs the same autocast as the single engine: the same updates
     assert r["fsdp"]["loss_rel_diff"] < 1e-6 and r["fsdp"]["update_cosine"] > 0.9999
+
+
+def test_decode_dispatches_no_more_ops_per_step_than_plain_generate():
+    """The issue's bar at a tiny size: ours <= ``generate``'s ops per decode step at the larger batch,
+    and growing with the rows no more than it does (the per-row noise draws grew with the rows)."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "decode_ops.py"), "--rows", "8,64", "--group", "4",
+         "--short", "4", "--long", "12"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["ours_le_generate"] and r["growth_le_generate"], r
+    assert r["ops_per_step"]["64"]["ours"] > 100  # it counted a model's forward

@@ -54,7 +54,7 @@ def test_uniforms_are_per_row_and_per_step():
     keys = row_keys([row_seed(0, g, j) for g in range(50) for j in range(4)], "cpu")
     u = torch.stack([counter_uniforms(keys, t) for t in range(20)])
     assert u.min() > 0 and u.max() < 1
-    assert len(torch.unique(u)) == u.numel()  # every (row, step) its own number
+    assert len(torch.unique(u)) >= u.numel() - 3  # 24-bit values: ~0.5 birthday collisions expected
     torch.testing.assert_close(counter_uniforms(keys[7:8], 3), u[3, 7:8], rtol=0, atol=0)
     assert abs(float(u.mean()) - 0.5) < 0.02
 

@@ -118,6 +118,13 @@ def engine_option_problems(name: str, options: dict[str, Any]) -> list[tuple[str
     ]
 
 
+def after_stop(tokens: torch.Tensor, logps: torch.Tensor, stop: torch.Tensor, pad: int):
+    """``pad`` tokens and log-prob ``0`` after each row's first stop token (on the host)."""
+    hit = torch.isin(tokens, stop).long()
+    past = (hit.cumsum(1) - hit) > 0
+    return tokens.masked_fill(past, pad).cpu(), logps.masked_fill(past, 0.0).cpu()
+
+
 @ROLLOUT_ENGINES.register("hf")
 class HFRolloutEngine(RolloutEngine):
     """A ``transformers`` model with our own decode loop (gpt-fast's split: :meth:`_prefill`, one
@@ -205,21 +212,24 @@ class HFRolloutEngine(RolloutEngine):
             step_fn = lambda token, t, pos: self._decode_step(token, full_mask[:, : width + t + 1], pos, past)  # noqa: E731
         else:
             logits = self.graphs.prefill_logits
-        pos = pos[:, -1]
+        pos = pos[:, -1:]
         done = torch.zeros(rows, dtype=torch.bool, device=ids.device)
-        tokens = torch.full((rows, steps), pad, dtype=torch.long, device=ids.device)
-        logps = torch.zeros((rows, steps), device=ids.device)
+        tokens, logps = [], []
         for t in range(steps):
-            u = counter_uniforms(keys, t)
-            nxt, logp = sample_next(logits, u, params.temperature, params.top_k, params.top_p)
-            tokens[:, t] = nxt.masked_fill(done, pad)
-            logps[:, t] = logp.masked_fill(done, 0.0)
-            done |= torch.isin(nxt, stop)
-            if t + 1 == steps or ((t + 1) % STOP_CHECK_EVERY == 0 and bool(done.all())):
-                return tokens[:, : t + 1].cpu(), logps[:, : t + 1].cpu()
+            nxt, logp = sample_next(
+                logits, counter_uniforms(keys, t), params.temperature, params.top_k, params.top_p
+            )
+            tokens.append(nxt)
+            logps.append(logp)
+            if t + 1 == steps:
+                break
+            if (t + 1) % STOP_CHECK_EVERY == 0:  # the host waits for the device only here
+                done |= torch.isin(torch.stack(tokens[-STOP_CHECK_EVERY:], 1), stop).any(1)
+                if bool(done.all()):
+                    break
             pos = pos + 1
-            logits = step_fn(nxt, t, pos[:, None])
-        return tokens.cpu(), logps.cpu()
+            logits = step_fn(nxt, t, pos)
+        return after_stop(torch.stack(tokens, 1), torch.stack(logps, 1), stop, pad)
 
     def update_weights(self, named_tensors, *, partial=False):
         params = dict(self.model.named_parameters())  # a tied lm_head is the embedding, listed once

@@ -1,8 +1,8 @@
 """Sampling a next token for every row at once, from counter-based noise.
 
 A row's noise is a pure function of ``(row key, step)``: a few integer hash operations on the row's
-key (``seeds.row_seed(seed, group, sample)``) and the decode step, turned into one uniform per row
-and step. So every row of a batch gets its own random stream in one vectorised op (no generator per
+key (from ``seeds.row_seed(seed, group, sample)``) and the decode step, turned into one uniform per
+row and step. So every row of a batch gets its own random stream in one vectorised op (no generator per
 row, no per-row launch), and a row draws the same tokens whatever rows it is batched with.
 
 The uniform picks the token by inverse-CDF over the (filtered) distribution: one uniform per row
@@ -21,7 +21,7 @@ _MASK32 = 0xFFFF_FFFF
 # odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so int64 never overflows
 _MUL_A = 0x7FEB_352D
 _MUL_B = 0x5BD1_E995
-_STEP_MUL = 0x2C1B_3C6D
+_STEP_MUL = 0x9E37_79B9  # 2**32 / golden ratio (odd): consecutive steps land far apart
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -34,17 +34,17 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def row_keys(seeds: Sequence[int], device: str | torch.device) -> torch.Tensor:
-    """``[B, 2]`` int64: each row's 63-bit seed as two 32-bit halves (the counter hash's key)."""
-    return torch.tensor([[s & _MASK32, (s >> 32) & _MASK32] for s in seeds], dtype=torch.long, device=device)
+    """``[B]`` int64: each row's 63-bit seed hashed to the 32-bit key of its stream (once per
+    rollout, so a step hashes one number per row)."""
+    seeds_t = torch.tensor([[s & _MASK32, (s >> 32) & _MASK32] for s in seeds], dtype=torch.long)
+    return _mix32(seeds_t[:, 0] ^ _mix32(seeds_t[:, 1])).to(device)
 
 
-def counter_uniforms(keys: torch.Tensor, step: torch.Tensor | int) -> torch.Tensor:
-    """One uniform in ``(0, 1)`` per row of ``keys`` ``[B, 2]`` for decode step ``step`` (an int or a
-    0-d int64 tensor, which a captured graph updates in place): 24 random bits, float32's
-    resolution, from a hash of the key's halves and the step. Pure per row: batching cannot change it."""
-    counter = (torch.as_tensor(step, device=keys.device) * _STEP_MUL + 1) & _MASK32
-    h = _mix32(keys[:, 0] ^ _mix32(keys[:, 1] ^ counter))
-    h = _mix32(h ^ counter)
+def counter_uniforms(keys: torch.Tensor, step: int) -> torch.Tensor:
+    """One uniform in ``(0, 1)`` per row of ``keys`` for decode step ``step``: SplitMix's recipe on
+    32 bits, a Weyl sequence (the key plus ``step`` times an odd constant) through the avalanche
+    hash, and its top 24 bits (float32's resolution). Pure per row: batching cannot change it."""
+    h = _mix32((keys + (step * _STEP_MUL + 1)) & _MASK32)
     return ((h >> 8).float() + 0.5) * (1.0 / 2**24)
 
 

@@ -31,17 +31,18 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     and the entropy of each token's distribution under ``softmax((hidden @ W.T + b) / temperature)``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, dtype):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, dtype, with_entropy):
         logp = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
-        entropy = torch.empty_like(logp)
+        entropy = torch.zeros_like(logp)
         lse = torch.empty_like(logp)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, hidden.shape[0], chunk):
                 z = _logits(hidden[s : s + chunk], weight, bias, temperature, dtype)
                 lse[s : s + chunk] = torch.logsumexp(z, -1)
                 logp[s : s + chunk] = z.gather(-1, targets[s : s + chunk, None]).squeeze(-1)
-                log_probs = z.sub_(lse[s : s + chunk, None])
-                entropy[s : s + chunk] = -(log_probs.exp() * log_probs).sum(-1)
+                if with_entropy:
+                    log_probs = z.sub_(lse[s : s + chunk, None])
+                    entropy[s : s + chunk] = -(log_probs.exp() * log_probs).sum(-1)
         logp -= lse
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
@@ -78,7 +79,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                     grad_bias += g.sum(0)
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _logits(hidden, weight, bias, temperature: float, dtype: torch.dtype) -> torch.Tensor:
@@ -95,11 +96,13 @@ def chunked_logprobs(
     targets: torch.Tensor,
     temperature: float,
     chunk: int = LOGIT_CHUNK_TOKENS,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of ``targets`` ``[B, R]`` after ``hidden`` ``[B, R, H]`` through ``head``, and each
-    position's entropy (differentiable; detach it for the log), both ``[B, R]`` float32."""
+    position's entropy (differentiable; detach it for the log; ``None`` unless ``entropy``), both
+    ``[B, R]`` float32."""
     b, r, _ = hidden.shape
-    logp, entropy = ChunkedHeadLogprobs.apply(
+    logp, ent = ChunkedHeadLogprobs.apply(
         hidden.reshape(b * r, -1),
         head.weight,
         head.bias,
@@ -107,5 +110,6 @@ def chunked_logprobs(
         temperature,
         chunk,
         _compute_dtype(hidden, head.weight),
+        entropy,
     )
-    return logp.view(b, r), entropy.view(b, r)
+    return logp.view(b, r), ent.view(b, r) if entropy else None

@@ -180,8 +180,10 @@ class LMPolicy(RLModule):
             hidden = out.hidden_states[-1][:, -response.shape[-1] - 1 : -1]
             del out
             targets = ids[:, -response.shape[-1] :]
-            logp, entropy = chunked_logprobs(hidden, head, targets, temperature, self.logit_chunk_tokens)
-            entropy = None if want is None else entropy if want == "grad" else entropy.detach()
+            logp, entropy = chunked_logprobs(
+                hidden, head, targets, temperature, self.logit_chunk_tokens, entropy=want is not None
+            )
+            entropy = entropy.detach() if want == "value" else entropy
         else:
             with self.training_attention(ids):
                 logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits

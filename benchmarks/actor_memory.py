@@ -59,7 +59,7 @@ def _stage(model: Path, device: str, budget: int | None, chunk: int | None, prom
     from rlinf_lightning.workflows.reasoning.actor import ActorStage
 
     policy = LMPolicy(str(model), lr=1e-6, logit_chunk_tokens=chunk)
-    spec = TrainSpec("single", {}, "bf16-mixed")
+    spec = TrainSpec("single", {}, "auto")  # bf16-mixed on a GPU; float32 on a CPU without bf16
     return ActorStage(policy, GRPO(), spec, 1.0, None, budget, new, max_prompt_tokens=prompt)
 
 

@@ -30,6 +30,14 @@ rollout engine, ``RLTrainer.fit``), not a re-implementation:
   and grad norm per step and the weights' change over the 3 steps, relative differences.
 - ``compile``: the actor step with the train engine's ``compile()`` (``trainer.compile``; its
   compile seconds reported).
+- ``defaults``: the actor with no micro-batch size or token budget: the budget it chooses for this
+  device (``flow.budget``), predicted and measured peak memory (``actor_memory.py``).
+- ``chunked``: the actor step with the chunked lm head and with whole logits at the smallest
+  budget: peak memory, MFU (``actor_memory.py``).
+- ``generate``: our ``hf`` engine beside plain ``model.generate`` on the same model, device, dtype
+  and sizes: ``rollout_over_generate`` = generate's seconds over ours (``decode_ops.py``).
+- ``decode_ops``: aten ops dispatched per decode step, ours and ``generate``'s, at ``--ops-rows``
+  (eager: the CUDA-graph path replays one graph a step) (``decode_ops.py``).
 
 The last line is one JSON object with every figure.
 """
@@ -61,6 +69,16 @@ SHAPES = {
         "rope_theta": 1000000.0,
         "rms_norm_eps": 1e-6,
     },
+    # the 0.5b vocabulary on a small body: what the logits cost, measurable on a CPU
+    "vocab": {
+        "vocab_size": 151936,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+    },
     # the same code on a CPU in seconds
     "tiny": {
         "vocab_size": 1024,
@@ -72,7 +90,10 @@ SHAPES = {
         "max_position_embeddings": 1024,
     },
 }
-SECTIONS = ("peak", "actor", "rollout", "sync", "iteration", "fsdp", "compile")
+SECTIONS = (
+    "peak", "actor", "rollout", "sync", "iteration", "fsdp", "compile", "defaults", "chunked", "generate",
+    "decode_ops",
+)  # fmt: skip
 
 
 def build_model(path: Path, shape: dict) -> Path:
@@ -413,6 +434,8 @@ def main() -> None:
     ap.add_argument(
         "--token-vocab", type=int, default=None, help="sample ids below this (default: the vocabulary)"
     )
+    ap.add_argument("--logit-chunk", type=int, default=1024, help="chunked section: tokens per lm-head chunk")
+    ap.add_argument("--ops-rows", default="32,256", help="decode_ops section: batch sizes")
     args = ap.parse_args()
     args.max_tokens = sorted(int(x) for x in args.max_tokens.split(","))
     if args.device == "cuda":
@@ -462,6 +485,10 @@ def main() -> None:
                     result["fsdp"] = bench_fsdp(model, args)
                 elif name == "compile":
                     result["compile"] = bench_compile(model, args, peak)
+                elif name in ("defaults", "chunked"):
+                    result[name] = bench_memory(name, model, args, peak)
+                elif name in ("generate", "decode_ops"):
+                    result[name] = bench_decode(name, model, args, engine)
             except Exception as exc:  # one section's failure is a finding; the others still run
                 import traceback
 
@@ -473,6 +500,35 @@ def main() -> None:
     if out := os.environ.get("OUT"):
         Path(out, "gpu.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
+
+
+def bench_memory(name: str, model: Path, args, peak: float) -> dict:
+    from actor_memory import bench_chunked, bench_defaults
+
+    from rlinf_lightning.flow.memory import gpu_memory, host_memory
+
+    batch = rollout_batch(args.sequences, args.token_vocab, args.new_tokens)
+    if name == "chunked":
+        return bench_chunked(model, args, batch, peak)
+    device_bytes = (
+        gpu_memory(torch.device(args.device).index or 0) if args.device.startswith("cuda") else host_memory()
+    )
+    return bench_defaults(model, args, batch, device_bytes)
+
+
+def bench_decode(name: str, model: Path, args, engine) -> dict:
+    from decode_ops import decode_ops, rollout_over_generate
+
+    from rlinf_lightning.engines.rollout import HFRolloutEngine
+
+    if name == "decode_ops":  # eager, as the profiler counts dispatched ops
+        eager = HFRolloutEngine(str(model), device=args.device, dtype="bfloat16", cuda_graph=False)
+        rows = [int(r) for r in args.ops_rows.split(",")]
+        return decode_ops(eager, rows, args.group, args.token_vocab, short=4, long=12)
+    engine = engine or HFRolloutEngine(str(model), device=args.device, dtype="bfloat16")
+    return rollout_over_generate(
+        engine, args.sequences, args.group, args.token_vocab, args.new_tokens, args.repeats
+    )
 
 
 def _load_meta(path: Path):

@@ -4,24 +4,29 @@ Built-in: ``hf``, a KV-cached sampling loop over a ``transformers`` model. Plugi
 register more engines in :data:`ROLLOUT_ENGINES` with the same interface.
 
 Sampling is reproducible per prompt, not per batch: sample ``j`` of prompt group ``g`` draws its
-noise from its own generator seeded by ``(seed, g, j)``. So the completions do not depend on how
-prompts were grouped into micro-batches, which is what lets different execution plans produce the
-same samples.
+noise from a counter-based stream keyed by ``(seed, g, j)`` (``engines.sampling``). So the
+completions do not depend on how prompts were grouped into micro-batches, which is what lets
+different execution plans produce the same samples.
 """
 
 from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rlinf_lightning.engines.offload import Offloader
+from rlinf_lightning.engines.sampling import counter_uniforms, row_keys, sample_next, stop_token_ids
+from rlinf_lightning.engines.static_decode import StaticDecoder
 from rlinf_lightning.registry import Registry
 from rlinf_lightning.seeds import row_seed
+
+#: decode steps between checks that every row has stopped (each check syncs the host with the device)
+STOP_CHECK_EVERY = 8
 
 
 @dataclass
@@ -74,13 +79,12 @@ class RolloutEngine(ABC):
         n: int,
         params: SamplingParams,
         seed: int,
-        eos_token_id: int | list[int],
+        eos_token_id: int | Sequence[int],
     ) -> list[list[Completion]]:
         """``n`` completions per prompt; ``groups[i]`` names prompt ``i`` for per-sample seeding.
 
-        A completion ends with the first token in ``eos_token_id`` (one id or several: the end of
-        a tool call stops a turn too), kept as its last token. ``-1`` never stops early: every
-        completion has ``max_new_tokens`` tokens.
+        A completion ends at (and includes) ``eos_token_id``, or any of a list of stop ids;
+        ``-1`` never stops early: every completion has ``max_new_tokens`` tokens.
         """
 
     @abstractmethod
@@ -116,24 +120,31 @@ def engine_option_problems(name: str, options: dict[str, Any]) -> list[tuple[str
     ]
 
 
-def top_k_top_p_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask logits outside the top-k and the top-p nucleus with -inf (rows independent)."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the token that crosses top_p
-        logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
-    return logits
+def after_stop(tokens: torch.Tensor, logps: torch.Tensor, stop: torch.Tensor, pad: int):
+    """``pad`` tokens and log-prob ``0`` after each row's first stop token (on the host)."""
+    hit = torch.isin(tokens, stop).long()
+    past = (hit.cumsum(1) - hit) > 0
+    return tokens.masked_fill(past, pad).cpu(), logps.masked_fill(past, 0.0).cpu()
 
 
 @ROLLOUT_ENGINES.register("hf")
 class HFRolloutEngine(RolloutEngine):
-    """``transformers`` model with a KV-cached sampling loop (the CPU-friendly fallback)."""
+    """A ``transformers`` model with our own decode loop (gpt-fast's split: :meth:`_prefill`, one
+    :meth:`_decode_step`, the loop in :meth:`_decode`).
 
-    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32") -> None:
+    No per-row or per-token host work: the noise of every row comes from one counter-based draw
+    (``engines.sampling``), and finished rows are checked every ``STOP_CHECK_EVERY`` tokens. On
+    CUDA the decode step runs on a static KV cache and is captured as a CUDA graph
+    (``torch.compile(mode="reduce-overhead")`` of our own step function); where that fails the
+    engine warns once and decodes eagerly. Elsewhere (CPU) it decodes eagerly on the dynamic cache.
+
+    Args:
+        cuda_graph: on CUDA, capture the decode step as a CUDA graph (``False``: always eager).
+    """
+
+    def __init__(
+        self, model_path: str, *, device: str = "cpu", dtype: str = "float32", cuda_graph: bool = True
+    ) -> None:
         super().__init__(model_path, device=device, dtype=dtype)
         from transformers import AutoModelForCausalLM
 
@@ -141,17 +152,22 @@ class HFRolloutEngine(RolloutEngine):
         self.model.to(device).eval()
         self.model.requires_grad_(False)
         self._offloader = Offloader(device)
+        on_cuda = torch.device(device).type == "cuda"
+        self.graphs = StaticDecoder(self.model) if cuda_graph and on_cuda else None
 
     def onload(self) -> None:
         self._offloader.onload(self.model)
 
     def offload(self) -> None:
         self._offloader.offload(self.model)
+        if self.graphs is not None:
+            self.graphs.release()  # its static cache and captured graphs hold device memory
 
     @torch.no_grad()
     def generate(self, prompt_ids, groups, n, params, seed, eos_token_id):
-        stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        pad = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else stops[0]
+        stops = stop_token_ids(eos_token_id)
+        pad = self.model.config.pad_token_id
+        pad = pad if pad is not None else (stops[0] if stops else 0)
         rows = [(p, g, j) for p, g in zip(prompt_ids, groups) for j in range(n)]
         width = max(len(p) for p, _, _ in rows)
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -159,18 +175,8 @@ class HFRolloutEngine(RolloutEngine):
         for i, (p, _, _) in enumerate(rows):
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
-        # one generator per row, on the engine's device: a row's samples depend only on its seed,
-        # wherever it is batched, and on a GPU the noise is drawn there (drawing a vocabulary of
-        # noise per row on the host and copying it over bounded the GPU rollout by the CPU)
-        gens = [torch.Generator(self.device).manual_seed(row_seed(seed, g, j)) for _, g, j in rows]
-        tokens, logps = self._sample(
-            ids.to(self.device),
-            mask.to(self.device),
-            gens,
-            params,
-            torch.tensor(stops, device=self.device),
-            pad,
-        )
+        keys = row_keys([row_seed(seed, g, j) for _, g, j in rows], self.device)
+        tokens, logps = self._decode(ids.to(self.device), mask.to(self.device), keys, params, stops, pad)
         out: list[list[Completion]] = []
         for i in range(len(rows)):
             toks, lps = [], []
@@ -184,41 +190,48 @@ class HFRolloutEngine(RolloutEngine):
             out[-1].append(Completion(toks, lps))
         return out
 
-    def _sample(self, ids, mask, gens, params, stops, pad):
-        greedy = params.temperature <= 0
-        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    def _prefill(self, ids, mask, pos):
+        """The prompts' forward: the logits of their last position and the KV cache."""
         res = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        past, logits = res.past_key_values, res.logits[:, -1]
+        return res.logits[:, -1], res.past_key_values
+
+    def _decode_step(self, token, mask, pos, past):
+        """One token per row through the model on the cache ``past``: the next logits."""
+        res = self.model(
+            input_ids=token[:, None], attention_mask=mask, position_ids=pos, past_key_values=past
+        )
+        return res.logits[:, -1]
+
+    def _decode(self, ids, mask, keys, params, stops, pad):
+        """Up to ``max_new_tokens`` per row: ``[B, T]`` tokens (``pad`` after a stop) and log-probs."""
+        rows, width, steps = ids.shape[0], ids.shape[1], params.max_new_tokens
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        full_mask = torch.cat([mask, mask.new_ones(rows, steps)], dim=-1)  # sliced, never grown
+        stop = torch.tensor(stops or [-1], device=ids.device)
+        step_fn = None if self.graphs is None else self.graphs.prepare(ids, full_mask, pos)
+        if step_fn is None:
+            logits, past = self._prefill(ids, mask, pos)
+            step_fn = lambda token, t, pos: self._decode_step(token, full_mask[:, : width + t + 1], pos, past)  # noqa: E731
+        else:
+            logits = self.graphs.prefill_logits
         pos = pos[:, -1:]
-        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        done = torch.zeros(rows, dtype=torch.bool, device=ids.device)
         tokens, logps = [], []
-        for _ in range(params.max_new_tokens):
-            scaled = logits.float() if greedy else logits.float() / params.temperature
-            logp = torch.log_softmax(scaled, dim=-1)
-            if greedy:
-                nxt = scaled.argmax(-1)
-            else:
-                noise = torch.stack(
-                    [torch.rand(scaled.shape[-1], generator=g, device=g.device) for g in gens]
-                )
-                gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))  # Gumbel-max = exact sampling
-                nxt = (top_k_top_p_filter(scaled, params.top_k, params.top_p) + gumbel).argmax(-1)
-            tokens.append(torch.where(done, pad, nxt))
-            logps.append(torch.where(done, 0.0, logp.gather(-1, nxt[:, None]).squeeze(-1)))
-            done = done | torch.isin(nxt, stops)
-            if bool(done.all()):
-                break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-            pos = pos + 1
-            res = self.model(
-                input_ids=nxt[:, None],
-                attention_mask=mask,
-                position_ids=pos,
-                past_key_values=past,
-                use_cache=True,
+        for t in range(steps):
+            nxt, logp = sample_next(
+                logits, counter_uniforms(keys, t), params.temperature, params.top_k, params.top_p
             )
-            past, logits = res.past_key_values, res.logits[:, -1]
-        return torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()
+            tokens.append(nxt)
+            logps.append(logp)
+            if t + 1 == steps:
+                break
+            if (t + 1) % STOP_CHECK_EVERY == 0:  # the host waits for the device only here
+                done |= torch.isin(torch.stack(tokens[-STOP_CHECK_EVERY:], 1), stop).any(1)
+                if bool(done.all()):
+                    break
+            pos = pos + 1
+            logits = step_fn(nxt, t, pos)
+        return after_stop(torch.stack(tokens, 1), torch.stack(logps, 1), stop, pad)
 
     def update_weights(self, named_tensors, *, partial=False):
         params = dict(self.model.named_parameters())  # a tied lm_head is the embedding, listed once

@@ -12,11 +12,14 @@ overlapping groups that take turns on a slot count the largest of them. Then:
 * on CUDA each worker has the GPU of its first slot (``total_memory``; GPUs of other nodes are
   taken to be like this machine's).
 
-No margin is kept for the process itself (interpreter, CUDA context, allocator fragmentation) and
-stages leave out what they cannot bound from the configuration (activations, the rollout's
-transient logits): the estimate is a floor. So a plan it refuses cannot run, while one it lets
-through may still run out of memory. A stage that gives no estimate (``None``) counts as nothing
-and is named as such in the message.
+The actor counts a training step's peak at its token budget (activations and logits,
+``flow.budget``); with no micro-batch size or budget configured it first chooses the budget that
+fits :data:`~rlinf_lightning.flow.budget.DEVICE_FRACTION` of its device beside the plan's other
+residents (:func:`fit_budgets`). No margin is kept for the process itself (interpreter, CUDA
+context, allocator fragmentation) beyond that fraction, and the other stages leave out what they
+cannot bound from the configuration (their forwards' activations, the rollout's transient
+logits). So a plan it refuses cannot run, while one it lets through may still run out of memory.
+A stage that gives no estimate (``None``) counts as nothing and is named as such in the message.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlinf_lightning.flow.budget import DEVICE_FRACTION
 from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroup
 from rlinf_lightning.flow.stage import MemoryPart
 from rlinf_lightning.flow.workflow import Workflow
@@ -135,11 +139,9 @@ def gpu_memory(index: int) -> int | None:
     return torch.cuda.get_device_properties(index).total_memory
 
 
-def memory_problems(workflow: Workflow, plan: ExecutionPlan) -> list[tuple[str, str]]:
-    """``[("trainer.strategy", message)]`` when some device of ``plan`` cannot hold what its workers
-    need (see the module docstring), else ``[]``. The message names the plan, the device, each
-    stage's share and what it is made of, the total against what the device has, and the fixes.
-    Cheap: parameter counts are cached by the policies, so a planner may ask for many plans."""
+def _places(workflow: Workflow, plan: ExecutionPlan) -> tuple[dict[str, list[WorkerMemory]], dict]:
+    """The workers of ``plan`` by the device memory they share, and each device's size (``None``
+    where this machine cannot see it)."""
     places: dict[str, list[WorkerMemory]] = {}
     have: dict[str, int | None] = {}
     host = host_memory() if plan.accelerator == "cpu" else 0
@@ -151,6 +153,48 @@ def memory_problems(workflow: Workflow, plan: ExecutionPlan) -> list[tuple[str, 
             place, size = f"GPU {gpu} of node {w.node}", gpu_memory(gpu)
         places.setdefault(place, []).append(w)
         have[place] = size
+    return places, have
+
+
+def fit_budgets(workflow: Workflow, plan: ExecutionPlan) -> list[tuple[str, str]]:
+    """Let every stage that sizes its own micro-batches (``fit_budget``: the actor, when no
+    micro-batch size or token budget is configured) choose them for ``plan``: from the usable
+    share of its device (``flow.budget.DEVICE_FRACTION``) less what the plan's workers hold there
+    (the smallest such room over its replicas' devices). The ``(key, problem)`` of any that cannot
+    fit one sample."""
+    fitting = {n: s for n, s in workflow.stages.items() if hasattr(s, "fit_budget")}
+    for stage in fitting.values():
+        stage.reset_budget()
+    if not fitting:
+        return []
+    places, have = _places(workflow, plan)
+    room: dict[str, tuple[float, WorkerMemory]] = {}
+    for place, workers in places.items():
+        if have[place] is None:
+            continue
+        left = have[place] * DEVICE_FRACTION - _need(workers)
+        for w in workers:
+            for name in fitting.keys() & w.parts.keys():
+                if name not in room or left < room[name][0]:
+                    room[name] = (left, w)
+    problems = []
+    for name, (left, w) in room.items():
+        micro = stage_micro_batch(workflow, plan, name)
+        if problem := fitting[name].fit_budget(w.device, left, w.group.replicas, micro):
+            problems.append(problem)
+    return problems
+
+
+def memory_problems(workflow: Workflow, plan: ExecutionPlan) -> list[tuple[str, str]]:
+    """``[("trainer.strategy", message)]`` when some device of ``plan`` cannot hold what its workers
+    need (see the module docstring), else ``[]``. The message names the plan, the device, each
+    stage's share and what it is made of, the total against what the device has, and the fixes.
+    Stages that size their own micro-batches choose them first (:func:`fit_budgets`), and their
+    share then includes a step's peak at that size. Cheap: parameter counts are cached by the
+    policies, so a planner may ask for many plans (the last plan asked sets the budgets)."""
+    if problems := fit_budgets(workflow, plan):
+        return problems
+    places, have = _places(workflow, plan)
     over = [p for p, ws in places.items() if have[p] is not None and _need(ws) > have[p]]
     if not over:
         return []

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from tensordict import TensorDict
 
+from rlinf_lightning.policies.chunked_head import LOGIT_CHUNK_TOKENS, chunked_logprobs
 from rlinf_lightning.policies.lora import LoRA, lora_problems
 from rlinf_lightning.policies.module import DTYPES, RLModule, anneal_problems, annealed
 
@@ -75,7 +76,11 @@ class LMPolicy(RLModule):
         lora: train low-rank adapters instead of every weight (``{rank: 8, alpha: 16}``; see
             :class:`~rlinf_lightning.policies.lora.LoRA`); ``None``: full fine-tuning.
         gradient_checkpointing: recompute each decoder layer's activations in the backward instead
-            of keeping them (less memory for about one more forward).
+            of keeping them (less memory for about one more forward); ``None``: the actor decides
+            from its token budget (``flow.budget``), off where no budget is computed.
+        logit_chunk_tokens: the response log-probs go through the lm head this many tokens at a
+            time, the logits recomputed in the backward (``policies.chunked_head``), so the whole
+            micro-batch's logits never exist; ``None``: whole logits (one log-softmax).
     """
 
     def __init__(
@@ -88,7 +93,8 @@ class LMPolicy(RLModule):
         max_grad_norm: float = 1.0,
         dtype: str = "float32",
         lora: LoRA | None = None,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: bool | None = None,
+        logit_chunk_tokens: int | None = LOGIT_CHUNK_TOKENS,
     ) -> None:
         super().__init__()
         self.model_path = str(model_path)
@@ -100,6 +106,7 @@ class LMPolicy(RLModule):
         self.dtype = dtype
         self.lora = lora
         self.gradient_checkpointing = gradient_checkpointing
+        self.logit_chunk_tokens = logit_chunk_tokens
         self.model: torch.nn.Module | None = None
 
     def configure_model(self) -> None:
@@ -108,7 +115,7 @@ class LMPolicy(RLModule):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, self.dtype))
-        if self.gradient_checkpointing:
+        if self.gradient_checkpointing:  # None (the budget decides) turns it on later, if at all
             enable_gradient_checkpointing(self.model)
 
     def meta_model(self) -> None:
@@ -159,10 +166,28 @@ class LMPolicy(RLModule):
         entropy bonus)."""
         ids, mask, response = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
-        with self.training_attention(ids):
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
         want = "grad" if with_entropy else "value" if torch.is_grad_enabled() else None
-        logp, entropy = response_logprobs(logits, ids, response.shape[-1], temperature, want)
+        head = self.model.get_output_embeddings()
+        if self.logit_chunk_tokens and not _sharded(head.weight):
+            with self.training_attention(ids):  # the decoder's last hidden states; logits of one token
+                out = self.model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    output_hidden_states=True,
+                    logits_to_keep=1,
+                )
+            hidden = out.hidden_states[-1][:, -response.shape[-1] - 1 : -1]
+            del out
+            targets = ids[:, -response.shape[-1] :]
+            logp, entropy = chunked_logprobs(
+                hidden, head, targets, temperature, self.logit_chunk_tokens, entropy=want is not None
+            )
+            entropy = entropy.detach() if want == "value" else entropy
+        else:
+            with self.training_attention(ids):
+                logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+            logp, entropy = response_logprobs(logits, ids, response.shape[-1], temperature, want)
         if entropy is not None:
             self.log("entropy", (entropy.detach() * response).sum() / response.sum().clamp_min(1.0))
         return (logp, entropy) if with_entropy else logp
@@ -211,6 +236,8 @@ class LMPolicy(RLModule):
         if self.dtype not in DTYPES:
             problems.append(("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}"))
         problems += lora_problems(self)
+        if self.logit_chunk_tokens is not None and self.logit_chunk_tokens < 1:
+            problems.append(("logit_chunk_tokens", f"must be >= 1 or null, got {self.logit_chunk_tokens}"))
         return problems
 
 
@@ -227,6 +254,14 @@ def causal_lm_train_flops(model: torch.nn.Module, attention_mask: torch.Tensor) 
     tokens = float(lengths.sum())
     attention = 6.0 * config.num_hidden_layers * config.hidden_size * float((lengths**2).sum())
     return 6.0 * matmul_params * tokens + attention
+
+
+def _sharded(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is an FSDP2 shard (a ``DTensor``): only the root's forward gathers it, so
+    the chunked head, which reads it after that forward, takes the whole logits instead."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(weight, DTensor)
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:

@@ -25,13 +25,14 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
 from rlinf_lightning.engines.rollout import Completion, RolloutEngine, SamplingParams
+from rlinf_lightning.engines.sampling import stop_token_ids
 from rlinf_lightning.seeds import row_seed
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: in-place sync
@@ -223,13 +224,13 @@ class VLLMRolloutEngine(RolloutEngine):
         n: int,
         params: SamplingParams,
         seed: int,
-        eos_token_id: int | list[int],
+        eos_token_id: int | Sequence[int],
     ) -> list[list[Completion]]:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
         greedy = params.temperature <= 0
-        stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        stops = stop_token_ids(eos_token_id)
         requests = [
             VLLMSamplingParams(
                 n=n,
@@ -239,8 +240,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 max_tokens=params.max_new_tokens,
                 logprobs=0,  # the sampled token's log-prob only
                 seed=row_seed(seed, g, 0),
-                stop_token_ids=[t for t in stops if t >= 0] or None,
-                ignore_eos=stops == [-1],  # eos_token_id=-1: always max_new_tokens (benchmarks)
+                stop_token_ids=stops or None,
+                ignore_eos=not stops,  # eos_token_id=-1: always max_new_tokens (benchmarks)
                 detokenize=False,
             )
             for g in groups

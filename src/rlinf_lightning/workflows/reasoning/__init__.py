@@ -159,6 +159,7 @@ def reasoning_workflow(
                 seed,
                 max_staleness,
                 rollout_dtype,
+                max_prompt_tokens,
             ),
         )
         .sync("actor", "rollout", "weights", staleness=max_staleness)

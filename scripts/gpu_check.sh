@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 43 in one command, for a session that is lent a GPU machine (no network).
+#
+#   bash scripts/gpu_check.sh                      # on the GPU: every part, Qwen2.5-0.5B's shape
+#   bash scripts/gpu_check.sh --device cpu --shape tiny --sequences 8 --group 4 --new-tokens 8 \
+#       --max-tokens 128,256 --steps 2 --repeats 1 --ops-rows 4,16   # the same script on a CPU (tests)
+#
+# 1. Installs the small pure-Python wheels the GPU image lacks (DESIGN.md, "Running the project on a
+#    GPU machine without network": tensordict, pyvers, orjson, jsonargparse, docstring-parser,
+#    typeshed-client, math-verify, latex2sympy2_extended, antlr4-python3-runtime, datasets, dill,
+#    multiprocess, gymnasium, farama-notifications) from $RLINF_WHEELS (default: shared/wheels, then
+#    wheels/) into a target directory, if such a directory holds wheels; nothing is downloaded.
+# 2. Runs benchmarks/gpu.py one part at a time, each under `timeout $PART_TIMEOUT` seconds, so one
+#    part that hangs or runs out of memory leaves the others' figures; each part's log goes to
+#    $OUT (the device tool's output folder) or a temporary folder.
+# 3. Prints one JSON object merging every part's last line (a part that failed: {"error": ...}).
+#
+# Parts: $GPU_CHECK_PARTS (default below). Extra arguments go to every benchmarks/gpu.py call.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PARTS="${GPU_CHECK_PARTS:-defaults decode_ops generate chunked actor}"
+PART_TIMEOUT="${PART_TIMEOUT:-240}"
+LOGS="${OUT:-$(mktemp -d)}"
+PYTHON="${PYTHON:-python}"
+
+for dir in "${RLINF_WHEELS:-}" shared/wheels wheels; do
+    if [ -n "$dir" ] && compgen -G "$dir/*.whl" > /dev/null; then
+        SITE="${RLINF_SITE:-$ROOT/.gpu-site}"
+        echo "installing $(ls "$dir"/*.whl | wc -l) wheels from $dir into $SITE" >&2
+        "$PYTHON" -m pip install --quiet --no-deps --no-index --target "$SITE" "$dir"/*.whl >&2 \
+            || echo "wheel install failed; continuing with what the image has" >&2
+        export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+        break
+    fi
+done
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+
+"$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
+    torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' >&2
+
+for part in $PARTS; do
+    echo "== $part (timeout ${PART_TIMEOUT}s)" >&2
+    timeout "$PART_TIMEOUT" "$PYTHON" benchmarks/gpu.py --sections "$part" "$@" > "$LOGS/gpu_$part.log" 2>&1
+    rc=$?
+    tail -n 3 "$LOGS/gpu_$part.log" | cut -c1-400 >&2
+    [ "$rc" -eq 0 ] || echo "$part: exit $rc" >&2
+done
+
+"$PYTHON" - "$LOGS" $PARTS <<'EOF'
+import json, sys
+from pathlib import Path
+
+logs, parts, merged = Path(sys.argv[1]), sys.argv[2:], {}
+for part in parts:
+    lines = (logs / f"gpu_{part}.log").read_text().strip().splitlines()
+    try:
+        result = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        merged[part] = {"error": (lines[-1] if lines else "no output")[:300]}
+        continue
+    merged.setdefault("device", result.get("device"))
+    merged[part] = result.get(part, result)
+print(json.dumps(merged))
+EOF

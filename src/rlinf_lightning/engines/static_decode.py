@@ -1,0 +1,113 @@
+"""The decode step on a static KV cache, captured as a CUDA graph (gpt-fast's recipe).
+
+On a GPU a small model's decode is bound by kernel launches (measured on an H200: plain
+``generate`` spends ~19 ms per step launching a few thousand kernels). A static cache gives every
+step the same shapes, so the step, our own function around the model, compiles once with
+``torch.compile(mode="reduce-overhead")`` and each later token replays one CUDA graph. The logits a
+replay returns live in the graph's memory until the next replay; the loop samples from them before
+it steps again, so nothing reads an overwritten output (what broke transformers' own static cache
+under reduce-overhead: it handed graph outputs back to the caller across replays).
+
+Shapes: the cache length is rounded up to ``CACHE_BUCKET`` tokens, so rollouts whose prompts differ
+by a few tokens replay the same graph; the rows of a micro-batch are fixed by the plan.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+#: the static cache's length is a multiple of this many tokens (fewer distinct graphs)
+CACHE_BUCKET = 64
+
+
+class StaticDecoder:
+    """Prefill and a captured decode step on a ``transformers`` static cache.
+
+    Args:
+        model: a causal LM (eval mode, no gradients).
+        compile: capture the step (``torch.compile(mode="reduce-overhead")``); ``False`` runs the
+            same static-cache step eagerly (what the CPU tests check against the dynamic cache).
+    """
+
+    def __init__(self, model: torch.nn.Module, compile: bool = True) -> None:
+        self.model = model
+        self.compile = compile
+        self.failed = False
+        self.prefill_logits: torch.Tensor | None = None
+        self._cache = None
+        self._shape: tuple[int, int] | None = None
+        captured = torch.compile(self._eager_step, mode="reduce-overhead", dynamic=False)
+        self._step = captured if compile else None
+
+    def release(self) -> None:
+        """Drop the cache (device memory) while the engine is offloaded; the next rollout makes one."""
+        self._cache, self._shape, self.prefill_logits = None, None, None
+
+    def prepare(
+        self, ids: torch.Tensor, full_mask: torch.Tensor, pos: torch.Tensor
+    ) -> Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor] | None:
+        """Prefill ``ids`` into the static cache and warm the captured step; the step function
+        ``(token, t, position_ids) -> logits`` of decode step ``t``, or ``None`` (with one warning)
+        where the static path fails, so the caller decodes eagerly instead."""
+        if self.failed:
+            return None
+        try:
+            return self._prepare(ids, full_mask, pos)
+        except Exception as err:  # noqa: BLE001  any failure to compile or capture: decode eagerly
+            self.failed = True
+            self.release()
+            warnings.warn(
+                f"rollout engine 'hf': the CUDA-graph decode step failed ({type(err).__name__}: {err}); "
+                "decoding eagerly from now on (task.rollout_engine_options.cuda_graph=false silences this)",
+                stacklevel=3,
+            )
+            return None
+
+    def _prepare(self, ids, full_mask, pos):
+        from transformers import StaticCache
+
+        rows, width = ids.shape
+        length = -(-full_mask.shape[1] // CACHE_BUCKET) * CACHE_BUCKET
+        if self._shape != (rows, length):
+            self._cache = StaticCache(config=self.model.config, max_cache_len=length)
+            self._shape = (rows, length)
+        else:
+            self._cache.reset()
+        mask = full_mask.new_zeros(rows, length)
+        mask[:, : full_mask.shape[1]] = full_mask
+        cache_position = torch.arange(width, device=ids.device)
+        res = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            cache_position=cache_position,
+            past_key_values=self._cache,
+            use_cache=True,
+        )
+        self.prefill_logits = res.logits[:, -1].clone()
+        step = self._step or self._eager_step
+        if self._step is not None:  # warm up and record: writes slot ``width``, which step 0 rewrites
+            for _ in range(3):
+                torch.compiler.cudagraph_mark_step_begin()
+                self._step(ids[:, -1], pos[:, -1:], cache_position[-1:] + 1, mask)
+
+        def decode(token: torch.Tensor, t: int, position_ids: torch.Tensor) -> torch.Tensor:
+            if self._step is not None:
+                torch.compiler.cudagraph_mark_step_begin()
+            return step(token, position_ids, cache_position[-1:] + 1 + t, mask)
+
+        return decode
+
+    def _eager_step(self, token, position_ids, cache_position, mask):
+        res = self.model(
+            input_ids=token[:, None],
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache_position=cache_position,
+            past_key_values=self._cache,
+            use_cache=True,
+        )
+        return res.logits[:, -1]

@@ -1,0 +1,92 @@
+"""The actor's token budget (``flow.budget``): the per-token cost model against the peaks measured on
+an H200 (it was not fitted to them), the budget chosen for a 141 GB device, activation
+checkpointing chosen when the budget without it is small, and the refusal of a device too small."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlinf_lightning.algorithms import GRPO
+from rlinf_lightning.engines.train import TrainSpec
+from rlinf_lightning.flow.budget import USEFUL_TOKENS, LayerShape, actor_cost
+from rlinf_lightning.policies import LMPolicy
+from rlinf_lightning.workflows.reasoning.actor import ActorStage
+
+GIB = 2**30
+QWEN_05B = LayerShape(hidden=896, intermediate=4864, layers=24, vocab=151936)
+QWEN_05B_PARAMS = 494_032_768
+H200_BYTES = 150_754_820_096  # torch.cuda.get_device_properties(0).total_memory on the H200
+
+
+@pytest.fixture
+def qwen_dir(tmp_path):
+    """A config.json of Qwen2.5-0.5B's shape (no weights: the estimate reads the config alone)."""
+    config = {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
+        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+        "tie_word_embeddings": True, "torch_dtype": "float32",
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_the_predictor_is_within_15_percent_of_the_h200_peaks():
+    """``benchmarks/gpu.py``'s unchunked actor on the H200 (bf16 autocast, AdamW; responses of
+    128-256 tokens after prompts of 24-64: 0.81 of the tokens) peaked at 61.8 and 111.5 GiB."""
+    static = QWEN_05B_PARAMS * 18  # float32 weights, gradients, 2 Adam moments; bf16 weight copies
+    cost = actor_cost(QWEN_05B, static, residual=4, compute=2, response_fraction=192 / 236)
+    for tokens, measured in ((16384, 61.8), (32768, 111.5)):
+        predicted = cost.peak(tokens) / GIB
+        assert abs(predicted / measured - 1) < 0.15, (tokens, predicted, measured)
+    # chunked logits: the step's per-token cost no longer carries the vocabulary
+    chunked = actor_cost(QWEN_05B, static, logit_chunk=1024, response_fraction=192 / 236)
+    assert chunked.per_token < 0.65 * cost.per_token
+
+
+def test_the_budget_for_a_141_gb_device_predicts_at_most_80_percent(qwen_dir):
+    policy = LMPolicy(str(qwen_dir))
+    assert policy.parameter_count() == QWEN_05B_PARAMS
+    actor = ActorStage(policy, GRPO(), TrainSpec("single", {}, "bf16-mixed"), 1.0, None, None, 256, 32,
+                       max_prompt_tokens=64)  # fmt: skip
+    left = 0.8 * H200_BYTES - sum(p.nbytes for p in actor.memory("cuda:0", 1, 256))
+    assert actor.fit_budget("cuda:0", left, 1, 256) is None
+    budget = actor.budget_chosen
+    assert budget.peak <= 0.8 * H200_BYTES
+    assert sum(p.nbytes for p in actor.memory("cuda:0", 1, 256)) == pytest.approx(budget.peak, rel=1e-6)
+    assert 16384 <= budget.tokens < 256 * 320 and actor.train_max_tokens == budget.tokens
+    assert not budget.checkpointing and not policy.gradient_checkpointing
+    actor.reset_budget()
+    assert actor.train_max_tokens is None and actor.budget_chosen is None
+
+
+def test_a_small_device_turns_checkpointing_on_and_a_tiny_one_is_refused(qwen_dir):
+    policy = LMPolicy(str(qwen_dir))
+    actor = ActorStage(policy, GRPO(), TrainSpec("single", {}, "bf16-mixed"), 1.0, None, None, 256, 32,
+                       max_prompt_tokens=64)  # fmt: skip
+    static = sum(p.nbytes for p in actor.memory("cuda:0", 1, 256))
+    assert actor.fit_budget("cuda:0", 8 * GIB, 1, 256) is None  # 8 GiB beside the state
+    assert actor.budget_chosen.checkpointing and policy.gradient_checkpointing is True
+    assert USEFUL_TOKENS <= actor.train_max_tokens
+    assert actor.budget_chosen.peak <= static + 8 * GIB
+    actor.reset_budget()
+    assert policy.gradient_checkpointing is None  # what the budget chose, it takes back
+
+    policy.gradient_checkpointing = False  # a configured setting is kept
+    assert actor.fit_budget("cuda:0", 8 * GIB, 1, 256) is None
+    assert not actor.budget_chosen.checkpointing and actor.train_max_tokens < USEFUL_TOKENS
+
+    key, why = actor.fit_budget("cuda:0", 0.1 * GIB, 1, 256)
+    assert key == "task.train_max_tokens_per_micro_batch" and "not one sample of 320 tokens" in why
+
+
+def test_a_configured_budget_is_kept_and_its_peak_counted(qwen_dir):
+    policy = LMPolicy(str(qwen_dir), logit_chunk_tokens=None)
+    actor = ActorStage(policy, GRPO(), TrainSpec("single", {}, "bf16-mixed"), 1.0, None, 32768, 256, 32,
+                       max_prompt_tokens=64)  # fmt: skip
+    assert actor.fit_budget("cuda:0", 1 * GIB, 1, 256) is None and actor.train_max_tokens == 32768
+    parts = actor.memory("cuda:0", 1, 256)
+    assert "32,768 tokens (task.train_max_tokens_per_micro_batch)" in parts[-1].what
+    assert sum(p.nbytes for p in parts) > H200_BYTES * 0.75  # whole logits at 32k tokens: most of an H200

@@ -44,6 +44,7 @@ def prepare(
     ops: str = "+",
     seed: int = 0,
     n_validation: int = 250,
+    pi0_dir: str = "artifacts/tiny-pi0",
 ) -> None:
     """Build the tiny model (if absent) and write the arithmetic splits (unless ``data_dir`` holds
     them with these settings; data split by an older rule is rewritten).
@@ -60,9 +61,10 @@ def prepare(
         seed: generator seed.
         n_validation: held-out problems for choices made while training (settings, checkpoints),
             apart from test; none shares its operands with a training or test one.
+        pi0_dir: where the tiny π0 (``transformers``' ``PI0ForConditionalGeneration``) is saved.
     """
-    settings = {k: v for k, v in locals().items() if k not in ("model_dir", "data_dir")}
-    from rlinf_lightning.assets import build_tiny_qwen2, is_model_dir
+    settings = {k: v for k, v in locals().items() if k not in ("model_dir", "data_dir", "pi0_dir")}
+    from rlinf_lightning.assets import build_tiny_pi0, build_tiny_qwen2, is_model_dir
     from rlinf_lightning.tasks.data import arithmetic_splits_on_disk, make_arithmetic_splits
 
     if arithmetic_splits_on_disk(data_dir, **settings):
@@ -78,6 +80,9 @@ def prepare(
     else:
         build_tiny_qwen2(model_dir)
         log.info("prepare: built tiny Qwen2 at %s", model_dir)
+    if not is_model_dir(pi0_dir):
+        build_tiny_pi0(pi0_dir)
+        log.info("prepare: built tiny π0 at %s", pi0_dir)
 
 
 def _fit_parser() -> ArgumentParser:

@@ -20,8 +20,8 @@ class GAEStage(Stage):
                "policy_version")  # fmt: skip
     out_keys = ("advantage", "return", "sample_id")
 
-    def __init__(self, algorithm: Any) -> None:
-        self.algorithm = algorithm
+    def __init__(self, algorithm: Any, replay_keys: tuple[str, ...] = ()) -> None:
+        self.algorithm, self.replay_keys = algorithm, tuple(replay_keys)
 
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
         return []  # a few numbers per sample
@@ -36,6 +36,7 @@ class GAEStage(Stage):
             {
                 "obs": traj["obs"],
                 "action": traj["action"],
+                **{k: traj[k] for k in self.replay_keys},  # what the policy's evaluate reads back
                 "logprob": traj["logprob"],
                 "value": traj["value"],
                 "policy_version": traj["policy_version"],
@@ -57,8 +58,8 @@ class EpisodeAdvantageStage(Stage):
     in_keys = ("score", "group_id", "mask", "env_id", "policy_version")
     out_keys = ("advantage", "mask", "sample_id")
 
-    def __init__(self, algorithm: Any) -> None:
-        self.algorithm = algorithm
+    def __init__(self, algorithm: Any, replay_keys: tuple[str, ...] = ()) -> None:
+        self.algorithm, self.replay_keys = algorithm, tuple(replay_keys)
 
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
         return []  # a few numbers per sample
@@ -74,6 +75,7 @@ class EpisodeAdvantageStage(Stage):
             {
                 "obs": traj["obs"],
                 "action": traj["action"],
+                **{k: traj[k] for k in self.replay_keys},  # what the policy's evaluate reads back
                 "logprob": traj["logprob"],
                 "value": traj["value"],
                 "policy_version": traj["policy_version"],

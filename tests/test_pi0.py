@@ -238,3 +238,27 @@ def test_a_checkpoint_resumes_to_the_same_run(pi0_dir, tmp_path):
     last = (tmp_path / "split" / "checkpoints" / "last").read_text()
     resumed = load_file(str(tmp_path / "split" / "checkpoints" / last / "model.safetensors"))
     assert all(torch.equal(resumed[k], full[2][k]) for k in full[2])
+
+
+def test_rlinf_sft_fits_pi0_to_scripted_demonstrations_with_its_flow_matching_loss(pi0_dir, tmp_path):
+    from rlinf_lightning.policies.pi0.demos import load_demos
+    from rlinf_lightning.policies.pi0.sft import _policy_for, flow_matching_loss
+    from rlinf_lightning.sft import record_expert_demos, run_sft
+
+    demos = record_expert_demos("FetchReachDense-v4", 4, 4, str(tmp_path / "demos.safetensors"))
+    assert demos == {"expert_success": 1.0, "rows": 200, "episodes": 4}
+    rows, meta = load_demos(tmp_path / "demos.safetensors")
+    assert rows["action"].shape == (200, 4, 4) and not bool(rows["action_mask"][49, 1:].any())
+
+    def loss(path):
+        with torch.no_grad():
+            return float(
+                flow_matching_loss(_policy_for(path, rows, meta), rows, torch.Generator().manual_seed(0))
+            )
+
+    result = run_sft(pi0_dir, str(tmp_path / "demos.safetensors"), str(tmp_path / "demos.safetensors"),
+                     str(tmp_path / "sft"), steps=60, batch_size=32, lr=3e-3)  # fmt: skip
+    assert result["eval_loss"] == pytest.approx(loss(str(tmp_path / "sft")), rel=1e-4)
+    assert loss(str(tmp_path / "sft")) < 0.7 * loss(pi0_dir)  # it fits the demonstrations (1.02 -> 0.60)
+    policy = Pi0Policy(str(tmp_path / "sft"), **FETCH)
+    assert policy.validate_config() == []

@@ -22,6 +22,7 @@ end a command are one line on stderr.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -175,7 +176,7 @@ def _function_parser(fn, description: str) -> ArgumentParser:
 
 
 def build_parser() -> ArgumentParser:
-    from rlinf_lightning.sft import run_sft
+    from rlinf_lightning.sft import record_expert_demos, run_sft
 
     parser = ArgumentParser(
         prog="rlinf", description="rlinf-lightning: RL post-training", allow_abbrev=False, exit_on_error=False
@@ -190,6 +191,9 @@ def build_parser() -> ArgumentParser:
         "sft", _function_parser(run_sft, "Supervised warm start."), help="supervised warm start"
     )
     sub.add_subcommand("prepare", _function_parser(prepare, "Build tiny assets."), help="build model + data")
+    sub.add_subcommand(
+        "demos", _function_parser(record_expert_demos, "Scripted-expert demonstrations."), help="SFT demos"
+    )
     sub.add_subcommand(
         "plugins", ArgumentParser(allow_abbrev=False, exit_on_error=False), help="list registered components"
     )
@@ -392,6 +396,11 @@ def main(argv: list[str] | None = None) -> int:
         from rlinf_lightning.sft import run_sft
 
         run_sft(**sub.as_dict())
+        return 0
+    if cmd == "demos":
+        from rlinf_lightning.sft import record_expert_demos
+
+        print(json.dumps(record_expert_demos(**sub.as_dict())))
         return 0
     if cmd == "plan":
         init = subcommand_parser(parser, "plan").instantiate(sub)

@@ -132,3 +132,30 @@ def run_sft(
 def _is_pi0(path: str) -> bool:
     config = Path(path) / "config.json"
     return config.is_file() and json.loads(config.read_text()).get("model_type") == "pi0"
+
+
+def record_expert_demos(
+    env: str = "FetchReachDense-v4",
+    episodes: int = 64,
+    chunk: int = 8,
+    out: str = "data/fetchreach_demos.safetensors",
+    seed: int = 0,
+) -> dict:
+    """Write demonstrations of ``env``'s scripted expert for π0's SFT (``rlinf demos``; the format
+    is documented in ``policies/pi0/demos.py``).
+
+    Args:
+        env: an env with a scripted expert (``policies.pi0.demos.EXPERTS``).
+        episodes: one episode per env, env ``i`` reset with ``seed + i``.
+        chunk: actions per row (at least the policy's ``task.chunk``; π0's ``chunk_size`` at most).
+        out: the ``.safetensors`` file written.
+        seed: the first episode's reset seed.
+    """
+    from rlinf_lightning.envs import make_env
+    from rlinf_lightning.policies.pi0.demos import EXPERTS, record_demos
+
+    if env not in EXPERTS:
+        raise ValueError(
+            f"env: no scripted expert for {env!r} (there is one for {', '.join(sorted(EXPERTS))})"
+        )
+    return record_demos(make_env(env, episodes), EXPERTS[env], chunk, out, seed=seed, env=env)

@@ -11,23 +11,23 @@ the chunk of actions the demonstrator took from it on:
 - metadata (strings): ``instruction``, ``env``, and ``image_keys`` / ``state_keys`` (JSON lists:
   which ``obs.*`` entries are cameras and which make π0's state).
 
-Write one with :func:`record_demos` (any env and any expert ``obs -> action``) or from the command
-line: ``python -m rlinf_lightning.policies.pi0.demos --env FetchReachDense-v4 --episodes 64
---out data/fetchreach_demos.safetensors``.
+Write one with :func:`record_demos` (any env batch and any expert ``obs -> action``) or from the
+command line: ``rlinf demos --env FetchReachDense-v4 --episodes 64 --out
+data/fetchreach_demos.safetensors``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.envs import make_env
+if TYPE_CHECKING:
+    from rlinf_lightning.envs import EnvBatch
 
 
 def fetch_reach_expert(obs: TensorDict, gain: float = 10.0) -> torch.Tensor:
@@ -46,23 +46,22 @@ EXPERTS: dict[str, Callable[[TensorDict], torch.Tensor]] = {
 
 
 def record_demos(
-    env: str,
+    batch: EnvBatch,
     expert: Callable[[TensorDict], torch.Tensor],
-    episodes: int,
     chunk: int,
     path: str | Path,
     seed: int = 0,
     instruction: str = "reach the goal",
     state_keys: tuple[str, ...] = ("observation", "desired_goal"),
     image_keys: tuple[str, ...] = (),
-    env_kwargs: dict[str, Any] | None = None,
+    env: str = "",
 ) -> dict[str, Any]:
-    """Run ``expert`` for one episode in each of ``episodes`` envs (reset with ``seed + i``) and
-    write every step with its next ``chunk`` actions to ``path`` (the format above); returns the
-    expert's success rate and the number of rows."""
+    """Run ``expert`` for one episode in each env of ``batch`` (reset with ``seed + i``; closed
+    after) and write every step with its next ``chunk`` actions to ``path`` (the format above;
+    ``env`` names the env in its metadata); returns the expert's success rate and the rows."""
     from safetensors.torch import save_file
 
-    batch = make_env(env, episodes, **(env_kwargs or {}))
+    episodes = batch.num_envs
     try:
         obs = batch.reset(seed)
         steps = batch.max_episode_steps or 50
@@ -112,20 +111,3 @@ def load_demos(path: str | Path) -> tuple[TensorDict, dict[str, str]]:
     obs = TensorDict({k[4:]: v for k, v in tensors.items() if k.startswith("obs.")}, batch_size=[n])
     rest = {k: tensors[k] for k in ("action", "action_mask", "episode")}
     return TensorDict({"obs": obs, **rest}, batch_size=[n]), meta
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write scripted-expert demonstrations for π0's SFT.")
-    parser.add_argument("--env", default="FetchReachDense-v4", choices=sorted(EXPERTS))
-    parser.add_argument("--episodes", type=int, default=64)
-    parser.add_argument("--chunk", type=int, default=8, help="actions per row (π0's chunk_size)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="data/fetchreach_demos.safetensors")
-    args = parser.parse_args(argv)
-    print(
-        json.dumps(record_demos(args.env, EXPERTS[args.env], args.episodes, args.chunk, args.out, args.seed))
-    )
-
-
-if __name__ == "__main__":
-    main()

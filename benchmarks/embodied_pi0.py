@@ -1,6 +1,6 @@
 """π0 on FetchReachDense-v4: SFT on scripted demonstrations, then PPO with Flow-Noise log-probs.
 
-    python benchmarks/embodied_pi0.py [--seeds 0 1] [--demos 16] [--sft-steps 300] [--iterations 30]
+    python benchmarks/embodied_pi0.py [--seeds 0 1] [--demos 32] [--sft-steps 300] [--iterations 40]
 
 Per seed, in a fresh work directory: a tiny π0 (``assets.build_tiny_pi0``, seeded), ``--demos``
 episodes of the scripted expert (``policies/pi0/demos.py``; few-shot, as πRL starts from few-shot
@@ -78,10 +78,10 @@ def run_seed(seed: int, args: argparse.Namespace, work: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--demos", type=int, default=16, help="demonstration episodes for SFT")
+    ap.add_argument("--demos", type=int, default=32, help="demonstration episodes for SFT")
     ap.add_argument("--sft-steps", type=int, default=300)
-    ap.add_argument("--iterations", type=int, default=30, help="PPO iterations at most")
-    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--iterations", type=int, default=40, help="PPO iterations")
+    ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--lr", type=float, default=1e-4, help="π0's PPO learning rate")
     args = ap.parse_args()
     load = os.getloadavg()[0]

@@ -377,3 +377,58 @@ def test_bad_embodied_input_is_one_message_and_exit_2(tmp_path, capsys, override
     assert status == 2, err
     assert needle in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()
+
+
+PI0 = [
+    ("checkpoint dir not pi0", "--policy.init_args.model_path={qwen2}", "policy.model_path: "),
+    (
+        "action dim unlike the env's",
+        "--policy.init_args.action_dim=7",
+        "policy.action_dim: the checkpoint acts in 7",
+    ),
+    (
+        "chunk longer than the episodes",
+        "--task.init_args.chunk=60",
+        "task.chunk: 60 steps per chunk, longer than",
+    ),
+    (
+        "chunk longer than pi0's",
+        "--task.init_args.chunk=9",
+        "task.chunk: 9 steps per chunk, but π0's chunk_size is 8",
+    ),
+    (
+        "state too large",
+        "--policy.init_args.state_keys=[observation, desired_goal, achieved_goal, observation]",
+        "policy.state_keys: ",
+    ),
+    (
+        "camera the env lacks",
+        "--policy.init_args.image_keys=[rgb]",
+        "policy.image_keys: the env's observation has no",
+    ),
+    (
+        "no denoising steps",
+        "--policy.init_args.num_denoise_steps=0",
+        "policy.num_denoise_steps: must be >= 1",
+    ),
+]
+
+
+@pytest.mark.parametrize(("override", "needle"), [c[1:] for c in PI0], ids=[c[0] for c in PI0])
+def test_bad_pi0_input_is_one_message_and_exit_2(tmp_path, assets, capsys, override, needle):
+    """A bad π0 configuration (configs/embodied_ppo_pi0_fetchreach.yaml on a tiny π0 with max_state_dim
+    16 and chunk_size 8) is one line naming the key, before any worker starts."""
+    from rlinf_lightning.assets import TinyPi0Config, build_tiny_pi0
+
+    pi0 = build_tiny_pi0(tmp_path / "pi0", TinyPi0Config(max_state_dim=16))
+    config = Path(__file__).parents[1] / "configs" / "embodied_ppo_pi0_fetchreach.yaml"
+    argv = ["fit", f"--config={config}", f"--trainer.default_root_dir={tmp_path / 'run'}",
+            f"--policy.init_args.model_path={pi0}", override.format(qwen2=assets["base"])]  # fmt: skip
+    try:
+        status = main(argv)
+    except SystemExit as exc:
+        status = exc.code
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert needle in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()

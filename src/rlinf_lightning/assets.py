@@ -1,4 +1,4 @@
-"""Tiny, locally built model assets: a character tokenizer and a small Qwen2.
+"""Tiny, locally built model assets: a character tokenizer, a small Qwen2 and a small π0.
 
 Nothing is downloaded. The tokenizer is made with ``tokenizers`` and saved as a
 ``PreTrainedTokenizerFast``; the model is a ``Qwen2ForCausalLM`` built from a config and saved with
@@ -140,6 +140,73 @@ def build_tiny_qwen2(path: str | Path, cfg: TinyModelConfig | None = None, chat:
     model.save_pretrained(path)
     kind = "tiny_qwen2_chat" if chat else "tiny_qwen2"
     (path / "rlinf_asset.json").write_text(json.dumps({"kind": kind, **asdict(cfg)}, indent=1))
+    return path
+
+
+@dataclass
+class TinyPi0Config:
+    """Shape of the tiny π0 (``transformers``' ``PI0Config``): a PaliGemma of one Gemma layer over
+    one SigLIP layer, and an action expert of one Gemma layer. The expert reads the VLM's KV cache,
+    so its layers, key/value heads and head size are the VLM's. The real ``pi0_base``: Gemma 2 B
+    (hidden 2048, 18 layers, 8 heads, 1 KV head of 256), SigLIP So400m/14 at 224 px (27 layers,
+    256 image tokens), a 300 M expert (hidden 1024, 18 layers), chunks of 50, 32-d states/actions."""
+
+    text_hidden: int = 32
+    expert_hidden: int = 16
+    num_layers: int = 1
+    num_heads: int = 2
+    head_dim: int = 16
+    image_size: int = 32
+    patch_size: int = 8
+    chunk_size: int = 8
+    max_state_dim: int = 32
+    max_action_dim: int = 8
+    seed: int = 0
+
+
+def build_tiny_pi0(path: str | Path, cfg: TinyPi0Config | None = None) -> Path:
+    """Build a randomly initialised ``PI0ForConditionalGeneration`` (with the character tokenizer;
+    the image token is the id after the vocabulary, as PaliGemma's) and ``save_pretrained`` it to
+    ``path``: what ``Pi0Policy(model_path=path)`` loads, as it would a converted ``pi0_base``."""
+    import torch
+    from transformers import PI0Config, PI0ForConditionalGeneration, PreTrainedTokenizerFast
+
+    cfg = cfg or TinyPi0Config()
+    path = Path(path)
+    build_char_tokenizer(path)
+    vocab = len(PreTrainedTokenizerFast.from_pretrained(path))
+    gemma = {"model_type": "gemma", "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+             "num_key_value_heads": 1, "head_dim": cfg.head_dim, "vocab_size": vocab}  # fmt: skip
+    config = PI0Config(
+        vlm_config={
+            "model_type": "paligemma",
+            "text_config": {
+                **gemma,
+                "hidden_size": cfg.text_hidden,
+                "intermediate_size": 2 * cfg.text_hidden,
+            },
+            "vision_config": {
+                "model_type": "siglip_vision_model",
+                "hidden_size": cfg.text_hidden,
+                "intermediate_size": 2 * cfg.text_hidden,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "patch_size": cfg.patch_size,
+                "image_size": cfg.image_size,
+                "vision_use_head": False,
+            },  # fmt: skip
+            "projection_dim": cfg.text_hidden,
+            "image_token_id": vocab,
+            "vocab_size": vocab,
+        },
+        dit_config={**gemma, "hidden_size": cfg.expert_hidden, "intermediate_size": 2 * cfg.expert_hidden},
+        chunk_size=cfg.chunk_size,
+        max_state_dim=cfg.max_state_dim,
+        max_action_dim=cfg.max_action_dim,
+    )
+    torch.manual_seed(cfg.seed)
+    PI0ForConditionalGeneration(config).save_pretrained(path)
+    (path / "rlinf_asset.json").write_text(json.dumps({"kind": "tiny_pi0", **asdict(cfg)}, indent=1))
     return path
 
 

@@ -22,6 +22,7 @@ end a command are one line on stderr.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -44,6 +45,7 @@ def prepare(
     ops: str = "+",
     seed: int = 0,
     n_validation: int = 250,
+    pi0_dir: str = "artifacts/tiny-pi0",
 ) -> None:
     """Build the tiny model (if absent) and write the arithmetic splits (unless ``data_dir`` holds
     them with these settings; data split by an older rule is rewritten).
@@ -60,9 +62,10 @@ def prepare(
         seed: generator seed.
         n_validation: held-out problems for choices made while training (settings, checkpoints),
             apart from test; none shares its operands with a training or test one.
+        pi0_dir: where the tiny π0 (``transformers``' ``PI0ForConditionalGeneration``) is saved.
     """
-    settings = {k: v for k, v in locals().items() if k not in ("model_dir", "data_dir")}
-    from rlinf_lightning.assets import build_tiny_qwen2, is_model_dir
+    settings = {k: v for k, v in locals().items() if k not in ("model_dir", "data_dir", "pi0_dir")}
+    from rlinf_lightning.assets import build_tiny_pi0, build_tiny_qwen2, is_model_dir
     from rlinf_lightning.tasks.data import arithmetic_splits_on_disk, make_arithmetic_splits
 
     if arithmetic_splits_on_disk(data_dir, **settings):
@@ -78,6 +81,9 @@ def prepare(
     else:
         build_tiny_qwen2(model_dir)
         log.info("prepare: built tiny Qwen2 at %s", model_dir)
+    if not is_model_dir(pi0_dir):
+        build_tiny_pi0(pi0_dir)
+        log.info("prepare: built tiny π0 at %s", pi0_dir)
 
 
 def _fit_parser() -> ArgumentParser:
@@ -170,7 +176,7 @@ def _function_parser(fn, description: str) -> ArgumentParser:
 
 
 def build_parser() -> ArgumentParser:
-    from rlinf_lightning.sft import run_sft
+    from rlinf_lightning.sft import record_expert_demos, run_sft
 
     parser = ArgumentParser(
         prog="rlinf", description="rlinf-lightning: RL post-training", allow_abbrev=False, exit_on_error=False
@@ -185,6 +191,9 @@ def build_parser() -> ArgumentParser:
         "sft", _function_parser(run_sft, "Supervised warm start."), help="supervised warm start"
     )
     sub.add_subcommand("prepare", _function_parser(prepare, "Build tiny assets."), help="build model + data")
+    sub.add_subcommand(
+        "demos", _function_parser(record_expert_demos, "Scripted-expert demonstrations."), help="SFT demos"
+    )
     sub.add_subcommand(
         "plugins", ArgumentParser(allow_abbrev=False, exit_on_error=False), help="list registered components"
     )
@@ -388,6 +397,11 @@ def main(argv: list[str] | None = None) -> int:
         from rlinf_lightning.sft import run_sft
 
         run_sft(**sub.as_dict())
+        return 0
+    if cmd == "demos":
+        from rlinf_lightning.sft import record_expert_demos
+
+        print(json.dumps(record_expert_demos(**sub.as_dict())))
         return 0
     if cmd == "plan":
         init = subcommand_parser(parser, "plan").instantiate(sub)

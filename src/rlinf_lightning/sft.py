@@ -50,6 +50,11 @@ def run_sft(
 ) -> dict:
     """Fine-tune ``base_model`` on prompt -> answer pairs (loss on the answer tokens) and save it.
 
+    A π0 ``base_model`` (config.json ``model_type: pi0``) is fine-tuned with its flow-matching loss
+    instead (:func:`~rlinf_lightning.policies.pi0.sft.run_pi0_sft`): ``train_path`` is then a
+    demonstration file (``policies/pi0/demos.py`` documents the format), ``test_path`` held-out
+    demonstrations (their loss is reported; a path not ending in ``.safetensors`` is ignored).
+
     Args:
         base_model: ``from_pretrained`` directory to start from.
         train_path: JSONL problems to imitate.
@@ -72,6 +77,13 @@ def run_sft(
         for k, v in locals().items()
         if k not in ("force", "num_threads") and (tools or k not in TOOL_SETTINGS)
     }
+    if _is_pi0(base_model):
+        from rlinf_lightning.policies.pi0.sft import run_pi0_sft
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        held_out = test_path if str(test_path).endswith(".safetensors") else None
+        return run_pi0_sft(base_model, train_path, output_dir, steps, batch_size, lr, seed, held_out)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
@@ -161,3 +173,35 @@ def _example(tok: Any, problem: Problem, env: Any) -> tuple[list[int], list[int]
         ids, labels = ids + call + reply_ids, labels + call + [-100] * len(reply_ids)
     answer = tok(problem.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     return ids + answer, labels + answer
+
+
+def _is_pi0(path: str) -> bool:
+    config = Path(path) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == "pi0"
+
+
+def record_expert_demos(
+    env: str = "FetchReachDense-v4",
+    episodes: int = 64,
+    chunk: int = 8,
+    out: str = "data/fetchreach_demos.safetensors",
+    seed: int = 0,
+) -> dict:
+    """Write demonstrations of ``env``'s scripted expert for π0's SFT (``rlinf demos``; the format
+    is documented in ``policies/pi0/demos.py``).
+
+    Args:
+        env: an env with a scripted expert (``policies.pi0.demos.EXPERTS``).
+        episodes: one episode per env, env ``i`` reset with ``seed + i``.
+        chunk: actions per row (at least the policy's ``task.chunk``; π0's ``chunk_size`` at most).
+        out: the ``.safetensors`` file written.
+        seed: the first episode's reset seed.
+    """
+    from rlinf_lightning.envs import make_env
+    from rlinf_lightning.policies.pi0.demos import EXPERTS, record_demos
+
+    if env not in EXPERTS:
+        raise ValueError(
+            f"env: no scripted expert for {env!r} (there is one for {', '.join(sorted(EXPERTS))})"
+        )
+    return record_demos(make_env(env, episodes), EXPERTS[env], chunk, out, seed=seed, env=env)

@@ -38,15 +38,17 @@ def build_warm_started(
     return {"base": base, "sft": out, **data, "root": root}
 
 
-def check_one_embodied_iteration(config: Path, run: Path, *overrides: str) -> None:
-    """`rlinf fit` of ``config`` for one iteration of 2 envs x 4 steps and 2 evaluation episodes
-    (CSV logger on, into ``run``), and what it must show: the plan, a checkpoint, 8 env steps, a
+def check_one_embodied_iteration(config: Path, run: Path, *overrides: str, chunk: int = 1) -> None:
+    """`rlinf fit` of ``config`` for one iteration of 2 envs x 4 steps of ``chunk`` actions and 2
+    evaluation episodes (CSV logger on, into ``run``), and what it must show: the plan, a
+    checkpoint, 8 x ``chunk`` env steps, a
     finite PPO loss with a non-zero gradient (the value loss alone gives one), and success before
     and after in {0, 0.5, 1}. Raises ``AssertionError`` naming what is wrong."""
     res = subprocess.run(
         [sys.executable, "-m", "rlinf_lightning.cli", "fit", f"--config={config}",
          "--trainer.max_iterations=1", f"--trainer.default_root_dir={run}", "--task.init_args.num_envs=2",
-         "--task.init_args.steps=4", "--task.init_args.eval_episodes=2", *overrides],
+         "--task.init_args.steps=4", "--task.init_args.eval_episodes=2", f"--task.init_args.chunk={chunk}",
+         *overrides],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
@@ -60,7 +62,7 @@ def check_one_embodied_iteration(config: Path, run: Path, *overrides: str) -> No
         (step,) = [
             {k: float(v) for k, v in row.items() if v} for row in csv.DictReader(f) if row.get("actor/loss")
         ]
-    assert step["env/env_steps_total"] == 2 * 4, step
+    assert step["env/env_steps_total"] == 2 * 4 * chunk, step
     assert math.isfinite(step["actor/loss"]) and step["actor/grad_norm"] > 0, step
 
 

@@ -22,6 +22,7 @@ Checkpoints hold the trainable tensors only, with the base's identity (:func:`ba
 from __future__ import annotations
 
 import copy
+import fnmatch
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
@@ -51,7 +52,9 @@ class LoRA:
         alpha: scale numerator: the update is ``alpha / rank`` times ``B A``.
         dropout: dropout on the adapters' input while training (0 keeps rollout and training equal).
         target_modules: names (last component, e.g. ``q_proj``) of the ``nn.Linear`` modules that get
-            adapters; default: every projection of the decoder layers.
+            adapters, or patterns over their full names (with ``*`` or ``.``: ``fnmatch``, e.g.
+            ``pi0.model.dit.*_proj`` for π0's action expert only); default: every projection of
+            the decoder layers.
         train_modules: modules (dotted paths under ``policy.model``, e.g. ``value_head``) trained in
             full beside the adapters; ``None``: the policy's own choice (``TinyVLA``: its vision
             encoder, state projection and value head; ``LMPolicy``: none).
@@ -108,9 +111,25 @@ def lora_problems(policy: Any) -> list[tuple[str, str]]:
     return problems
 
 
+def _targets(model: nn.Module, lora: LoRA) -> tuple[list[str], list[str]]:
+    """``(what peft is given, targets matching no nn.Linear)``: a last-component name as it is, a
+    pattern (``*`` or ``.``) as the full names it matches."""
+    linear = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    short = {name.rpartition(".")[2] for name in linear}
+    resolved, unknown = [], []
+    for target in lora.target_modules:
+        hits = (
+            [n for n in linear if fnmatch.fnmatchcase(n, target)] if "*" in target or "." in target else None
+        )
+        resolved += [target] if hits is None else hits
+        if not (hits if hits is not None else target in short):
+            unknown.append(target)
+    return resolved, unknown
+
+
 def _unknown_targets(model: nn.Module, lora: LoRA) -> tuple[str, str] | None:
     names = {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    if unknown := sorted(set(lora.target_modules) - names):
+    if unknown := sorted(_targets(model, lora)[1]):
         return (
             "lora.target_modules",
             f"{unknown} match no nn.Linear of {type(model).__name__} "
@@ -132,7 +151,7 @@ def attach_lora(policy: Any) -> None:
     model = policy.model
     if unknown := _unknown_targets(model, lora):
         raise ValueError(f"policy.{unknown[0]}: {unknown[1]}")
-    targets = list(lora.target_modules)
+    targets = _targets(model, lora)[0]
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
     with torch.random.fork_rng(devices=[]):  # A's random start, the same on every replica and run
         torch.manual_seed(0)
@@ -292,7 +311,8 @@ def save_adapters(policy: Any, trained: dict[str, torch.Tensor], path: str | Pat
     full = sorted({n.rpartition(".")[0] for n in trained if not is_adapter(n)})
     config = LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules), base_model_name_or_path=getattr(policy, "model_path", None),
+        target_modules=_targets(net.model, lora)[0],
+        base_model_name_or_path=getattr(policy, "model_path", None),
         modules_to_save=full or None,
     )  # fmt: skip
     config.save_pretrained(str(path))

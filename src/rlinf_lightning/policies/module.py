@@ -35,6 +35,10 @@ class RLModule(torch.nn.Module):
     #: low-rank adapters instead of full fine-tuning (see ``policies.lora``); a subclass opts in by
     #: taking a ``LoRA`` as an argument and storing it here. ``None``: every weight trains.
     lora: LoRA | None = None
+    #: entries of ``act``'s output that ``evaluate`` reads back from its batch (besides ``obs`` and
+    #: ``action``): what the action was drawn through, e.g. a flow policy's denoising chain. The
+    #: embodied workflow carries them from the rollout to the actor with each sample.
+    replay_keys: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         super().__init__()

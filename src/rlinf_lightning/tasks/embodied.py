@@ -116,6 +116,7 @@ class EmbodiedTask(Task):
             probe = make_env(self.env, 1, **self.env_kwargs)
             try:
                 choices = probe.action_choices
+                self._horizon = probe.max_episode_steps
                 self._probed = (
                     probe.reset(seed),
                     (self.chunk, *probe.action_shape),
@@ -150,10 +151,16 @@ class EmbodiedTask(Task):
             raise ConfigError([("task.env_kwargs", f"{self.env}: {exc}")]) from exc
         except ValueError as exc:  # an action space no policy here serves
             raise ConfigError([("task.env", str(exc))]) from exc
+        if self._horizon is not None and self.chunk > self._horizon:
+            why = f"{self.chunk} steps per chunk, longer than {self.env}'s episodes ({self._horizon} steps)"
+            raise ConfigError([("task.chunk", why)])
         if hasattr(policy, "configure_spaces"):
             try:
                 policy.configure_spaces(obs, shape, action_choices=choices)
             except ValueError as exc:
+                key, sep, rest = str(exc).partition(": ")
+                if sep and key.startswith(("policy.", "task.")):  # the policy named the key at fault
+                    raise ConfigError([(key, f"{rest} (env {self.env})")]) from exc
                 space = f"continuous {shape[1:]}" if choices is None else f"discrete, choices {choices}"
                 why = f"{self.env} (actions: {space}) does not suit {type(policy).__name__}: {exc}"
                 raise ConfigError([("task.env", why)]) from exc

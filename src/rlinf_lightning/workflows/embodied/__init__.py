@@ -79,14 +79,19 @@ def embodied_workflow(
     if getattr(algorithm, "critic_warmup", 0):
         why = "the embodied critic is the policy's value head, which trains with it; set it to 0"
         raise ConfigError([("trainer.algorithm.critic_warmup", why)])
-    advantage = GAEStage(algorithm) if ppo else EpisodeAdvantageStage(algorithm)
+    replay = tuple(getattr(policy, "replay_keys", ()))
+    advantage = GAEStage(algorithm, replay) if ppo else EpisodeAdvantageStage(algorithm, replay)
     loss = PPOLoss(algorithm) if ppo else EpisodeGRPOLoss(algorithm)
     actor = PPOActorStage(
         policy, algorithm, loss, train, num_envs * steps, seed, max_staleness, train_micro_batch_size
     )
     return (
         Workflow("embodied")
-        .chain(EnvStage(env, env_kwargs, steps, chunk, seed, group_size, episodic=not ppo), advantage, actor)
+        .chain(
+            EnvStage(env, env_kwargs, steps, chunk, seed, group_size, episodic=not ppo, replay_keys=replay),
+            advantage,
+            actor,
+        )
         .add(EnvRolloutStage(policy, seed, chunk, rollout_dtype, train.precision))
         .loop("env", "rollout", turns=steps + 1)
         .sync("actor", "rollout", "weights", staleness=max_staleness)

@@ -22,8 +22,8 @@ class GAEStage(Stage):
     out_keys = ("advantage", "return", "sample_id")
     iteration = 0  # the one running (begin_iteration), for the non-finite guard's message
 
-    def __init__(self, algorithm: Any) -> None:
-        self.algorithm = algorithm
+    def __init__(self, algorithm: Any, replay_keys: tuple[str, ...] = ()) -> None:
+        self.algorithm, self.replay_keys = algorithm, tuple(replay_keys)
 
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
         return []  # a few numbers per sample
@@ -43,6 +43,7 @@ class GAEStage(Stage):
             {
                 "obs": traj["obs"],
                 "action": traj["action"],
+                **{k: traj[k] for k in self.replay_keys},  # what the policy's evaluate reads back
                 "logprob": traj["logprob"],
                 "value": traj["value"],
                 "policy_version": traj["policy_version"],
@@ -65,8 +66,8 @@ class EpisodeAdvantageStage(Stage):
     out_keys = ("advantage", "mask", "sample_id")
     iteration = 0  # the one running (begin_iteration), for the non-finite guard's message
 
-    def __init__(self, algorithm: Any) -> None:
-        self.algorithm = algorithm
+    def __init__(self, algorithm: Any, replay_keys: tuple[str, ...] = ()) -> None:
+        self.algorithm, self.replay_keys = algorithm, tuple(replay_keys)
 
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
         return []  # a few numbers per sample
@@ -87,6 +88,7 @@ class EpisodeAdvantageStage(Stage):
             {
                 "obs": traj["obs"],
                 "action": traj["action"],
+                **{k: traj[k] for k in self.replay_keys},  # what the policy's evaluate reads back
                 "logprob": traj["logprob"],
                 "value": traj["value"],
                 "policy_version": traj["policy_version"],

@@ -75,6 +75,8 @@ class EnvStage(Stage):
         seed: env ``i`` is reset with ``seed + i`` (with ``group_size`` > 1: its group's seed).
         group_size: envs that share reset seeds (a GRPO group).
         episodic: start new episodes every iteration (GRPO), instead of running episodes on.
+        replay_keys: entries of the rollout's answer kept per step with the action (the policy's
+            ``replay_keys``).
     """
 
     name = "env"
@@ -94,8 +96,10 @@ class EnvStage(Stage):
         seed: int = 0,
         group_size: int = 1,
         episodic: bool = False,
+        replay_keys: tuple[str, ...] = (),
     ) -> None:
         self.env_name, self.env_kwargs = env, dict(env_kwargs or {})
+        self.replay_keys = tuple(replay_keys)
         self.steps, self.chunk, self.seed = steps, chunk, seed
         self.group_size, self.episodic = group_size, episodic
 
@@ -126,7 +130,8 @@ class EnvStage(Stage):
             s = self.shards[shard] = _Shard(env, shard, first_env, env.reset(self._seeds(first_env, n)))
             s.episode_return, s.episode_length = torch.zeros(n), torch.zeros(n, dtype=torch.long)
         s.t, s.steps = 0, {k: [] for k in ("obs", "action", "logprob", "value", "policy_version", "reward",
-                                          "terminated", "truncated", "final_value", "mask")}  # fmt: skip
+                                          "terminated", "truncated", "final_value", "mask",
+                                          *self.replay_keys)}  # fmt: skip
         s.succeeded, s.running = torch.zeros(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool)
         return self._observation(s)
 
@@ -150,7 +155,7 @@ class EnvStage(Stage):
             s.steps["final_value"].append(answer["final_value"])
         if s.t == self.steps:  # the extra turn: the value of the last observation, then the trajectory
             return self._trajectory(s, answer["value"])
-        for key in ("action", "logprob", "value", "policy_version"):
+        for key in ("action", "logprob", "value", "policy_version", *self.replay_keys):
             s.steps[key].append(answer[key])
         s.steps["obs"].append(s.obs)
         self._step(s, answer["action"])

@@ -1,0 +1,267 @@
+"""Pi0Policy (policies/pi0): the tiny π0 loads from a saved directory and its ODE is transformers'
+``sample_actions``; Flow-Noise log-probs of a recorded chain are recomputed exactly (float32) and
+to bf16's rounding under autocast; gradients reach the expert, the noise head and the value head;
+LoRA trains adapters and heads only; an iteration is the same update under every plan; a checkpoint
+resumes the weights and episodes exactly (the step after differs slightly: see the resume test)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tensordict import TensorDict
+
+from rlinf_lightning import RLTrainer
+from rlinf_lightning.algorithms import GRPO, PPO
+from rlinf_lightning.assets import TinyPi0Config, build_tiny_pi0
+from rlinf_lightning.policies import Pi0Policy
+from rlinf_lightning.policies.lora import LoRA
+from rlinf_lightning.tasks import EmbodiedTask
+
+CHUNK, ACTION_DIM, STATE_DIM = 3, 4, 5
+FETCH = {"image_keys": [], "state_keys": ["observation", "desired_goal"]}
+
+
+@pytest.fixture(scope="module")
+def pi0_dir(tmp_path_factory):
+    return str(build_tiny_pi0(tmp_path_factory.mktemp("pi0") / "tiny-pi0", TinyPi0Config(chunk_size=4)))
+
+
+def _obs(n: int, seed: int = 0) -> TensorDict:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDict(
+        {
+            "rgb": torch.randint(0, 256, (n, 48, 48, 3), generator=g, dtype=torch.uint8),
+            "state": torch.randn(n, STATE_DIM, generator=g),
+            "instruction": [["pick up the cube", "open the drawer"][(seed + i) % 2] for i in range(n)],
+        },
+        batch_size=[n],
+    )
+
+
+def _policy(path: str, **kwargs) -> Pi0Policy:
+    policy = Pi0Policy(path, **kwargs)
+    policy.configure_spaces(_obs(2), (CHUNK, ACTION_DIM))
+    policy.configure_model()
+    return policy
+
+
+def _gens(seeds):
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def test_the_tiny_pi0_loads_from_its_directory_and_its_ode_is_sample_actions(pi0_dir):
+    from transformers import PI0ForConditionalGeneration
+
+    policy = _policy(pi0_dir)
+    reference = PI0ForConditionalGeneration.from_pretrained(pi0_dir)
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(policy.model.pi0.state_dict()[name], tensor), name
+    obs = _obs(3)
+    out = policy.act(obs, deterministic=True)
+    inputs = policy.inputs(obs)
+    config = reference.config
+    ode = reference.sample_actions(
+        state=inputs["state"], input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"],
+        noise=torch.zeros(3, config.chunk_size, config.max_action_dim),
+        attention_mask=inputs["attention_mask"], pixel_attention_mask=inputs["pixel_mask"],
+        num_steps=policy.num_denoise_steps,
+    )  # fmt: skip
+    assert out["action"].shape == (3, CHUNK * ACTION_DIM)
+    torch.testing.assert_close(out["action"], ode[:, :CHUNK, :ACTION_DIM].reshape(3, -1), atol=1e-6, rtol=0)
+    assert Pi0Policy(pi0_dir).validate_config() == []
+
+
+def test_act_then_evaluate_give_the_same_log_probs_and_values(pi0_dir):
+    policy = _policy(pi0_dir)
+    obs = _obs(4)
+    out = policy.act(obs, generators=_gens([0, 1, 2, 3]))
+    assert out["chain"].shape == (4, policy.num_denoise_steps + 1, 4, 8)
+    batch = TensorDict({"obs": obs, "action": out["action"], "chain": out["chain"]}, [4])
+    logprob, entropy, value = policy.evaluate(batch)
+    torch.testing.assert_close(logprob, out["logprob"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(value, out["value"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(policy.value(obs), out["value"], atol=1e-5, rtol=0)
+    # entropy of K Gaussians per executed entry with std in [0.08, 0.16]
+    n = policy.num_denoise_steps * CHUNK * ACTION_DIM
+    half_log_2pi_e = 0.5 * torch.log(torch.tensor(2 * torch.pi * torch.e))
+    low, high = (n * (half_log_2pi_e + torch.log(torch.tensor(s))) for s in (0.08, 0.16))
+    assert bool((entropy >= low - 1e-4).all()) and bool((entropy <= high + 1e-4).all())
+    # another chain of the same observation has another log-prob; a row's chain is its generator's
+    other = policy.act(obs, generators=_gens([9, 1, 2, 3]))
+    assert not torch.equal(other["chain"][0], out["chain"][0]) and torch.equal(
+        other["chain"][1], out["chain"][1]
+    )
+    mixed = torch.cat([obs[:1], _obs(3, seed=5)])
+    assert torch.equal(policy.act(mixed, generators=_gens([0, 7, 8, 9]))["chain"][0], out["chain"][0])
+
+
+def test_under_bf16_autocast_act_and_evaluate_agree_to_bf16s_rounding(pi0_dir):
+    policy = _policy(pi0_dir)
+    obs = _obs(4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = policy.act(obs, generators=_gens([0, 1, 2, 3]))
+        batch = TensorDict({"obs": obs, "action": out["action"], "chain": out["chain"]}, [4])
+        with torch.no_grad():
+            logprob, _, value = policy.evaluate(batch)
+    assert out["logprob"].dtype == torch.float32
+    torch.testing.assert_close(logprob, out["logprob"], atol=1e-3, rtol=0)
+    torch.testing.assert_close(value, out["value"], atol=1e-3, rtol=0)
+    with torch.no_grad():
+        exact, _, _ = policy.evaluate(batch)
+    assert (exact - out["logprob"]).abs().max() > 1e-4  # the bf16 forward is visibly not float32's
+
+
+def test_gradients_reach_the_action_expert_the_noise_head_and_the_value_head(pi0_dir):
+    policy = _policy(pi0_dir, detach_critic_input=False)
+    obs = _obs(4)
+    out = policy.act(obs, generators=_gens([0, 1, 2, 3]))
+    logprob, entropy, value = policy.evaluate(TensorDict({"obs": obs, "chain": out["chain"]}, [4]))
+    (-(logprob * torch.tensor([1.0, -1.0, 0.5, 2.0])).sum() + value.pow(2).sum()).backward()
+    grads = {n: p.grad for n, p in policy.model.named_parameters()}
+    for prefix in ("pi0.model.dit.", "pi0.action_out_proj.", "pi0.embed_action_time.", "noise_head.",
+                   "value_head.", "pi0.model.vlm.language_model.",
+                   "pi0.model.vlm.vision_tower."):  # fmt: skip
+        assert any(g is not None and g.abs().sum() > 0 for n, g in grads.items() if n.startswith(prefix)), (
+            prefix
+        )
+
+
+def test_save_pretrained_keeps_the_heads_and_loads_acting_alike(pi0_dir, tmp_path):
+    policy = _policy(pi0_dir)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    policy.save_pretrained(tmp_path / "saved")
+    loaded = _policy(str(tmp_path / "saved"), seed=7)
+    obs = _obs(3)
+    a, b = policy.act(obs, generators=_gens([1, 2, 3])), loaded.act(obs, generators=_gens([1, 2, 3]))
+    for key in ("action", "logprob", "value"):
+        assert torch.equal(a[key], b[key]), key
+
+
+def _task(grpo: bool) -> EmbodiedTask:
+    """PPO: a 6-step time limit (episodes truncate, GAE bootstraps, episodes run across
+    iterations). GRPO: 16 envs in groups of 2, new 12-step episodes every iteration; about one
+    episode in ten reaches the goal, so some groups disagree and carry a gradient."""
+    if grpo:
+        return EmbodiedTask(
+            "FetchReachDense-v4", num_envs=16, steps=4, chunk=3, eval_episodes=2, group_size=2
+        )
+    return EmbodiedTask(
+        "FetchReachDense-v4",
+        env_kwargs={"max_episode_steps": 6},
+        num_envs=4,
+        steps=2,
+        chunk=2,
+        eval_episodes=2,
+    )
+
+
+def _fit(
+    root,
+    pi0_dir,
+    strategy="collocated",
+    launcher="inprocess",
+    iterations=3,
+    algorithm=None,
+    ckpt=None,
+    **policy_kw,
+):
+    from trainer_defaults import MetricsRecorder
+
+    steps = MetricsRecorder()
+    task = _task(grpo=isinstance(algorithm, GRPO))
+    policy = Pi0Policy(pi0_dir, lr=1e-3, max_instruction_len=4, **FETCH, **policy_kw)
+    trainer = RLTrainer(
+        algorithm=algorithm or PPO(update_epochs=1, num_minibatches=2),
+        strategy=strategy, launcher=launcher, precision="32-true", devices=2, num_threads=1,
+        max_iterations=iterations, default_root_dir=str(root), logger=False, enable_progress_bar=False,
+        callbacks=[steps], timeout_s=300,
+    )  # fmt: skip
+    summary = trainer.fit(policy, task, ckpt_path=ckpt)
+    last = (root / "checkpoints" / "last").read_text()
+    return summary, steps.metrics, load_file(str(root / "checkpoints" / last / "model.safetensors"))
+
+
+PLANS = ("collocated", "disaggregated", "hybrid")
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_three_iterations_are_the_same_updates_under_every_plan(pi0_dir, tmp_path, algorithm):
+    from rlinf_lightning.strategies import CollocatedStrategy, HybridStrategy
+
+    algo = PPO(update_epochs=1, num_minibatches=2) if algorithm == "ppo" else GRPO()
+    strategies = {"one": CollocatedStrategy(replicas=1), "collocated": "collocated",
+                  "disaggregated": "disaggregated",
+                  "hybrid": HybridStrategy(placement="env,rollout: 0, advantage,actor: 1")}  # fmt: skip
+    _, ref_metrics, ref_weights = _fit(tmp_path / "one", pi0_dir, strategies["one"], algorithm=algo)
+    assert any(m["actor/grad_norm"] > 0 for m in ref_metrics)
+    for name in PLANS:
+        _, metrics, weights = _fit(tmp_path / name, pi0_dir, strategies[name], algorithm=algo)
+        for it, (m, r) in enumerate(zip(metrics, ref_metrics, strict=True)):
+            for key in ("actor/loss", "actor/grad_norm", "env/env_steps_total"):
+                assert m[key] == pytest.approx(r[key], rel=1e-5, abs=1e-4), (name, it, key)
+        assert max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights) <= 1e-4, name
+
+
+def test_lora_on_the_action_expert_trains_adapters_and_heads_only(pi0_dir, tmp_path):
+    lora = LoRA(rank=2, alpha=4, target_modules=["pi0.model.dit.*_proj"])
+    _, metrics, weights = _fit(tmp_path, pi0_dir, "collocated", iterations=2, lora=lora)
+    assert all(m["actor/grad_norm"] > 0 for m in metrics)
+    assert weights and all(
+        (".lora_" in k and k.startswith("pi0.model.dit.")) or k.startswith(("noise_head.", "value_head."))
+        for k in weights
+    ), sorted(weights)
+    assert any(".lora_B." in k and weights[k].abs().sum() > 0 for k in weights)  # the adapters moved
+
+
+def test_a_checkpoint_resumes_to_the_same_run(pi0_dir, tmp_path):
+    """GRPO over episodes (every iteration resets its envs from seeds, so a resumed run sees the
+    same episodes; PPO's episodes running across iterations live in the simulators, which no
+    checkpoint holds): iteration 3 after a resume is iteration 3 of the uninterrupted run."""
+    full = _fit(tmp_path / "full", pi0_dir, iterations=3, algorithm=GRPO())
+    _fit(tmp_path / "split", pi0_dir, iterations=2, algorithm=GRPO())
+    from trainer_defaults import MetricsRecorder
+
+    steps = MetricsRecorder()
+    task = _task(grpo=True)
+    trainer = RLTrainer(
+        algorithm=GRPO(), strategy="collocated", launcher="inprocess",
+        precision="32-true", devices=2, num_threads=1, max_iterations=3,
+        default_root_dir=str(tmp_path / "split"),
+        logger=False, enable_progress_bar=False, callbacks=[steps], timeout_s=300,
+    )  # fmt: skip
+    trainer.fit(Pi0Policy(pi0_dir, lr=1e-3, max_instruction_len=4, **FETCH), task, ckpt_path="last")
+    assert any(m["actor/grad_norm"] > 0 for m in full[1])  # some groups disagreed: the weights moved
+    # the weights and the episodes are restored exactly: the same gradient at iteration 3
+    assert steps.metrics[-1]["actor/grad_norm"] == full[1][-1]["actor/grad_norm"]
+    last = (tmp_path / "split" / "checkpoints" / "last").read_text()
+    resumed = load_file(str(tmp_path / "split" / "checkpoints" / last / "model.safetensors"))
+    # KNOWN GAP: the step taken with that gradient differs by up to ~4e-4 (the MLP policy's resume
+    # is bit-exact in the same set-up; the π0 optimizer's restored state is suspected, not found)
+    assert max(float((resumed[k] - full[2][k]).abs().max()) for k in full[2]) < 1e-3
+
+
+def test_rlinf_sft_fits_pi0_to_scripted_demonstrations_with_its_flow_matching_loss(pi0_dir, tmp_path):
+    from rlinf_lightning.policies.pi0.demos import load_demos
+    from rlinf_lightning.policies.pi0.sft import _policy_for, flow_matching_loss
+    from rlinf_lightning.sft import record_expert_demos, run_sft
+
+    demos = record_expert_demos("FetchReachDense-v4", 4, 4, str(tmp_path / "demos.safetensors"))
+    assert demos == {"expert_success": 1.0, "rows": 200, "episodes": 4}
+    rows, meta = load_demos(tmp_path / "demos.safetensors")
+    assert rows["action"].shape == (200, 4, 4) and not bool(rows["action_mask"][49, 1:].any())
+
+    def loss(path):
+        with torch.no_grad():
+            return float(
+                flow_matching_loss(_policy_for(path, rows, meta), rows, torch.Generator().manual_seed(0))
+            )
+
+    result = run_sft(pi0_dir, str(tmp_path / "demos.safetensors"), str(tmp_path / "demos.safetensors"),
+                     str(tmp_path / "sft"), steps=60, batch_size=32, lr=3e-3)  # fmt: skip
+    assert result["eval_loss"] == pytest.approx(loss(str(tmp_path / "sft")), rel=1e-4)
+    assert loss(str(tmp_path / "sft")) < 0.7 * loss(pi0_dir)  # it fits the demonstrations (1.02 -> 0.60)
+    policy = Pi0Policy(str(tmp_path / "sft"), **FETCH)
+    assert policy.validate_config() == []

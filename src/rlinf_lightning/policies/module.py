@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from abc import abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
@@ -176,3 +176,21 @@ class _LinearDecay:
 
     def __call__(self, step: int) -> float:
         return max(0.0, 1.0 - step / self.steps)
+
+
+def instructions(obs: Any, n: int, default: str) -> list[str]:
+    """One instruction string per row of an observation batch: its ``instruction`` entry (a string,
+    a list, a non-tensor stack, bytes from a simulator) or ``default`` where it has none."""
+    raw = obs["instruction"] if "instruction" in obs.keys() else None
+    texts = [raw] * n if raw is None or isinstance(raw, (str, bytes)) else list(_flatten(raw))
+    if len(texts) != n:
+        raise ValueError(f"{len(texts)} instructions for a batch of {n}")
+    return [t.decode() if isinstance(t, bytes) else (str(t) if t else default) for t in texts]
+
+
+def _flatten(items: Any):
+    for item in items:
+        if isinstance(item, (str, bytes)) or item is None:
+            yield item
+        else:
+            yield from _flatten(item)

@@ -43,7 +43,7 @@ from torch import nn
 
 from rlinf_lightning.policies.lm import enable_gradient_checkpointing
 from rlinf_lightning.policies.lora import LoRA, lora_problems
-from rlinf_lightning.policies.module import RLModule, count_without_loading
+from rlinf_lightning.policies.module import RLModule, count_without_loading, instructions
 
 #: Action bins per dimension; they are the top ``NUM_BINS`` ids of the vocabulary.
 NUM_BINS = 256
@@ -454,20 +454,6 @@ class TinyVLA(RLModule):
 
     # -- observations ---------------------------------------------------------------------------
 
-    def _instructions(self, obs: TensorDict, n: int) -> list[str]:
-        """One string per row: the ``instruction`` entry (a string, a list, a non-tensor stack)
-        or the default instruction."""
-        raw = obs["instruction"] if "instruction" in obs.keys() else None
-        if raw is None or isinstance(raw, (str, bytes)):
-            texts = [raw] * n
-        else:
-            texts = list(_flatten(raw))
-        if len(texts) != n:
-            raise ValueError(f"{len(texts)} instructions for a batch of {n}")
-        return [
-            t.decode() if isinstance(t, bytes) else (str(t) if t else self.default_instruction) for t in texts
-        ]
-
     def _text(self, texts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``<s> text </s>`` left-padded to ``max_instruction_len + 2`` ids, and its mask."""
         rows = []
@@ -488,7 +474,7 @@ class TinyVLA(RLModule):
         """The model's prompt inputs for ``obs``: rgb, state, text ids and the prompt's mask."""
         device = self.model.vision.position.device
         n = obs.batch_size[0]
-        text_ids, text_mask = self._text(self._instructions(obs, n), device)
+        text_ids, text_mask = self._text(instructions(obs, n, self.default_instruction), device)
         front = self.vision_grid**2 + (1 if self.obs_dim else 0)
         mask = torch.cat([torch.ones(n, front, dtype=text_mask.dtype, device=device), text_mask], dim=1)
         state = obs["state"].reshape(n, -1).to(device) if self.obs_dim else None
@@ -622,11 +608,3 @@ class TinyVLA(RLModule):
 def _pick(logits: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
     """Gumbel-max sample (argmax of logits + Gumbel noise), or the argmax without noise."""
     return (logits if noise is None else logits + noise).argmax(-1)
-
-
-def _flatten(items: Any):
-    for item in items:
-        if isinstance(item, (str, bytes)) or item is None:
-            yield item
-        else:
-            yield from _flatten(item)

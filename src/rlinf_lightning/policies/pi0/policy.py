@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 
 from rlinf_lightning.policies.lora import LoRA, lora_problems
-from rlinf_lightning.policies.module import RLModule
+from rlinf_lightning.policies.module import RLModule, instructions
 from rlinf_lightning.policies.pi0.flow import flow_noise_logprob
 from rlinf_lightning.policies.pi0.net import Pi0Net
 
@@ -217,15 +217,6 @@ class Pi0Policy(RLModule):
 
     # -- observations ---------------------------------------------------------------------------
 
-    def _instructions(self, obs: TensorDict, n: int) -> list[str]:
-        raw = obs["instruction"] if "instruction" in obs.keys() else None
-        texts = [raw] * n if raw is None or isinstance(raw, (str, bytes)) else list(_flatten(raw))
-        if len(texts) != n:
-            raise ValueError(f"{len(texts)} instructions for a batch of {n}")
-        return [
-            t.decode() if isinstance(t, bytes) else (str(t) if t else self.default_instruction) for t in texts
-        ]
-
     def inputs(self, obs: TensorDict) -> dict[str, torch.Tensor | None]:
         """π0's inputs for ``obs``: ``input_ids`` and ``attention_mask`` of the prefix
         ``[image tokens | <s> instruction pads]``, ``pixel_values`` ``[B, cams, 3, S, S]`` (``None``
@@ -234,7 +225,7 @@ class Pi0Policy(RLModule):
         n = obs.batch_size[0]
         tok, width = self.tokenizer, self.max_instruction_len + 1
         rows = []
-        for text in self._instructions(obs, n):
+        for text in instructions(obs, n, self.default_instruction):
             ids = [
                 tok.bos_token_id,
                 *tok(text, add_special_tokens=False)["input_ids"][: self.max_instruction_len],
@@ -333,11 +324,3 @@ class Pi0Policy(RLModule):
         }
         save_file(heads, str(path / HEADS_FILE))
         return path
-
-
-def _flatten(items: Any):
-    for item in items:
-        if isinstance(item, (str, bytes)) or item is None:
-            yield item
-        else:
-            yield from _flatten(item)

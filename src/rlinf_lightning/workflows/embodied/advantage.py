@@ -13,13 +13,11 @@ from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.workflows.finite import check_finite
 
 
-class GAEStage(Stage):
-    """GAE over each shard's trajectory; emits its steps as samples (with a global sample id)."""
+class _AdvantageStage(Stage):
+    """What both advantage stages share: the algorithm, the policy's replay keys carried through to
+    the actor, no memory to speak of, and the iteration for the non-finite guard's message."""
 
     name = "advantage"
-    in_keys = ("reward", "value", "terminated", "truncated", "final_value", "next_value", "env_id",
-               "policy_version")  # fmt: skip
-    out_keys = ("advantage", "return", "sample_id")
     iteration = 0  # the one running (begin_iteration), for the non-finite guard's message
 
     def __init__(self, algorithm: Any, replay_keys: tuple[str, ...] = ()) -> None:
@@ -30,6 +28,14 @@ class GAEStage(Stage):
 
     def begin_iteration(self, iteration: int) -> None:
         self.iteration = iteration
+
+
+class GAEStage(_AdvantageStage):
+    """GAE over each shard's trajectory; emits its steps as samples (with a global sample id)."""
+
+    in_keys = ("reward", "value", "terminated", "truncated", "final_value", "next_value", "env_id",
+               "policy_version")  # fmt: skip
+    out_keys = ("advantage", "return", "sample_id")
 
     def process(self, traj: TensorDict) -> TensorDict:
         check_finite(self.name, self.iteration, "rewards", traj["reward"])
@@ -56,27 +62,16 @@ class GAEStage(Stage):
         return samples.reshape(-1)
 
 
-class EpisodeAdvantageStage(Stage):
+class EpisodeAdvantageStage(_AdvantageStage):
     """GRPO over episodes: one score per env's episode, normalised within its group (whole groups
     share a shard); every step of the episode until its first end gets that advantage. Groups
     whose scores are all equal carry no signal and are dropped (masked out)."""
 
-    name = "advantage"
     in_keys = ("score", "group_id", "mask", "env_id", "policy_version")
     out_keys = ("advantage", "mask", "sample_id")
-    iteration = 0  # the one running (begin_iteration), for the non-finite guard's message
-
-    def __init__(self, algorithm: Any, replay_keys: tuple[str, ...] = ()) -> None:
-        self.algorithm, self.replay_keys = algorithm, tuple(replay_keys)
-
-    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
-        return []  # a few numbers per sample
 
     def setup(self, ctx: StageContext) -> None:
         self.metrics = Metrics()
-
-    def begin_iteration(self, iteration: int) -> None:
-        self.iteration = iteration
 
     def process(self, traj: TensorDict) -> TensorDict:
         check_finite(self.name, self.iteration, "episode scores", traj["score"])

@@ -6,8 +6,10 @@ The task: products of two numbers up to 999 (``What is 123*456?=``), which the 0
 tiny Qwen2 cannot compute by itself; the twin-free held-out split (no operand multiset of a test
 problem in train) of ``tasks.data.make_arithmetic_splits``. The warm start (``rlinf sft`` with
 ``tools: [calculator]``) imitates ``--sft-steps`` steps of tool-use traces of *easier* problems
-(products of numbers up to 99 and sums and differences of numbers up to 999, none sharing its
-operands with a held-out problem):
+(products of numbers up to 99, products of a number from 100 to 999 and a digit, either side, and
+sums and differences of numbers up to 999, none sharing its operands with a held-out problem;
+without the second kind every three-digit call it saw was a sum or a difference, and it wrote
+``+`` or ``-`` for the products):
 ``<calc>12*7</calc>`` then the calculator's reply ``<res>84</res>`` (masked out of the loss) then
 ``84``. It teaches the call format, not the task: a product of three-digit operands, and copying
 its five- or six-digit result, is left to GRPO.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 import sys
 import time
 from pathlib import Path
@@ -43,6 +46,7 @@ def make_data(root: Path) -> dict[str, Path]:
     """The hard task's splits, and warm-start problems (easier products) sharing no operand
     multiset with a held-out hard problem."""
     from rlinf_lightning.tasks.data import (
+        Problem,
         generate_arithmetic,
         load_problems,
         make_arithmetic_splits,
@@ -54,8 +58,15 @@ def make_data(root: Path) -> dict[str, Path]:
         root / "hard", n_train=5000, n_validation=100, n_test=200, max_value=999, ops="*", seed=0
     )
     held_out = {operand_multiset(p.prompt) for s in ("test", "validation") for p in load_problems(hard[s])}
+    rng = random.Random(3)
+    pairs = [(rng.randint(100, 999), rng.randint(0, 9)) for _ in range(TRACES)]
+    by_digit = [  # the operator after a three-digit operand, either side; short results
+        Problem(f"What is {x}*{y}?=" if i % 2 else f"What is {y}*{x}?=", str(x * y))
+        for i, (x, y) in enumerate(pairs)
+    ]
     easy = [
         *generate_arithmetic(TRACES, max_value=EASY_MAX, ops="*", seed=1),  # the operator, short
+        *by_digit,
         *generate_arithmetic(TRACES, max_value=999, ops="+-", seed=2),  # long operands, either operator
     ]
     traces = [p for p in easy if operand_multiset(p.prompt) not in held_out]

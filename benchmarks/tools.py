@@ -1,18 +1,20 @@
 """Multi-turn RL with a calculator: the tiny model learns to delegate what it cannot compute.
 
-    python benchmarks/tools.py [--seeds 0 1] [--iterations 60] [--sft-steps 200]
+    python benchmarks/tools.py [--seeds 0 1] [--iterations 30] [--sft-steps 700]
 
 The task: products of two numbers up to 999 (``What is 123*456?=``), which the 0.4 M-parameter
 tiny Qwen2 cannot compute by itself; the twin-free held-out split (no operand multiset of a test
 problem in train) of ``tasks.data.make_arithmetic_splits``. The warm start (``rlinf sft`` with
 ``tools: [calculator]``) imitates ``--sft-steps`` steps of tool-use traces of *easier* problems
 (products of numbers up to 99, products of a number from 100 to 999 and a digit, either side, and
-sums and differences of numbers up to 999, none sharing its operands with a held-out problem;
-without the second kind every three-digit call it saw was a sum or a difference, and it wrote
-``+`` or ``-`` for the products):
+sums and differences of numbers up to 999 and of numbers up to 999999, none sharing its operands
+with a held-out problem; without the second kind every three-digit call it saw was a sum or a
+difference, and it wrote ``+`` or ``-`` for the products; without the last, no result it copied
+had more than four digits, and it cut the products' five- and six-digit results to four):
 ``<calc>12*7</calc>`` then the calculator's reply ``<res>84</res>`` (masked out of the loss) then
-``84``. It teaches the call format, not the task: a product of three-digit operands, and copying
-its five- or six-digit result, is left to GRPO.
+``84``; 200 traces of each kind. It teaches the call format and copying, not the task: no
+product of two three-digit operands is shown, and calling on one and copying its result right is
+left to GRPO (the warm start is right on a few per cent of held-out problems).
 
 Per seed, from the same warm start and on the same budget (``--iterations`` of ``--prompts`` x 8
 samples, the same learning rate): GRPO with the calculator (``task.tools: [calculator]``, two turns
@@ -68,6 +70,7 @@ def make_data(root: Path) -> dict[str, Path]:
         *generate_arithmetic(TRACES, max_value=EASY_MAX, ops="*", seed=1),  # the operator, short
         *by_digit,
         *generate_arithmetic(TRACES, max_value=999, ops="+-", seed=2),  # long operands, either operator
+        *generate_arithmetic(TRACES, max_value=999999, ops="+-", seed=4),  # long copies: 5-6 digit results
     ]
     traces = [p for p in easy if operand_multiset(p.prompt) not in held_out]
     return {**hard, "warm_start": write_jsonl(traces, root / "warm_start.jsonl")}
@@ -126,9 +129,9 @@ def grpo(model: Path, data: dict, run: Path, seed: int, args, tools: bool) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--iterations", type=int, default=60)
-    parser.add_argument("--eval-every", type=int, default=20)
-    parser.add_argument("--sft-steps", type=int, default=200)
+    parser.add_argument("--iterations", type=int, default=30)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--sft-steps", type=int, default=700)
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--prompts", type=int, default=16, help="prompts per iteration (8 samples each)")
     parser.add_argument("--eval-size", type=int, default=100)

@@ -1,16 +1,20 @@
 """Multi-turn RL with a calculator: the tiny model learns to delegate what it cannot compute.
 
-    python benchmarks/tools.py [--seeds 0 1] [--iterations 60] [--sft-steps 200]
+    python benchmarks/tools.py [--seeds 0 1] [--iterations 30] [--sft-steps 700]
 
 The task: products of two numbers up to 999 (``What is 123*456?=``), which the 0.4 M-parameter
 tiny Qwen2 cannot compute by itself; the twin-free held-out split (no operand multiset of a test
 problem in train) of ``tasks.data.make_arithmetic_splits``. The warm start (``rlinf sft`` with
 ``tools: [calculator]``) imitates ``--sft-steps`` steps of tool-use traces of *easier* problems
-(products of numbers up to 99 and sums and differences of numbers up to 999, none sharing its
-operands with a held-out problem):
+(products of numbers up to 99, products of a number from 100 to 999 and a digit, either side, and
+sums and differences of numbers up to 999 and of numbers up to 999999, none sharing its operands
+with a held-out problem; without the second kind every three-digit call it saw was a sum or a
+difference, and it wrote ``+`` or ``-`` for the products; without the last, no result it copied
+had more than four digits, and it cut the products' five- and six-digit results to four):
 ``<calc>12*7</calc>`` then the calculator's reply ``<res>84</res>`` (masked out of the loss) then
-``84``. It teaches the call format, not the task: a product of three-digit operands, and copying
-its five- or six-digit result, is left to GRPO.
+``84``; 200 traces of each kind. It teaches the call format and copying, not the task: no
+product of two three-digit operands is shown, and calling on one and copying its result right is
+left to GRPO (the warm start is right on a few per cent of held-out problems).
 
 Per seed, from the same warm start and on the same budget (``--iterations`` of ``--prompts`` x 8
 samples, the same learning rate): GRPO with the calculator (``task.tools: [calculator]``, two turns
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 import sys
 import time
 from pathlib import Path
@@ -43,6 +48,7 @@ def make_data(root: Path) -> dict[str, Path]:
     """The hard task's splits, and warm-start problems (easier products) sharing no operand
     multiset with a held-out hard problem."""
     from rlinf_lightning.tasks.data import (
+        Problem,
         generate_arithmetic,
         load_problems,
         make_arithmetic_splits,
@@ -54,9 +60,17 @@ def make_data(root: Path) -> dict[str, Path]:
         root / "hard", n_train=5000, n_validation=100, n_test=200, max_value=999, ops="*", seed=0
     )
     held_out = {operand_multiset(p.prompt) for s in ("test", "validation") for p in load_problems(hard[s])}
+    rng = random.Random(3)
+    pairs = [(rng.randint(100, 999), rng.randint(0, 9)) for _ in range(TRACES)]
+    by_digit = [  # the operator after a three-digit operand, either side; short results
+        Problem(f"What is {x}*{y}?=" if i % 2 else f"What is {y}*{x}?=", str(x * y))
+        for i, (x, y) in enumerate(pairs)
+    ]
     easy = [
         *generate_arithmetic(TRACES, max_value=EASY_MAX, ops="*", seed=1),  # the operator, short
+        *by_digit,
         *generate_arithmetic(TRACES, max_value=999, ops="+-", seed=2),  # long operands, either operator
+        *generate_arithmetic(TRACES, max_value=999999, ops="+-", seed=4),  # long copies: 5-6 digit results
     ]
     traces = [p for p in easy if operand_multiset(p.prompt) not in held_out]
     return {**hard, "warm_start": write_jsonl(traces, root / "warm_start.jsonl")}
@@ -115,9 +129,9 @@ def grpo(model: Path, data: dict, run: Path, seed: int, args, tools: bool) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--iterations", type=int, default=60)
-    parser.add_argument("--eval-every", type=int, default=20)
-    parser.add_argument("--sft-steps", type=int, default=200)
+    parser.add_argument("--iterations", type=int, default=30)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--sft-steps", type=int, default=700)
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--prompts", type=int, default=16, help="prompts per iteration (8 samples each)")
     parser.add_argument("--eval-size", type=int, default=100)

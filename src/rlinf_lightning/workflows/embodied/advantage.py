@@ -29,6 +29,22 @@ class _AdvantageStage(Stage):
     def begin_iteration(self, iteration: int) -> None:
         self.iteration = iteration
 
+    def samples(self, traj: TensorDict, **extra: torch.Tensor) -> TensorDict:
+        """The trajectory's steps as samples for the actor: what the policy acted with and on (its
+        replay keys too, which its ``evaluate`` reads back), ``extra`` (``[envs, steps]`` each) and a
+        global ``sample_id``; flattened over envs and steps."""
+        n, steps = traj["logprob"].shape[:2]
+        keys = ("obs", "action", *self.replay_keys, "logprob", "value", "policy_version")
+        samples = TensorDict(
+            {
+                **{k: traj[k] for k in keys},
+                **extra,
+                "sample_id": traj["env_id"][:, None] * steps + torch.arange(steps),
+            },
+            batch_size=[n, steps],
+        )
+        return samples.reshape(-1)
+
 
 class GAEStage(_AdvantageStage):
     """GAE over each shard's trajectory; emits its steps as samples (with a global sample id)."""
@@ -44,22 +60,7 @@ class GAEStage(_AdvantageStage):
             traj["next_value"],
         )  # fmt: skip
         check_finite(self.name, self.iteration, "advantages", adv)
-        n, steps = adv.shape
-        samples = TensorDict(
-            {
-                "obs": traj["obs"],
-                "action": traj["action"],
-                **{k: traj[k] for k in self.replay_keys},  # what the policy's evaluate reads back
-                "logprob": traj["logprob"],
-                "value": traj["value"],
-                "policy_version": traj["policy_version"],
-                "advantage": adv,
-                "return": ret,
-                "sample_id": traj["env_id"][:, None] * steps + torch.arange(steps),
-            },
-            batch_size=[n, steps],
-        )
-        return samples.reshape(-1)
+        return self.samples(traj, advantage=adv, **{"return": ret})
 
 
 class EpisodeAdvantageStage(_AdvantageStage):
@@ -78,22 +79,9 @@ class EpisodeAdvantageStage(_AdvantageStage):
         adv = self.algorithm.compute_advantages({"rewards": traj["score"], "group_ids": traj["group_id"]})
         check_finite(self.name, self.iteration, "advantages", adv)
         signal = groups_with_signal(adv, traj["group_id"], self.metrics)
-        n, steps = traj["mask"].shape
-        samples = TensorDict(
-            {
-                "obs": traj["obs"],
-                "action": traj["action"],
-                **{k: traj[k] for k in self.replay_keys},  # what the policy's evaluate reads back
-                "logprob": traj["logprob"],
-                "value": traj["value"],
-                "policy_version": traj["policy_version"],
-                "advantage": adv[:, None].expand(n, steps),
-                "mask": traj["mask"] & signal[:, None],
-                "sample_id": traj["env_id"][:, None] * steps + torch.arange(steps),
-            },
-            batch_size=[n, steps],
-        )
-        return samples.reshape(-1)
+        steps = traj["mask"].shape[1]
+        advantage = adv[:, None].expand(-1, steps)
+        return self.samples(traj, advantage=advantage, mask=traj["mask"] & signal[:, None])
 
     def end_iteration(self) -> Metrics:
         return self.metrics.take()

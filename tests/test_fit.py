@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from rlinf_lightning import Callback, LMPolicy, RLTrainer
 from rlinf_lightning.errors import CheckpointError
 from rlinf_lightning.tasks.math import MathTask
-from trainer_defaults import NEEDS_RESEED, cli_fit_args, logged_metrics, tiny_task, tiny_trainer_kwargs
+from trainer_defaults import cli_fit_args, logged_metrics, tiny_task, tiny_trainer_kwargs
 
 
 def _fit(assets, tmp_path, ckpt_path=None, task=None, **over):
@@ -40,10 +40,9 @@ class Recorder(Callback):
         self.events.append("fit_end")
 
 
-@NEEDS_RESEED
-def test_fit_writes_summary_checkpoint_and_calls_callbacks(assets, tmp_path):
+def test_fit_writes_summary_checkpoint_and_calls_callbacks(warm_assets, tmp_path):
     rec = Recorder()
-    trainer, summary = _fit(assets, tmp_path, callbacks=[rec], ckpt_every=2, logger=True)
+    trainer, summary = _fit(warm_assets, tmp_path, callbacks=[rec], ckpt_every=2, logger=True)
     run = tmp_path / "run"
     on_disk = json.loads((run / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))  # what fit returned is what it wrote

@@ -25,7 +25,7 @@ from rlinf_lightning.policies.lora import LoRA, save_adapters, save_merged
 from rlinf_lightning.policies.vla import TinyVLA
 from rlinf_lightning.workflows.reasoning.actor import ActorStage
 from rlinf_lightning.workflows.reasoning.rollout import pack_samples
-from trainer_defaults import NEEDS_RESEED, logged_metrics, tiny_task, tiny_trainer_kwargs
+from trainer_defaults import logged_metrics, tiny_task, tiny_trainer_kwargs
 
 PROMPTS = ["What is 1+2?=", "What is 33+44?=", "What is 7+40?=", "What is 25+25?="]
 # the HF engine's KV-cached log-probs against the actor's full forward; full fine-tuning's gap is
@@ -100,8 +100,8 @@ def _fit(assets, tmp_path, model=None, ckpt_path=None, **over):
     return policy, task, summary
 
 
-@NEEDS_RESEED
-def test_lora_checkpoints_resume_exactly_and_export_adapters_or_a_merged_model(assets, tmp_path):
+def test_lora_checkpoints_resume_exactly_and_export_adapters_or_a_merged_model(warm_assets, tmp_path):
+    assets = warm_assets
     policy, task, full = _fit(assets, tmp_path / "full", max_iterations=4, logger=True)
     _fit(assets, tmp_path / "split", max_iterations=2, logger=True)
     _, _, resumed = _fit(assets, tmp_path / "split", ckpt_path="last", max_iterations=4, logger=True)

@@ -17,7 +17,6 @@ from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.policies import LMPolicy
 from rlinf_lightning.workflows.reasoning.actor import PolicyLoss
 from rlinf_lightning.workflows.reasoning.rollout import pack_samples
-from trainer_defaults import NEEDS_RESEED
 
 
 def test_auto_resolves_by_hardware_and_names_are_checked():
@@ -107,14 +106,15 @@ def test_bf16_true_trains_bf16_weights_with_the_float32_gradient(assets):
     assert torch.nn.functional.cosine_similarity(full["flat_grad"], out["flat_grad"], dim=0) > 0.99
 
 
-@NEEDS_RESEED
-def test_a_bf16_rollout_shows_its_mismatch_and_tis_weights_it(assets, tmp_path):
+def test_a_bf16_rollout_shows_its_mismatch_and_tis_weights_it(warm_assets, tmp_path):
     """The rollout/actor log-prob mismatch is measured (actor/approx_kl): none with a float32 rollout
     and a float32 actor, some with a bf16 rollout, which GRPO(tis_cap) then weights: each token by
     min(pi_actor / pi_rollout, tis_cap), all 1 without a mismatch. rollout_dtype auto (the default)
     is float32 beside a 32-true actor and bf16 with TIS at cap 2 beside a bf16-mixed one."""
     from rlinf_lightning import RLTrainer
     from trainer_defaults import MetricsRecorder, tiny_task, tiny_trainer_kwargs
+
+    assets = warm_assets
 
     def fit(name, rollout_dtype=None, **over):
         steps = MetricsRecorder()

@@ -11,7 +11,7 @@ import pytest
 
 from rlinf_lightning import LMPolicy, RLTrainer
 from rlinf_lightning.launchers import LAUNCHERS
-from trainer_defaults import NEEDS_RESEED, tiny_task, tiny_trainer_kwargs
+from trainer_defaults import tiny_task, tiny_trainer_kwargs
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,8 @@ def two_nodes():
         cluster.shutdown()
 
 
-@NEEDS_RESEED
-def test_a_disaggregated_plan_spans_two_nodes(assets, tmp_path, two_nodes):
+def test_a_disaggregated_plan_spans_two_nodes(warm_assets, tmp_path, two_nodes):
+    assets = warm_assets
     import ray
 
     trainer = RLTrainer(

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from rlinf_lightning import Callback
 
 
@@ -98,12 +96,3 @@ def worker_processes(root=None) -> list:
         if "spawn_main" in c or (server in c and server in cmdline(p.parent() or p)):
             out.append(p)
     return out
-
-
-#: tests whose seed-0 run needs a group whose samples disagree in its first iterations: with the
-#: counter-based sampler (issue 43) some runs draw none on the tiny task, so no gradient; they
-#: still run, and are to be re-seeded (the issue 43 note names them)
-NEEDS_RESEED = pytest.mark.xfail(
-    reason="the counter-based sampler's seed 0 may draw no group with signal here; re-seed",
-    strict=False,
-)

@@ -2,7 +2,7 @@
 ``sample_actions``; Flow-Noise log-probs of a recorded chain are recomputed exactly (float32) and
 to bf16's rounding under autocast; gradients reach the expert, the noise head and the value head;
 LoRA trains adapters and heads only; an iteration is the same update under every plan; a checkpoint
-resumes the weights and episodes exactly (the step after differs slightly: see the resume test)."""
+resumes to the uninterrupted run's weights bit for bit."""
 
 from __future__ import annotations
 
@@ -238,9 +238,10 @@ def test_a_checkpoint_resumes_to_the_same_run(pi0_dir, tmp_path):
     assert steps.metrics[-1]["actor/grad_norm"] == full[1][-1]["actor/grad_norm"]
     last = (tmp_path / "split" / "checkpoints" / "last").read_text()
     resumed = load_file(str(tmp_path / "split" / "checkpoints" / last / "model.safetensors"))
-    # KNOWN GAP: the step taken with that gradient differs by up to ~4e-4 (the MLP policy's resume
-    # is bit-exact in the same set-up; the π0 optimizer's restored state is suspected, not found)
-    assert max(float((resumed[k] - full[2][k]).abs().max()) for k in full[2]) < 1e-3
+    # and the step taken with it: each thread replica's Adam moments are its own after the load
+    # (they were one loaded copy, stepped twice: up to 4e-4 apart)
+    assert resumed.keys() == full[2].keys()
+    assert all(torch.equal(resumed[k], full[2][k]) for k in full[2])
 
 
 def test_rlinf_sft_fits_pi0_to_scripted_demonstrations_with_its_flow_matching_loss(pi0_dir, tmp_path):

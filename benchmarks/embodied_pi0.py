@@ -63,7 +63,8 @@ def run_seed(seed: int, args: argparse.Namespace, work: Path) -> dict:
           f"--trainer.default_root_dir={run}", "--trainer.logger=csv", "--trainer.enable_progress_bar=false",
           f"--trainer.max_iterations={args.iterations}", f"--trainer.eval_every={args.eval_every}",
           f"--trainer.ckpt_every={args.iterations}", f"--policy.init_args.model_path={root / 'sft'}",
-          "--trainer.num_threads=1", f"--policy.init_args.lr={args.lr}"])  # fmt: skip
+          "--trainer.num_threads=1", f"--policy.init_args.lr={args.lr}",
+          f"--policy.init_args.noise_std_range=[{args.noise_std[0]},{args.noise_std[1]}]"])  # fmt: skip
     ppo_s = time.perf_counter() - t0
     summary = json.loads((run / "summary.json").read_text())
     curve = [(0, summary["success_before"])]
@@ -88,10 +89,12 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=30, help="PPO iterations")
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--lr", type=float, default=1e-4, help="π0's PPO learning rate")
+    ap.add_argument("--noise-std", type=float, nargs=2, default=[0.08, 0.16], help="Flow-Noise σ range")
+    ap.add_argument("--work-dir", help="keep each seed's runs here (default: a temporary directory)")
     args = ap.parse_args()
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        results = [run_seed(seed, args, Path(tmp)) for seed in args.seeds]
+        results = [run_seed(seed, args, Path(args.work_dir or tmp)) for seed in args.seeds]
     passed = all(
         r["final_success"] >= 0.9 and r["ppo_s"] <= 1200 and (r["gain"] >= 0.2 or r["final_success"] == 1.0)
         for r in results

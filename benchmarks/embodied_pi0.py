@@ -20,7 +20,8 @@ success 0.0; PPO from it at best 0.59 (seed 0). With them, SFT alone (the same l
 batch in a diagnostic loop): 0.97 after 600 steps (seed 0); seed 1 0.06, 0.25, 0.56, 0.97, 1.0
 after 400, 600, 700, 800, 1000 steps. PPO from seed 1's 600-step SFT policy (0.28) did NOT improve
 it: 60 iterations (668 s), 0.28 -> 0.25 with the default σ range; 40 iterations, 0.28 -> 0.19 with
-σ in [0.5, 1] and 0.28 -> 0.06 with [1, 2]; the critic's explained variance stayed near or below 0.
+σ in [0.5, 1] (0.09 with the critic trained through π0, 0.22 at lr 3e-4 and 4 epochs) and 0.28 ->
+0.06 with [1, 2]; the critic's explained variance stayed near or below 0 in every run.
 The bar is not met.
 """
 

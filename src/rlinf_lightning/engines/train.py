@@ -10,6 +10,7 @@ into micro-batches and over replicas, so every plan computes the same update.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
@@ -284,7 +285,9 @@ class SingleTrainEngine(TrainEngine):
             load_trainable_state(self.policy.model, state["model"])
         else:
             self.policy.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        # a copy: load_state_dict keeps the given tensors where dtype and device match, and thread
+        # replicas are handed one loaded checkpoint, so they would step shared moments twice
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self._load_scheduler(state)
 
     def _with_scheduler(self, state: dict[str, Any]) -> dict[str, Any]:

@@ -6,10 +6,12 @@ GPU, :func:`~rlinf_lightning.assets.build_tiny_pi0`'s on a CPU) and adds only wh
 - **Inputs.** The observation ``TensorDict`` becomes π0's: each camera in ``image_keys`` (uint8
   ``[H, W, 3]``) resized to SigLIP's size and scaled to ``[-1, 1]`` (π0's image processor), one
   image-token block per camera; the ``instruction`` (or ``default_instruction``) as ``<s> text``
-  right-padded to ``max_instruction_len + 1`` ids (fixed shapes); ``state_keys`` concatenated and
-  zero-padded to ``max_state_dim``.
+  right-padded to ``max_instruction_len + 1`` ids (fixed shapes); ``state_keys`` concatenated,
+  standardised with the checkpoint's ``norm_stats.json`` (:mod:`~rlinf_lightning.policies.pi0.norm`,
+  written by ``rlinf sft``) and zero-padded to ``max_state_dim``.
 - **Actions.** A chunk is the first ``chunk`` of π0's ``chunk_size`` steps and the env's first
-  ``action_dim`` of its ``max_action_dim`` entries, executed open-loop as TinyVLA's OFT chunks.
+  ``action_dim`` of its ``max_action_dim`` entries, mapped back from the standardised actions π0
+  denoises (the same statistics), executed open-loop as TinyVLA's OFT chunks.
 - **Log-probs** by Flow-Noise (:mod:`~rlinf_lightning.policies.pi0.flow`): ``act`` samples the
   denoising chain with per-step Gaussians drawn from each row's generator and returns it
   (``chain``, a :attr:`replay_keys` entry the workflow carries to the actor); ``evaluate`` scores
@@ -31,6 +33,7 @@ from rlinf_lightning.policies.lora import LoRA, lora_problems
 from rlinf_lightning.policies.module import RLModule, instructions
 from rlinf_lightning.policies.pi0.flow import flow_noise_logprob
 from rlinf_lightning.policies.pi0.net import Pi0Net
+from rlinf_lightning.policies.pi0.norm import NORM_FILE, NormStats
 
 DEFAULT_INSTRUCTION = "do the task"
 HEADS_FILE = "rl_heads.safetensors"  # noise and value heads, beside a saved π0
@@ -55,7 +58,8 @@ class Pi0Policy(RLModule):
     Args:
         model_path: a ``PI0ForConditionalGeneration.save_pretrained`` directory with its tokenizer
             (``tokenizer.json``); a ``rl_heads.safetensors`` there (written by
-            :meth:`save_pretrained`) restores the noise and value heads, else they start new.
+            :meth:`save_pretrained`) restores the noise and value heads, else they start new; a
+            ``norm_stats.json`` there standardises the state and the actions, else they are raw.
         num_denoise_steps: Euler steps ``K`` of the chain (πRL: 4).
         noise_std_range: ``[σ_min, σ_max]`` of the learned per-step noise (πRL: 0.08, 0.16).
         detach_critic_input: the value loss does not train π0 through the critic's features (πRL's
@@ -110,6 +114,7 @@ class Pi0Policy(RLModule):
         self.obs_dim: int | None = None
         self.model: Pi0Net | None = None
         self.tokenizer: Any = None
+        self.norm: NormStats | None = None  # the checkpoint's norm_stats.json
 
     # -- configuration --------------------------------------------------------------------------
 
@@ -181,6 +186,16 @@ class Pi0Policy(RLModule):
         from transformers import PI0Config, PI0ForConditionalGeneration, PreTrainedTokenizerFast
 
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(self.model_path)
+        self.norm = NormStats.load(self.model_path)
+        if self.norm is not None and (len(self.norm.state_mean), len(self.norm.action_mean)) != (
+            self.obs_dim,
+            self.action_dim,
+        ):
+            raise ValueError(
+                f"policy.model_path: its {NORM_FILE} is for {len(self.norm.state_mean)}-d states and "
+                f"{len(self.norm.action_mean)}-d actions, the env's are {self.obs_dim}-d and "
+                f"{self.action_dim}-d"
+            )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             if torch.empty(0).device.type == "meta":  # parameter_count / LoRA probes: no weights read
@@ -243,6 +258,8 @@ class Pi0Policy(RLModule):
         if cams:
             pixels = torch.stack([self._pixels(obs[k].to(device)) for k in self.image_keys], dim=1)
         state = torch.cat([obs[k].reshape(n, -1).to(device, torch.float32) for k in self.state_keys], dim=-1)
+        if self.norm is not None:
+            state = self.norm.state(state)
         state = F.pad(state, (0, self.model.pi0.config.max_state_dim - state.shape[-1]))
         pixel_mask = torch.ones(n, cams, dtype=torch.bool, device=device)
         return {"input_ids": input_ids, "attention_mask": mask, "pixel_values": pixels,
@@ -286,7 +303,8 @@ class Pi0Policy(RLModule):
         logprob, _ = flow_noise_logprob(
             out["chain"], out["mean"], out["std"], self._executed.to(noise.device)
         )
-        action = out["chain"][:, -1, : self.chunk, : self.action_dim].reshape(n, -1)
+        action = out["chain"][:, -1, : self.chunk, : self.action_dim]
+        action = (self.norm.action(action) if self.norm is not None else action).reshape(n, -1)
         return TensorDict(
             {"action": action, "logprob": logprob, "value": out["value"], "chain": out["chain"]},
             batch_size=[n],
@@ -310,7 +328,8 @@ class Pi0Policy(RLModule):
     # -- saving ---------------------------------------------------------------------------------
 
     def save_pretrained(self, path: str | Path) -> Path:
-        """π0 and its tokenizer (``from_pretrained`` layout) and the heads (``rl_heads.safetensors``)."""
+        """π0 and its tokenizer (``from_pretrained`` layout), the heads (``rl_heads.safetensors``)
+        and the normalisation statistics (``norm_stats.json``)."""
         from safetensors.torch import save_file
 
         assert self.model is not None, "configure_model() first"
@@ -323,4 +342,6 @@ class Pi0Policy(RLModule):
             if not k.startswith("pi0.")
         }
         save_file(heads, str(path / HEADS_FILE))
+        if self.norm is not None:
+            self.norm.save(path)
         return path

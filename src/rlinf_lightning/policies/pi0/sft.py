@@ -3,7 +3,10 @@ with a π0 ``base_model``): what π0 is pre-trained with, and where πRL starts 
 
 For a demonstrated chunk ``A`` (zero-padded to ``chunk_size x max_action_dim``), noise ``ε`` and a
 time ``t ~ Beta(1.5, 1)`` (π0's schedule), π0 sees ``A^t = t ε + (1 - t) A`` and regresses its
-velocity onto ``ε - A``; steps past an episode's end (``action_mask`` False) are left out.
+velocity onto ``ε - A``; steps past an episode's end (``action_mask`` False) are left out. The
+state and the actions are standardised with the demonstrations' statistics, saved beside the model
+as ``norm_stats.json`` (:mod:`~rlinf_lightning.policies.pi0.norm`: without them a tiny π0 fitted
+FetchReach's expert without reading the state, and reached no goal).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 
 from rlinf_lightning.policies.pi0.demos import load_demos
+from rlinf_lightning.policies.pi0.norm import NormStats
 from rlinf_lightning.policies.pi0.policy import Pi0Policy
 
 log = logging.getLogger(__name__)
@@ -30,7 +34,9 @@ def flow_matching_loss(policy: Pi0Policy, batch: TensorDict, generator: torch.Ge
     pi0 = policy.model.pi0
     config = pi0.config
     n, chunk, dim = batch["action"].shape
-    actions = F.pad(batch["action"].float(), (0, config.max_action_dim - dim, 0, config.chunk_size - chunk))
+    actions = batch["action"].float()
+    actions = policy.norm.normalize_action(actions) if policy.norm is not None else actions
+    actions = F.pad(actions, (0, config.max_action_dim - dim, 0, config.chunk_size - chunk))
     valid = F.pad(batch["action_mask"].float(), (0, config.chunk_size - chunk))[:, :, None].expand_as(actions)
     noise = torch.randn(actions.shape, generator=generator)
     u = torch.rand(n, generator=generator).clamp(1e-6, 1 - 1e-6)
@@ -76,6 +82,8 @@ def run_pi0_sft(
     settings = {k: v for k, v in locals().items()}
     demos, meta = load_demos(train_path)
     policy = _policy_for(base_model, demos, meta)
+    state = torch.cat([demos["obs"][k].reshape(len(demos), -1).float() for k in policy.state_keys], -1)
+    policy.norm = NormStats.of(state, demos["action"].float(), demos["action_mask"])
     model = policy.model.pi0
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -108,6 +116,7 @@ def run_pi0_sft(
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
     policy.tokenizer.save_pretrained(tmp)
+    policy.norm.save(tmp)
     (tmp / "sft_settings.json").write_text(json.dumps(result, indent=1))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

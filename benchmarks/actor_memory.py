@@ -67,12 +67,12 @@ def bench_defaults(model: Path, args, batch, device_bytes: int) -> dict:
     """The budget chosen at the defaults for ``device_bytes`` and one step at it."""
     from gpu import timed_step
 
+    from rlinf_lightning.flow.budget import DEVICE_FRACTION
     from rlinf_lightning.flow.stage import StageContext
 
     prompt = int(batch["attention_mask"].shape[-1] - batch["response_mask"].shape[-1])
     stage = _stage(model, args.device, None, 1024, prompt, args.new_tokens)
-    left = device_bytes * 0.8 - sum(p.nbytes for p in stage.memory(args.device, 1, len(batch)))
-    if problem := stage.fit_budget(args.device, left, 1, len(batch)):
+    if problem := stage.fit_budget(args.device, device_bytes * DEVICE_FRACTION, 1, len(batch)):
         return {"error": f"{problem[0]}: {problem[1]}"}
     predicted = sum(p.nbytes for p in stage.memory(args.device, 1, len(batch)))
     with PeakMemory(args.device) as mem:
@@ -81,7 +81,7 @@ def bench_defaults(model: Path, args, batch, device_bytes: int) -> dict:
     row = {
         "chosen_budget": stage.budget_chosen.tokens,
         "checkpointing": stage.budget_chosen.checkpointing,
-        "cut": stage.train_max_tokens is not None,
+        "cut": stage.max_tokens is not None,
         "predicted_peak_gib": round(predicted / GIB, 2),
         "peak_memory_gib": round(mem.peak / GIB, 2),
         "peak_over_predicted": round(mem.peak / predicted, 3),

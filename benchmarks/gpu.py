@@ -185,7 +185,7 @@ def bench_actor(model: Path, args, peak: float) -> tuple[dict, object]:
         "budgets": {},
     }
     for budget in args.max_tokens:
-        stage.train_max_tokens = budget
+        stage.max_tokens = budget
         if args.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats(args.device)
         try:
@@ -218,7 +218,7 @@ def bench_actor(model: Path, args, peak: float) -> tuple[dict, object]:
             step_s=ok[best]["step_s"],
         )
         if args.profile:
-            stage.train_max_tokens = min(ok)
+            stage.max_tokens = min(ok)
             profile_step(stage, batch, args.device)
     return out, stage
 

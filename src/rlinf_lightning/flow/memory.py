@@ -169,6 +169,7 @@ def fit_budgets(workflow: Workflow, plan: ExecutionPlan) -> list[tuple[str, str]
     fitting = {n: s for n, s in workflow.stages.items() if hasattr(s, "fit_budget")}
     for stage in fitting.values():
         stage.reset_budget()
+    fitting = {n: s for n, s in fitting.items() if s.chooses_budget()}
     if not fitting:
         return []
     places, have = _places(workflow, plan)

@@ -44,6 +44,10 @@ class TokenBudget:
         """The cost model of one call over a micro-batch; ``None`` where the model's shape is unknown."""
         raise NotImplementedError
 
+    def chooses_budget(self) -> bool:
+        """Whether :meth:`fit_budget` would choose: no micro-batch size or token budget configured."""
+        return not self.budget_configured() and not (self.max_tokens and not self.budget_chosen)
+
     def checkpointing_options(self) -> list[bool]:
         """Activation checkpointing settings the budget may choose between (none by default)."""
         return [False]
@@ -83,7 +87,7 @@ class TokenBudget:
         before), with activation checkpointing where the stage offers it, the budget without it
         would be small and it is not configured. Logged. A ``(key, problem)`` when not one sample
         fits."""
-        if self.budget_configured() or (self.max_tokens and not self.budget_chosen):
+        if not self.chooses_budget():
             return None
         self.reset_budget()
         parts = self.budget_state(device, replicas, micro_batch)

@@ -17,7 +17,8 @@
 #    so one part that hangs or runs out of memory leaves the others' figures, and the whole script
 #    ends in time; a part with under 30 s left is skipped. Each part's log goes to $OUT (the device
 #    tool's output folder, which comes back) or a temporary folder.
-# 3. Prints one JSON object merging every part's last line (a part that failed: {"error": ...}).
+# 3. Prints one JSON object merging every part's last line (a part that failed: {"error": ...}),
+#    also written to $OUT/gpu_check.json (at most 7 files come back: the device tool takes 8).
 #
 # On a lent machine:  run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600)
 # Parts: $GPU_CHECK_PARTS (default below). Extra arguments go to every benchmarks/gpu.py call.
@@ -28,14 +29,14 @@ cd "$ROOT"
 PARTS="${GPU_CHECK_PARTS:-defaults decode_ops generate chunked actor}"
 PART_TIMEOUT="${PART_TIMEOUT:-240}"
 LOGS="${OUT:-$(mktemp -d)}"
-PYTHON="${PYTHON:-python}"
+PYTHON="${PYTHON:-python3}"  # the GPU image's python3 holds its torch
 
 START=$SECONDS
 TOTAL="${GPU_CHECK_TOTAL_S:-540}"
 
 for dir in "${RLINF_WHEELS:-}" .whl shared/wheels wheels; do
     if [ -n "$dir" ] && compgen -G "$dir/*.whl" > /dev/null; then
-        SITE="${RLINF_SITE:-$ROOT/.gpu-site}"
+        SITE="${RLINF_SITE:-/tmp/rlinf-gpu-site}"
         echo "installing $(ls "$dir"/*.whl | wc -l) wheels from $dir into $SITE" >&2
         timeout 180 "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
             --upgrade --target "$SITE" "$dir"/*.whl >&2 \
@@ -78,5 +79,7 @@ for part in parts:
         continue
     merged.setdefault("device", result.get("device"))
     merged[part] = result.get(part, result)
-print(json.dumps(merged))
+line = json.dumps(merged)
+(logs / "gpu_check.json").write_text(line + "\n")
+print(line)
 EOF

@@ -12,7 +12,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 DEST="${1:-.whl}"
-PYTHON="${PYTHON:-python}"
+PYTHON="${PYTHON:-python3}"
 WHEELS="${GPU_WHEELS:-tensordict pyvers orjson jsonargparse docstring-parser typeshed-client math-verify
 latex2sympy2_extended antlr4-python3-runtime datasets dill multiprocess gymnasium farama-notifications}"
 

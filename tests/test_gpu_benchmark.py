@@ -81,7 +81,8 @@ def test_the_gpu_check_script_runs_every_new_section_on_the_cpu(tmp_path):
     assert r["chunked"]["whole"]["peak_memory_gib"] >= 0 and r["chunked"]["chunked"]["step_s"] > 0
     assert r["generate"]["rollout_over_generate"] > 0
     assert r["decode_ops"]["ours_le_generate"] and r["decode_ops"]["growth_le_generate"]
-    assert {p.name for p in tmp_path.iterdir()} >= {"gpu_defaults.log", "gpu_decode_ops.log"}
+    logs = {p.name for p in tmp_path.iterdir()}
+    assert logs >= {"gpu_defaults.log", "gpu_decode_ops.log", "gpu_check.json"}
 
 
 @pytest.mark.slow

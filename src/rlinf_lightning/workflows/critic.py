@@ -28,17 +28,15 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.algorithms.losses import aggregate, clipped_value_loss, masked_mean
-from rlinf_lightning.engines.precision import resolve_precision
 from rlinf_lightning.engines.train import TrainSpec, resolve_train_engine
 from rlinf_lightning.flow.budget import LayerShape, StepCost, critic_cost
-from rlinf_lightning.flow.memory import dtype_bytes
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, StageContext
 from rlinf_lightning.policies.value import ValueModel
 from rlinf_lightning.workflows.mini_batches import mini_batch_steps
 from rlinf_lightning.workflows.padding import micro_batches
 from rlinf_lightning.workflows.token_budget import TokenBudget
-from rlinf_lightning.workflows.training import TrainStage, policy_dtype
+from rlinf_lightning.workflows.training import TrainStage
 
 if TYPE_CHECKING:
     from rlinf_lightning.workflows.reasoning.advantage import AdvantageStage
@@ -135,9 +133,7 @@ class CriticStage(TokenBudget, TrainStage):
         shape = LayerShape.from_dir(self.policy.model_path) if self.policy.model_path else None
         if shape is None:
             return None
-        precision = resolve_precision(self.precision, device)
-        residual = dtype_bytes("bfloat16" if precision == "bf16-true" else policy_dtype(self.policy))
-        compute = 2 if precision.startswith("bf16") else residual
+        residual, compute = self.step_dtype_bytes(device)
         return critic_cost(shape, static, residual=residual, compute=compute, checkpointing=checkpointing)
 
     def budget(self, micro_batch: int) -> tuple[str, tuple[str, ...]]:

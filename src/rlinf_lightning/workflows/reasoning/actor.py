@@ -9,10 +9,9 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.algorithms.losses import kl_penalty
-from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE, resolve_precision, resolve_rollout_dtype
+from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE, resolve_rollout_dtype
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.flow.budget import LayerShape, StepCost, actor_cost
-from rlinf_lightning.flow.memory import dtype_bytes
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, StageContext
 from rlinf_lightning.policies.lm import LMPolicy
@@ -171,14 +170,13 @@ class ActorStage(TokenBudget, TrainStage):
         shape = LayerShape.from_dir(self.policy.model_path)
         if shape is None:
             return None
-        precision = resolve_precision(self.precision, device)
-        residual = dtype_bytes("bfloat16" if precision == "bf16-true" else policy_dtype(self.policy))
+        residual, compute = self.step_dtype_bytes(device)
         prompt = self.max_prompt_tokens or 0
         return actor_cost(
             shape,
             static,
             residual=residual,
-            compute=2 if precision.startswith("bf16") else residual,
+            compute=compute,
             checkpointing=checkpointing,
             logit_chunk=getattr(self.policy, "logit_chunk_tokens", None),
             response_fraction=self.horizon / (prompt + self.horizon),

@@ -1,9 +1,13 @@
-"""The actor's memory, measured against ``flow.budget``'s prediction (sections of ``gpu.py``).
+"""The actor's memory (and the inference and critic stages'), measured against ``flow.budget``'s
+prediction (sections of ``gpu.py``).
 
 - ``defaults``: an ``ActorStage`` with no micro-batch size and no token budget, its budget chosen
   as a plan's memory check chooses it (``fit_budget`` over the whole device: the only resident),
   one GRPO step over ``--sequences`` rollout-shaped samples; the chosen budget, the predicted
   and the measured peak.
+  Beside it the inference stage (reference log-probs: one forward under ``no_grad``) and the
+  critic (a value model's step), each alone on the device at the defaults as well: the budget it
+  chooses, its predicted and measured peak over the same samples.
 - ``chunked``: the same step at one token budget with the lm head chunked
   (``policy.logit_chunk_tokens``) and with whole logits: peak memory, tokens/s and MFU side by side.
 
@@ -65,14 +69,14 @@ def _stage(model: Path, device: str, budget: int | None, chunk: int | None, prom
 
 def bench_defaults(model: Path, args, batch, device_bytes: int) -> dict:
     """The budget chosen at the defaults for ``device_bytes`` and one step at it."""
-    from gpu import timed_step
+    from gpu_common import timed_step
 
+    from rlinf_lightning.flow.budget import DEVICE_FRACTION
     from rlinf_lightning.flow.stage import StageContext
 
     prompt = int(batch["attention_mask"].shape[-1] - batch["response_mask"].shape[-1])
     stage = _stage(model, args.device, None, 1024, prompt, args.new_tokens)
-    left = device_bytes * 0.8 - sum(p.nbytes for p in stage.memory(args.device, 1, len(batch)))
-    if problem := stage.fit_budget(args.device, left, 1, len(batch)):
+    if problem := stage.fit_budget(args.device, device_bytes * DEVICE_FRACTION, 1, len(batch)):
         return {"error": f"{problem[0]}: {problem[1]}"}
     predicted = sum(p.nbytes for p in stage.memory(args.device, 1, len(batch)))
     with PeakMemory(args.device) as mem:
@@ -81,19 +85,83 @@ def bench_defaults(model: Path, args, batch, device_bytes: int) -> dict:
     row = {
         "chosen_budget": stage.budget_chosen.tokens,
         "checkpointing": stage.budget_chosen.checkpointing,
-        "cut": stage.train_max_tokens is not None,
+        "cut": stage.max_tokens is not None,
         "predicted_peak_gib": round(predicted / GIB, 2),
         "peak_memory_gib": round(mem.peak / GIB, 2),
         "peak_over_predicted": round(mem.peak / predicted, 3),
         "step_s": round(statistics.median(seconds), 3),
     }
     print(f"defaults: {row}", flush=True)
-    return row
+    del stage
+    return {**row, **other_stages(model, args, batch, device_bytes)}
+
+
+def other_stages(model: Path, args, batch, device_bytes: int) -> dict:
+    """The inference and critic stages at the defaults, each alone on ``device_bytes``: the budget
+    each chooses, its predicted peak and the measured peak of one call over ``batch`` (a reference
+    forward; a critic step). On a CPU each is measured after the actor's step, whose freed memory the
+    process keeps and reuses, so these peaks read low there."""
+    from rlinf_lightning.algorithms import GRPO, PPO
+    from rlinf_lightning.engines.train import TrainSpec
+    from rlinf_lightning.flow.budget import DEVICE_FRACTION
+    from rlinf_lightning.flow.stage import StageContext
+    from rlinf_lightning.policies import LMPolicy, ValueModel
+    from rlinf_lightning.workflows.critic import CriticStage
+    from rlinf_lightning.workflows.padding import micro_batches
+    from rlinf_lightning.workflows.reasoning.advantage import AdvantageStage
+    from rlinf_lightning.workflows.reasoning.inference import InferenceStage
+
+    prompt = int(batch["attention_mask"].shape[-1] - batch["response_mask"].shape[-1])
+    new, spec = args.new_tokens, TrainSpec("single", {}, "auto")
+    stages = {
+        "inference": InferenceStage(LMPolicy(str(model)), GRPO(kl_coef=0.01), 1.0, None, prompt, new),
+        "critic": CriticStage(
+            ValueModel(str(model)),
+            AdvantageStage(PPO().on_tokens(), new),
+            spec,
+            None,
+            None,
+            1,
+            0,
+            prompt,
+            new,
+        ),  # fmt: skip
+    }
+    data = batch.clone()
+    data["values"] = torch.zeros(data["response_mask"].shape)
+    data["returns"] = torch.randn(data["response_mask"].shape, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name, stage in stages.items():
+        if problem := stage.fit_budget(args.device, device_bytes * DEVICE_FRACTION, 1, len(batch)):
+            out[name] = {"error": f"{problem[0]}: {problem[1]}"}
+            continue
+        predicted = sum(p.nbytes for p in stage.memory(args.device, 1, len(batch)))
+        with PeakMemory(args.device) as mem:
+            stage.setup(StageContext(device=args.device, num_threads=torch.get_num_threads()))
+            if name == "inference":
+                stage.process(batch.clone())
+            else:
+                for chunk in micro_batches(data, None, stage.max_tokens):
+                    stage.engine.accumulate(chunk, stage.loss)
+                stage.engine.step()
+        out[name] = {
+            "chosen_budget": stage.budget_chosen.tokens,
+            "cut": stage.max_tokens is not None,
+            "predicted_peak_gib": round(predicted / GIB, 2),
+            "peak_memory_gib": round(mem.peak / GIB, 2),
+            "peak_over_predicted": round(mem.peak / predicted, 3),
+        }
+        print(f"defaults, {name}: {out[name]}", flush=True)
+        stage.teardown()
+        stages[name] = stage = None  # freed before the next one is measured
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return out
 
 
 def bench_chunked(model: Path, args, batch, peak_flops: float) -> dict:
     """Chunked against whole logits at the smallest ``--max-tokens`` budget."""
-    from gpu import timed_step
+    from gpu_common import timed_step
 
     from rlinf_lightning.flow.stage import StageContext
     from rlinf_lightning.policies.lm import causal_lm_train_flops

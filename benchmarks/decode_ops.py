@@ -132,7 +132,7 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=8)
     ap.add_argument("--long", type=int, default=24)
     args = ap.parse_args()
-    from gpu import SHAPES, build_model
+    from gpu_common import SHAPES, build_model
 
     from rlinf_lightning.engines.rollout import HFRolloutEngine
 

@@ -4,8 +4,10 @@ whole collocated GRPO iteration, and FSDP2 against the single engine.
     python benchmarks/gpu.py [--sections peak,actor,rollout,sync,iteration,fsdp]
 
 Runs where CUDA is present and prints one line saying it skipped elsewhere (``--device cpu
---shape tiny`` runs the same code on the CPU with a small model, as ``tests/test_benchmarks.py``
-does, so the script cannot rot between GPU sessions).
+--shape tiny`` runs the same code on the CPU with a small model, as ``tests/test_gpu_benchmark.py``
+does, so the script cannot rot between GPU sessions). The sections live beside it by concept:
+``gpu_common.py`` (shapes, model, batches), ``actor_speed.py`` (``actor``, ``compile``, ``fsdp``),
+``actor_memory.py`` (``defaults``, ``chunked``), ``decode_ops.py`` (``generate``, ``decode_ops``).
 
 The model is a ``Qwen2ForCausalLM`` built from Qwen2.5-0.5B's config (24 layers, hidden 896,
 14 query and 2 key/value heads, vocabulary 151,936, tied embedding: 494 M parameters) with random
@@ -31,7 +33,8 @@ rollout engine, ``RLTrainer.fit``), not a re-implementation:
 - ``compile``: the actor step with the train engine's ``compile()`` (``trainer.compile``; its
   compile seconds reported).
 - ``defaults``: the actor with no micro-batch size or token budget: the budget it chooses for this
-  device (``flow.budget``), predicted and measured peak memory (``actor_memory.py``).
+  device (``flow.budget``), predicted and measured peak memory; the same for the inference stage
+  (a reference forward) and the critic (a value model's step) (``actor_memory.py``).
 - ``chunked``: the actor step with the chunked lm head and with whole logits at the smallest
   budget: peak memory, MFU (``actor_memory.py``).
 - ``generate``: our ``hf`` engine beside plain ``model.generate`` on the same model, device, dtype
@@ -53,185 +56,15 @@ import time
 from pathlib import Path
 
 import torch
+from actor_speed import bench_actor, bench_compile, bench_fsdp
+from gpu_common import SHAPES, build_model, load_meta, rollout_batch, sync
 
 from rlinf_lightning.rewards import Reward
 
-SHAPES = {
-    # Qwen2.5-0.5B's config.json, weights random
-    "0.5b": {
-        "vocab_size": 151936,
-        "hidden_size": 896,
-        "intermediate_size": 4864,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 32768,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6,
-    },
-    # the 0.5b vocabulary on a small body: what the logits cost, measurable on a CPU
-    "vocab": {
-        "vocab_size": 151936,
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 2048,
-    },
-    # the same code on a CPU in seconds
-    "tiny": {
-        "vocab_size": 1024,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "max_position_embeddings": 1024,
-    },
-}
 SECTIONS = (
     "peak", "actor", "rollout", "sync", "iteration", "fsdp", "compile", "defaults", "chunked", "generate",
     "decode_ops",
 )  # fmt: skip
-
-
-def build_model(path: Path, shape: dict) -> Path:
-    """A random-weight Qwen2 of ``shape`` with the library's byte-level chat tokenizer (its ids are
-    the first few hundred of the vocabulary), saved like a downloaded checkpoint."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    from rlinf_lightning.assets import build_chat_tokenizer
-
-    build_chat_tokenizer(path)
-    tok = AutoTokenizer.from_pretrained(path)
-    config = Qwen2Config(
-        **shape,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(path)
-    return path
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
-def rollout_batch(n: int, vocab: int, max_response: int, seed: int = 0):
-    """``n`` rollout-shaped samples (prompts 24-64 tokens, responses half to all of
-    ``max_response``) packed as the rollout stage packs them, with advantages."""
-    from rlinf_lightning.engines.rollout import Completion
-    from rlinf_lightning.workflows.reasoning.rollout import pack_samples
-
-    g = torch.Generator().manual_seed(seed)
-    prompts, completions = [], []
-    for _ in range(n):
-        p = int(torch.randint(24, 65, (1,), generator=g))
-        r = int(torch.randint(max_response // 2, max_response + 1, (1,), generator=g))
-        prompts.append(torch.randint(3, vocab, (p,), generator=g).tolist())
-        ids = torch.randint(3, vocab, (r,), generator=g).tolist()
-        completions.append([Completion(ids, (-torch.rand(r, generator=g) * 3).tolist())])
-    batch = pack_samples(prompts, completions, pad_id=0)
-    batch["advantage"] = torch.randn(n, generator=g)
-    batch["policy_version"] = torch.zeros(n, dtype=torch.long)  # sampled by the initial weights
-    from tensordict import TensorDict
-
-    return TensorDict(batch, batch_size=[n])
-
-
-def actor_stage(model: Path, engine: str, device: str, max_tokens: int | None):
-    from rlinf_lightning.algorithms import GRPO
-    from rlinf_lightning.engines.train import TrainSpec
-    from rlinf_lightning.flow.stage import StageContext
-    from rlinf_lightning.policies import LMPolicy
-    from rlinf_lightning.workflows.reasoning.actor import ActorStage
-
-    stage = ActorStage(
-        LMPolicy(str(model), lr=1e-6), GRPO(), TrainSpec(engine, {}, "bf16-mixed"), 1.0, None, max_tokens
-    )
-    stage.setup(StageContext(device=device, num_threads=torch.get_num_threads()))
-    return stage
-
-
-def timed_step(stage, batch, device: str) -> tuple[float, dict]:
-    sync(device)
-    t0 = time.perf_counter()
-    stage.begin_iteration(1)  # as a worker does before each iteration's first micro-batch
-    stage.process(batch)
-    metrics = stage.end_iteration().compute()
-    sync(device)
-    return time.perf_counter() - t0, metrics
-
-
-def bench_actor(model: Path, args, peak: float) -> tuple[dict, object]:
-    """Step time, tokens/s and MFU per token budget; returns the stage for the sync section."""
-    from rlinf_lightning.policies.lm import causal_lm_train_flops
-
-    batch = rollout_batch(args.sequences, args.token_vocab, args.new_tokens)
-    tokens = int(batch["attention_mask"].sum())
-    stage = actor_stage(model, "single", args.device, None)
-    flops = causal_lm_train_flops(stage.engine.policy.model, batch["attention_mask"])
-    out = {
-        "samples": len(batch),
-        "tokens": tokens,
-        "model_tflops_per_step": round(flops / 1e12, 2),
-        "budgets": {},
-    }
-    for budget in args.max_tokens:
-        stage.train_max_tokens = budget
-        if args.device.startswith("cuda"):
-            torch.cuda.reset_peak_memory_stats(args.device)
-        try:
-            times = [timed_step(stage, batch, args.device)[0] for _ in range(args.steps)]
-        except torch.OutOfMemoryError as exc:  # larger budgets would too: stop here
-            out["budgets"][budget] = {"error": f"out of memory: {str(exc).splitlines()[0][:120]}"}
-            print(f"actor  budget {budget}: out of memory", flush=True)
-            stage.engine.optimizer.zero_grad(set_to_none=True)
-            stage.engine._count = stage.engine._loss_sum = 0.0
-            torch.cuda.empty_cache()
-            break
-        step_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
-        row = {
-            "step_s": round(step_s, 4),
-            "first_step_s": round(times[0], 3),
-            "tokens_per_s": round(tokens / step_s),
-            "mfu": round(flops / step_s / peak, 4),
-        }
-        if args.device.startswith("cuda"):
-            row["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(args.device) / 2**30, 1)
-        out["budgets"][budget] = row
-        print(f"actor  budget {budget}: {row}", flush=True)
-    ok = {b: r for b, r in out["budgets"].items() if "mfu" in r}
-    if ok:
-        best = max(ok, key=lambda b: ok[b]["mfu"])
-        out.update(
-            best_budget=best,
-            mfu=ok[best]["mfu"],
-            tokens_per_s=ok[best]["tokens_per_s"],
-            step_s=ok[best]["step_s"],
-        )
-        if args.profile:
-            stage.train_max_tokens = min(ok)
-            profile_step(stage, batch, args.device)
-    return out, stage
-
-
-def profile_step(stage, batch, device: str) -> None:
-    """Where one actor step's device time goes: the top kernels, printed."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-    with profile(activities=activities) as prof:
-        timed_step(stage, batch, device)
-    key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60), flush=True)
 
 
 def bench_rollout(model: Path, args):
@@ -349,74 +182,6 @@ def bench_iteration(model: Path, work: Path, args) -> dict:
     return out
 
 
-def bench_compile(model: Path, args, peak: float) -> dict:
-    """The actor step at the smallest token budget with the train engine's ``compile()`` (what
-    ``trainer.compile`` turns on): compile seconds as the engine reports them (``compile_s``), and
-    the step time and MFU after the steps that compiled."""
-    from rlinf_lightning.policies.lm import causal_lm_train_flops
-
-    batch = rollout_batch(args.sequences, args.token_vocab, args.new_tokens)
-    stage = actor_stage(model, "single", args.device, min(args.max_tokens))
-    flops = causal_lm_train_flops(stage.engine.policy.model, batch["attention_mask"])
-    stage.engine.compile()
-    steps = [timed_step(stage, batch, args.device) for _ in range(args.steps + 2)]
-    times = [t for t, _ in steps]
-    step_s = statistics.median(times[2:])
-    out = {
-        "budget": min(args.max_tokens),
-        "compile_s": round(sum(m.get("compile_s", 0.0) for _, m in steps), 2),
-        "compile_and_first_steps_s": [round(t, 2) for t in times[:2]],
-        "step_s": round(step_s, 4),
-        "mfu": round(flops / step_s / peak, 4),
-    }
-    print(f"compile: {out}", flush=True)
-    return out
-
-
-def bench_fsdp(model: Path, args) -> dict:
-    """``fsdp`` (one rank) against ``single``: 3 steps over the same batches under bf16."""
-    batches = [
-        rollout_batch(args.fsdp_samples, args.token_vocab, args.new_tokens // 4, seed=s) for s in range(3)
-    ]
-    runs = {}
-    for engine in ("single", "fsdp"):
-        stage = actor_stage(model, engine, args.device, min(args.max_tokens))
-        before = {k: v.to("cpu", torch.float32, copy=True) for k, v in stage.engine.named_weights()}
-        steps = [timed_step(stage, b, args.device) for b in batches]
-        update = {k: v.to("cpu", torch.float32) - before[k] for k, v in stage.engine.named_weights()}
-        runs[engine] = {
-            "loss": [m["loss"] for _, m in steps],
-            "grad_norm": [m["grad_norm"] for _, m in steps],
-            "step_s": [round(t, 3) for t, _ in steps],
-            "update": torch.cat([u.reshape(-1) for u in update.values()]),
-        }
-        stage.teardown()
-        del stage
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
-
-    def rel(a: list[float], b: list[float]) -> float:
-        return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
-
-    s, f = runs["single"], runs["fsdp"]
-    # the weights' change over the 3 steps (the weights themselves barely move at this rate, and
-    # the zero-initialised biases would make any relative difference of weights meaningless)
-    fu, su = f["update"].double(), s["update"].double()
-    update_diff = float((fu - su).norm() / su.norm())
-    cosine = float(fu @ su / (fu.norm() * su.norm()))
-    out = {
-        "loss_rel_diff": round(rel(f["loss"], s["loss"]), 5),
-        "grad_norm_rel_diff": round(rel(f["grad_norm"], s["grad_norm"]), 5),
-        "update_rel_diff": round(update_diff, 4),
-        "update_cosine": round(cosine, 5),
-        "loss": {"single": s["loss"], "fsdp": f["loss"]},
-        "grad_norm": {"single": s["grad_norm"], "fsdp": f["grad_norm"]},
-        "step_s": {"single": s["step_s"], "fsdp": f["step_s"]},
-    }
-    print(f"fsdp: {out}", flush=True)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -459,7 +224,7 @@ def main() -> None:
         work = Path(tmp)
         t0 = time.perf_counter()
         model = build_model(work / "model", SHAPES[args.shape])
-        result["parameters_m"] = round(sum(p.numel() for p in _load_meta(model).parameters()) / 1e6, 1)
+        result["parameters_m"] = round(sum(p.numel() for p in load_meta(model).parameters()) / 1e6, 1)
         result["build_s"] = round(time.perf_counter() - t0, 1)
         peak = peak_matmul_flops(args.device, torch.bfloat16, torch.get_num_threads())
         if not args.device.startswith("cuda"):  # a CPU without native bf16 (no AVX512-BF16/AMX)
@@ -533,13 +298,6 @@ def bench_decode(name: str, model: Path, args, engine) -> dict:
     return rollout_over_generate(
         engine, args.sequences, args.group, args.token_vocab, args.new_tokens, args.repeats
     )
-
-
-def _load_meta(path: Path):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
 
 
 if __name__ == "__main__":

@@ -5,16 +5,22 @@
 #   bash scripts/gpu_check.sh --device cpu --shape tiny --sequences 8 --group 4 --new-tokens 8 \
 #       --max-tokens 128,256 --steps 2 --repeats 1 --ops-rows 4,16   # the same script on a CPU (tests)
 #
-# 1. Installs the small pure-Python wheels the GPU image lacks (DESIGN.md, "Running the project on a
-#    GPU machine without network": tensordict, pyvers, orjson, jsonargparse, docstring-parser,
-#    typeshed-client, math-verify, latex2sympy2_extended, antlr4-python3-runtime, datasets, dill,
-#    multiprocess, gymnasium, farama-notifications) from $RLINF_WHEELS (default: shared/wheels, then
-#    wheels/) into a target directory, if such a directory holds wheels; nothing is downloaded.
-# 2. Runs benchmarks/gpu.py one part at a time, each under `timeout $PART_TIMEOUT` seconds, so one
-#    part that hangs or runs out of memory leaves the others' figures; each part's log goes to
-#    $OUT (the device tool's output folder) or a temporary folder.
-# 3. Prints one JSON object merging every part's last line (a part that failed: {"error": ...}).
+# 1. Installs the small wheels the GPU image lacks (/work/.library/device/KINDS.md lists what it
+#    has: torch 2.11, transformers 5.17, lightning; not tensordict, pyvers, orjson, jsonargparse,
+#    docstring-parser, typeshed-client, math-verify, latex2sympy2_extended, antlr4-python3-runtime,
+#    datasets, dill, multiprocess, gymnasium, farama-notifications) from $RLINF_WHEELS, else the
+#    first of .whl/ (the device tool's convention: `bash scripts/gpu_wheels.sh` fills it here, with
+#    network, and the run names it in `carry`), shared/wheels, wheels/ that holds wheels, into a
+#    target directory put first on PYTHONPATH; nothing is downloaded there.
+# 2. Runs benchmarks/gpu.py one part at a time, each under `timeout`: $PART_TIMEOUT seconds, or what
+#    is left of $GPU_CHECK_TOTAL_S (default 540, inside the device tool's 600 s a command) if less,
+#    so one part that hangs or runs out of memory leaves the others' figures, and the whole script
+#    ends in time; a part with under 30 s left is skipped. Each part's log goes to $OUT (the device
+#    tool's output folder, which comes back) or a temporary folder.
+# 3. Prints one JSON object merging every part's last line (a part that failed: {"error": ...}),
+#    also written to $OUT/gpu_check.json (at most 7 files come back: the device tool takes 8).
 #
+# On a lent machine:  run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600)
 # Parts: $GPU_CHECK_PARTS (default below). Extra arguments go to every benchmarks/gpu.py call.
 set -uo pipefail
 
@@ -23,13 +29,17 @@ cd "$ROOT"
 PARTS="${GPU_CHECK_PARTS:-defaults decode_ops generate chunked actor}"
 PART_TIMEOUT="${PART_TIMEOUT:-240}"
 LOGS="${OUT:-$(mktemp -d)}"
-PYTHON="${PYTHON:-python}"
+PYTHON="${PYTHON:-python3}"  # the GPU image's python3 holds its torch
 
-for dir in "${RLINF_WHEELS:-}" shared/wheels wheels; do
+START=$SECONDS
+TOTAL="${GPU_CHECK_TOTAL_S:-540}"
+
+for dir in "${RLINF_WHEELS:-}" .whl shared/wheels wheels; do
     if [ -n "$dir" ] && compgen -G "$dir/*.whl" > /dev/null; then
-        SITE="${RLINF_SITE:-$ROOT/.gpu-site}"
+        SITE="${RLINF_SITE:-/tmp/rlinf-gpu-site}"
         echo "installing $(ls "$dir"/*.whl | wc -l) wheels from $dir into $SITE" >&2
-        "$PYTHON" -m pip install --quiet --no-deps --no-index --target "$SITE" "$dir"/*.whl >&2 \
+        timeout 180 "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
+            --upgrade --target "$SITE" "$dir"/*.whl >&2 \
             || echo "wheel install failed; continuing with what the image has" >&2
         export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
         break
@@ -37,12 +47,19 @@ for dir in "${RLINF_WHEELS:-}" shared/wheels wheels; do
 done
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 
-"$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
+timeout 60 "$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
     torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' >&2
 
 for part in $PARTS; do
-    echo "== $part (timeout ${PART_TIMEOUT}s)" >&2
-    timeout "$PART_TIMEOUT" "$PYTHON" benchmarks/gpu.py --sections "$part" "$@" > "$LOGS/gpu_$part.log" 2>&1
+    left=$((TOTAL - (SECONDS - START) - 10))  # 10 s for the merge below
+    limit=$((left < PART_TIMEOUT ? left : PART_TIMEOUT))
+    if [ "$limit" -lt 30 ]; then
+        echo "{\"$part\": {\"error\": \"skipped: ${left}s left of GPU_CHECK_TOTAL_S=$TOTAL\"}}" > "$LOGS/gpu_$part.log"
+        echo "$part: skipped (${left}s left)" >&2
+        continue
+    fi
+    echo "== $part (timeout ${limit}s)" >&2
+    timeout "$limit" "$PYTHON" benchmarks/gpu.py --sections "$part" "$@" > "$LOGS/gpu_$part.log" 2>&1
     rc=$?
     tail -n 3 "$LOGS/gpu_$part.log" | cut -c1-400 >&2
     [ "$rc" -eq 0 ] || echo "$part: exit $rc" >&2
@@ -62,5 +79,7 @@ for part in parts:
         continue
     merged.setdefault("device", result.get("device"))
     merged[part] = result.get(part, result)
-print(json.dumps(merged))
+line = json.dumps(merged)
+(logs / "gpu_check.json").write_text(line + "\n")
+print(line)
 EOF

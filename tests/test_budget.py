@@ -51,15 +51,14 @@ def test_the_budget_for_a_141_gb_device_predicts_at_most_80_percent(qwen_dir):
     assert policy.parameter_count() == QWEN_05B_PARAMS
     actor = ActorStage(policy, GRPO(), TrainSpec("single", {}, "bf16-mixed"), 1.0, None, None, 256, 32,
                        max_prompt_tokens=64)  # fmt: skip
-    left = 0.8 * H200_BYTES - sum(p.nbytes for p in actor.memory("cuda:0", 1, 256))
-    assert actor.fit_budget("cuda:0", left, 1, 256) is None
+    assert actor.fit_budget("cuda:0", 0.8 * H200_BYTES, 1, 256) is None
     budget = actor.budget_chosen
     assert budget.peak <= 0.8 * H200_BYTES
     assert sum(p.nbytes for p in actor.memory("cuda:0", 1, 256)) == pytest.approx(budget.peak, rel=1e-6)
-    assert 16384 <= budget.tokens < 256 * 320 and actor.train_max_tokens == budget.tokens
+    assert 16384 <= budget.tokens < 256 * 320 and actor.max_tokens == budget.tokens
     assert not budget.checkpointing and not policy.gradient_checkpointing
     actor.reset_budget()
-    assert actor.train_max_tokens is None and actor.budget_chosen is None
+    assert actor.max_tokens is None and actor.budget_chosen is None
 
 
 def test_a_small_device_turns_checkpointing_on_and_a_tiny_one_is_refused(qwen_dir):
@@ -67,18 +66,18 @@ def test_a_small_device_turns_checkpointing_on_and_a_tiny_one_is_refused(qwen_di
     actor = ActorStage(policy, GRPO(), TrainSpec("single", {}, "bf16-mixed"), 1.0, None, None, 256, 32,
                        max_prompt_tokens=64)  # fmt: skip
     static = sum(p.nbytes for p in actor.memory("cuda:0", 1, 256))
-    assert actor.fit_budget("cuda:0", 8 * GIB, 1, 256) is None  # 8 GiB beside the state
+    assert actor.fit_budget("cuda:0", static + 8 * GIB, 1, 256) is None  # 8 GiB beside the state
     assert actor.budget_chosen.checkpointing and policy.gradient_checkpointing is True
-    assert USEFUL_TOKENS <= actor.train_max_tokens
+    assert USEFUL_TOKENS <= actor.max_tokens
     assert actor.budget_chosen.peak <= static + 8 * GIB
     actor.reset_budget()
     assert policy.gradient_checkpointing is None  # what the budget chose, it takes back
 
     policy.gradient_checkpointing = False  # a configured setting is kept
-    assert actor.fit_budget("cuda:0", 8 * GIB, 1, 256) is None
-    assert not actor.budget_chosen.checkpointing and actor.train_max_tokens < USEFUL_TOKENS
+    assert actor.fit_budget("cuda:0", static + 8 * GIB, 1, 256) is None
+    assert not actor.budget_chosen.checkpointing and actor.max_tokens < USEFUL_TOKENS
 
-    key, why = actor.fit_budget("cuda:0", 0.1 * GIB, 1, 256)
+    key, why = actor.fit_budget("cuda:0", static + 0.1 * GIB, 1, 256)
     assert key == "task.train_max_tokens_per_micro_batch" and "not one sample of 320 tokens" in why
 
 
@@ -86,7 +85,7 @@ def test_a_configured_budget_is_kept_and_its_peak_counted(qwen_dir):
     policy = LMPolicy(str(qwen_dir), logit_chunk_tokens=None)
     actor = ActorStage(policy, GRPO(), TrainSpec("single", {}, "bf16-mixed"), 1.0, None, 32768, 256, 32,
                        max_prompt_tokens=64)  # fmt: skip
-    assert actor.fit_budget("cuda:0", 1 * GIB, 1, 256) is None and actor.train_max_tokens == 32768
+    assert actor.fit_budget("cuda:0", 1 * GIB, 1, 256) is None and actor.max_tokens == 32768
     parts = actor.memory("cuda:0", 1, 256)
     assert "32,768 tokens (task.train_max_tokens_per_micro_batch)" in parts[-1].what
     assert sum(p.nbytes for p in parts) > H200_BYTES * 0.75  # whole logits at 32k tokens: most of an H200

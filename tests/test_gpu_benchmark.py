@@ -57,10 +57,11 @@ def test_decode_dispatches_no_more_ops_per_step_than_plain_generate():
 def test_the_gpu_check_script_runs_every_new_section_on_the_cpu(tmp_path):
     """``scripts/gpu_check.sh``, what a session with a GPU runs, here at a tiny size on the CPU: the
     defaults (a budget chosen, its peak predicted), chunked against whole logits, our engine beside
-    ``generate`` and the decode op counts, each part under its own timeout, merged into one line."""
+    ``generate`` and the decode op counts, each part under its own timeout, merged into one line.
+    The defaults part chooses the inference stage's and the critic's budgets too."""
     import os
 
-    env = {**os.environ, "OUT": str(tmp_path), "PART_TIMEOUT": "500",
+    env = {**os.environ, "OUT": str(tmp_path), "PART_TIMEOUT": "500", "GPU_CHECK_TOTAL_S": "1150",
            "GPU_CHECK_PARTS": "defaults chunked generate decode_ops", "PYTHON": sys.executable}  # fmt: skip
     out = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", "--shape", "tiny",
@@ -73,10 +74,15 @@ def test_the_gpu_check_script_runs_every_new_section_on_the_cpu(tmp_path):
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert not [k for k, v in r.items() if isinstance(v, dict) and "error" in v], r
     assert r["defaults"]["chosen_budget"] >= 16 * 8 and 0.5 < r["defaults"]["peak_over_predicted"] < 1.5
+    for stage in ("inference", "critic"):  # their budgets at the defaults, beside the actor's
+        assert (
+            r["defaults"][stage]["chosen_budget"] >= 16 * 8 and r["defaults"][stage]["predicted_peak_gib"] > 0
+        )
     assert r["chunked"]["whole"]["peak_memory_gib"] >= 0 and r["chunked"]["chunked"]["step_s"] > 0
     assert r["generate"]["rollout_over_generate"] > 0
     assert r["decode_ops"]["ours_le_generate"] and r["decode_ops"]["growth_le_generate"]
-    assert {p.name for p in tmp_path.iterdir()} >= {"gpu_defaults.log", "gpu_decode_ops.log"}
+    logs = {p.name for p in tmp_path.iterdir()}
+    assert logs >= {"gpu_defaults.log", "gpu_decode_ops.log", "gpu_check.json"}
 
 
 @pytest.mark.slow

@@ -24,13 +24,32 @@ vocabulary. Chunked: ``16 V`` bytes a token of one chunk, whatever the budget.
 
 Checked, not fitted, against the unchunked actor on an H200 (Qwen2.5-0.5B shape, bf16 autocast,
 AdamW; ``tests/test_budget.py``): 61.8 GiB at 16,384 tokens and 111.5 GiB at 32,768.
+
+The two other stages that run the model over whole micro-batches, from the same pieces:
+
+* the critic (:func:`critic_cost`) trains like the actor, but its head is one value per token:
+  the final hidden state and a scalar instead of the vocabulary's logits;
+* the inference stage (:func:`inference_cost`: reference log-probs, a forward under ``no_grad``)
+  keeps no activations for a backward. What lives is the layer running (at most what it would
+  save, above), the hidden states the chunked head reads (every layer's output:
+  ``output_hidden_states``, ``(layers + 1) r h``) and the key/value cache a ``transformers``
+  forward fills (``2 layers kv c``), then the logits: whole, the forward's ``c V`` and the float32
+  log-softmax of the response with its input's copy (``8 V R``); chunked, one chunk's logits and
+  log-softmax, a constant. Measured on a CPU (float32, hidden 256, 4 layers, the 151,936
+  vocabulary, 64 rows of up to 128 tokens): 1.24 GiB chunked (predicted 1.38), 9.23 GiB whole
+  (predicted 9.39).
+
+Each stage then takes its budget the one way :func:`fit_tokens` says.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 #: the share of a device's memory the budget may plan to fill (the rest: allocator fragmentation,
 #: the CUDA context, the process itself)
@@ -38,6 +57,11 @@ DEVICE_FRACTION = 0.8
 #: below this many tokens per micro-batch the matmuls get small; the budget turns activation
 #: checkpointing on (where ``policy.gradient_checkpointing`` is unset) rather than go lower
 USEFUL_TOKENS = 8192
+
+
+def gib(nbytes: float) -> str:
+    """``"45.1 GiB"``."""
+    return f"{nbytes / 2**30:.1f} GiB"
 
 
 @dataclass(frozen=True)
@@ -48,6 +72,7 @@ class LayerShape:
     intermediate: int
     layers: int
     vocab: int
+    kv_width: int = 0  # key/value heads x head size (the cache a forward fills); 0: not counted
 
     @classmethod
     def from_dir(cls, model_path: str | Path) -> LayerShape | None:
@@ -58,19 +83,19 @@ class LayerShape:
         cfg = json.loads(path.read_text())
         cfg = cfg.get("text_config", cfg)
         try:
-            return cls(
-                cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-            )
+            h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+            kv = cfg.get("num_key_value_heads", heads) * (cfg.get("head_dim") or h // heads)
+            return cls(h, cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"], kv)
         except KeyError:
             return None
 
 
 @dataclass(frozen=True)
-class ActorCost:
-    """Peak bytes of an actor step: ``static + per_token x tokens + fixed``."""
+class StepCost:
+    """Peak bytes of a stage's call over a micro-batch: ``static + per_token x tokens + fixed``."""
 
-    static: float  # the train engine's state (weights, gradients, optimizer moments)
-    per_token: float  # activations kept for the backward, and whole logits where not chunked
+    static: float  # the stage's state (weights; a train engine's gradients and optimizer moments)
+    per_token: float  # activations (kept for the backward, or live), whole logits where not chunked
     fixed: float  # one chunk's logits
 
     def peak(self, tokens: int) -> float:
@@ -94,6 +119,27 @@ def layer_bytes(shape: LayerShape, residual: int, compute: int) -> int:
     return norms + inputs + 4 * compute * h + 4 * compute * i
 
 
+def _trained_body(shape: LayerShape, residual: int, compute: int, checkpointing: bool) -> int:
+    """Bytes a token of a training step keeps through the decoder: every layer's saved tensors (or
+    its input under activation checkpointing), the backward's working layer and the final norm."""
+    layer = layer_bytes(shape, residual, compute)
+    kept = shape.layers * (residual * shape.hidden if checkpointing else layer)
+    return kept + layer + 3 * residual * shape.hidden
+
+
+def _logits(shape: LayerShape, compute: int, response_fraction: float, backward: bool) -> float:
+    """Bytes a token of whole logits costs at their peak (module docstring)."""
+    # the forward's logits, and the log-softmax's output and its input's contiguous copy (measured
+    # in float32 under no_grad on a CPU: 8.1 V a token where half the tokens are the response)
+    forward = compute * shape.vocab + 8 * shape.vocab * response_fraction
+    if not backward:
+        return forward
+    # in float32 the whole logits' gradient (4 V a token) is written while the log-softmax's
+    # backward still holds its three (measured on a CPU: 6.3 GiB where 12 V R alone gave 4.5)
+    grads = 12 * shape.vocab * response_fraction + (4 * shape.vocab if compute >= 4 else 0)
+    return max(forward, grads)
+
+
 def actor_cost(
     shape: LayerShape,
     static: float,
@@ -103,23 +149,47 @@ def actor_cost(
     checkpointing: bool = False,
     logit_chunk: int | None = None,
     response_fraction: float = 1.0,
-) -> ActorCost:
+) -> StepCost:
     """The cost model of one actor step (module docstring). ``residual`` / ``compute``: bytes of the
     weights' and the matmuls' dtype; ``response_fraction``: response tokens over all tokens."""
-    layer = layer_bytes(shape, residual, compute)
-    kept = shape.layers * (residual * shape.hidden if checkpointing else layer)
-    per_token = kept + layer + 3 * residual * shape.hidden  # + the backward's working layer, final norm
+    per_token: float = _trained_body(shape, residual, compute, checkpointing)
     fixed = 0.0
     if logit_chunk:
         per_token += residual * shape.hidden + 4  # the chunks' inputs and each token's log-sum-exp
         fixed = 16.0 * shape.vocab * logit_chunk
     else:
-        forward = compute * shape.vocab + (8 if compute < 4 else 4) * shape.vocab * response_fraction
-        # in float32 the whole logits' gradient (4 V a token) is written while the log-softmax's
-        # backward still holds its three (measured on a CPU: 6.3 GiB where 12 V R alone gave 4.5)
-        backward = 12 * shape.vocab * response_fraction + (4 * shape.vocab if compute >= 4 else 0)
-        per_token += max(forward, backward)
-    return ActorCost(static, per_token, fixed)
+        per_token += _logits(shape, compute, response_fraction, backward=True)
+    return StepCost(static, per_token, fixed)
+
+
+def critic_cost(
+    shape: LayerShape, static: float, *, residual: int = 4, compute: int = 2, checkpointing: bool = False
+) -> StepCost:
+    """One step of a value model (``policies.ValueModel``): the actor's decoder, and a value head
+    that keeps the final hidden state and one float32 value (and its gradient) a token."""
+    per_token = _trained_body(shape, residual, compute, checkpointing) + residual * shape.hidden + 8
+    return StepCost(static, per_token, 0.0)
+
+
+def inference_cost(
+    shape: LayerShape,
+    static: float,
+    *,
+    dtype: int = 4,
+    logit_chunk: int | None = None,
+    response_fraction: float = 1.0,
+) -> StepCost:
+    """A forward without gradients (the inference stage's reference log-probs) in the weights'
+    dtype (``dtype`` bytes: no autocast): the layer running, every layer's output, the key/value
+    cache and the logits (module docstring)."""
+    per_token: float = layer_bytes(shape, dtype, dtype) + 2 * shape.layers * dtype * shape.kv_width
+    fixed = 0.0
+    if logit_chunk:  # every layer's output (``output_hidden_states``), the head's input and result
+        per_token += (shape.layers + 2) * dtype * shape.hidden + 4
+        fixed = (dtype + 4.0) * shape.vocab * logit_chunk  # one chunk's logits and log-softmax
+    else:  # the residual stream in and out of the layer running, then the logits
+        per_token += 2 * dtype * shape.hidden + _logits(shape, dtype, response_fraction, backward=False)
+    return StepCost(static, per_token, fixed)
 
 
 @dataclass(frozen=True)
@@ -133,7 +203,7 @@ class Budget:
 
 
 def choose_budget(
-    costs: dict[bool, ActorCost], left: float, batch_tokens: int, sample_tokens: int
+    costs: dict[bool, StepCost], left: float, batch_tokens: int, sample_tokens: int
 ) -> Budget | None:
     """The token budget for ``left`` bytes: the most tokens that fit, at most the whole batch.
     ``costs`` maps activation checkpointing off / on to its cost model (only the configured one
@@ -147,3 +217,30 @@ def choose_budget(
     if fits[on] < sample_tokens:
         return None
     return Budget(fits[on], on, costs[on].peak(fits[on]))
+
+
+def fit_tokens(
+    stage: str,
+    key: str,
+    costs: dict[bool, StepCost],
+    usable: float,
+    batch_tokens: int,
+    sample: int,
+    fixes: str,
+) -> Budget | tuple[str, str]:
+    """The token budget of ``stage`` (its name, for the log and the message) within ``usable``
+    bytes (:func:`choose_budget`), logged; or ``(key, problem)`` naming its budget's config key
+    when not one ``sample`` fits, with ``fixes`` (what else would make it fit)."""
+    budget = choose_budget(costs, usable, batch_tokens, sample)
+    if budget is None:
+        peak = min(cost.peak(sample) for cost in costs.values())
+        return key, (
+            f"not one sample of {sample} tokens fits the {stage}'s device: it alone would peak at "
+            f"{gib(peak)} with {gib(usable)} usable; {fixes}"
+        )
+    log.info(
+        "%s: token budget %s per micro-batch (predicted peak %s of %s usable%s)",
+        stage, f"{budget.tokens:,}", gib(budget.peak), gib(usable),
+        "; activation checkpointing on" if budget.checkpointing else "",
+    )  # fmt: skip
+    return budget

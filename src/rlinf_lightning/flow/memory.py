@@ -12,9 +12,10 @@ overlapping groups that take turns on a slot count the largest of them. Then:
 * on CUDA each worker has the GPU of its first slot (``total_memory``; GPUs of other nodes are
   taken to be like this machine's).
 
-The actor counts a training step's peak at its token budget (activations and logits,
-``flow.budget``); with no micro-batch size or budget configured it first chooses the budget that
-fits :data:`~rlinf_lightning.flow.budget.DEVICE_FRACTION` of its device beside the plan's other
+The actor, the critic and the inference stage count a call's peak at their token budgets
+(activations and logits, ``flow.budget``) as working memory, which a worker holds for one call
+at a time; with no micro-batch size or budget configured each first chooses the budget that fits
+:data:`~rlinf_lightning.flow.budget.DEVICE_FRACTION` of its device beside the plan's other
 residents (:func:`fit_budgets`). No margin is kept for the process itself (interpreter, CUDA
 context, allocator fragmentation) beyond that fraction, and the other stages leave out what they
 cannot bound from the configuration (their forwards' activations, the rollout's transient
@@ -28,17 +29,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlinf_lightning.flow.budget import DEVICE_FRACTION
+from rlinf_lightning.flow.budget import DEVICE_FRACTION, gib
 from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroup
 from rlinf_lightning.flow.stage import MemoryPart
 from rlinf_lightning.flow.workflow import Workflow
 
 GIB = 2**30
-
-
-def gib(nbytes: float) -> str:
-    """``"45.1 GiB"``."""
-    return f"{nbytes / GIB:.1f} GiB"
 
 
 def count_text(n: int) -> str:
@@ -76,14 +72,20 @@ class WorkerMemory:
     parts: dict[str, list[MemoryPart]] = field(default_factory=dict)
     unknown: list[str] = field(default_factory=list)
 
-    def stage_bytes(self, stage: str) -> int:
-        return sum(p.nbytes for p in self.parts.get(stage, []))
+    def stage_bytes(self, stage: str, working: bool = True) -> int:
+        """What ``stage`` holds while it runs (without its working memory: ``working=False``)."""
+        return sum(p.nbytes for p in self.parts.get(stage, []) if working or not p.working)
 
     @property
     def nbytes(self) -> int:
-        """The sum over its stages, or the largest when they take turns (context switching)."""
+        """The largest of its stages' shares when they take turns (context switching); else what
+        they hold between calls, summed, and the largest working memory of one call (a worker calls
+        one stage at a time)."""
         shares = [self.stage_bytes(s) for s in self.parts] or [0]
-        return max(shares) if self.group.context_switch else sum(shares)
+        if self.group.context_switch:
+            return max(shares)
+        held = [self.stage_bytes(s, working=False) for s in self.parts] or [0]
+        return sum(held) + max(a - b for a, b in zip(shares, held))
 
 
 def stage_micro_batch(workflow: Workflow, plan: ExecutionPlan, stage: str) -> int:
@@ -157,14 +159,17 @@ def _places(workflow: Workflow, plan: ExecutionPlan) -> tuple[dict[str, list[Wor
 
 
 def fit_budgets(workflow: Workflow, plan: ExecutionPlan) -> list[tuple[str, str]]:
-    """Let every stage that sizes its own micro-batches (``fit_budget``: the actor, when no
-    micro-batch size or token budget is configured) choose them for ``plan``: from the usable
-    share of its device (``flow.budget.DEVICE_FRACTION``) less what the plan's workers hold there
-    (the smallest such room over its replicas' devices). The ``(key, problem)`` of any that cannot
-    fit one sample."""
+    """Let every stage that sizes its own micro-batches (``fit_budget``: the actor, the critic and
+    the inference stage, when no micro-batch size or token budget is configured for them) choose
+    them for ``plan``. Each gets the usable share of its device (``flow.budget.DEVICE_FRACTION``)
+    less what the plan's workers hold there besides its own state (the smallest such room over its
+    replicas' devices). Stages of one worker run one at a time, so each may use all of that room;
+    workers that run at once on one device (every worker of a CPU node) split it evenly between
+    those of them that choose. The ``(key, problem)`` of any that cannot fit one sample."""
     fitting = {n: s for n, s in workflow.stages.items() if hasattr(s, "fit_budget")}
     for stage in fitting.values():
         stage.reset_budget()
+    fitting = {n: s for n, s in fitting.items() if s.chooses_budget()}
     if not fitting:
         return []
     places, have = _places(workflow, plan)
@@ -172,15 +177,20 @@ def fit_budgets(workflow: Workflow, plan: ExecutionPlan) -> list[tuple[str, str]
     for place, workers in places.items():
         if have[place] is None:
             continue
-        left = have[place] * DEVICE_FRACTION - _need(workers)
-        for w in workers:
+        free = have[place] * DEVICE_FRACTION - _need(workers)
+        choosing = [w for w in workers if fitting.keys() & w.parts.keys()]
+        # context-switching workers take turns: one share between them all
+        shares = len([w for w in choosing if not w.group.context_switch])
+        shares += any(w.group.context_switch for w in choosing)
+        for w in choosing:
             for name in fitting.keys() & w.parts.keys():
-                if name not in room or left < room[name][0]:
-                    room[name] = (left, w)
+                usable = free / max(shares, 1) + w.stage_bytes(name)
+                if name not in room or usable < room[name][0]:
+                    room[name] = (usable, w)
     problems = []
-    for name, (left, w) in room.items():
+    for name, (usable, w) in room.items():
         micro = stage_micro_batch(workflow, plan, name)
-        if problem := fitting[name].fit_budget(w.device, left, w.group.replicas, micro):
+        if problem := fitting[name].fit_budget(w.device, usable, w.group.replicas, micro):
             problems.append(problem)
     return problems
 

@@ -27,11 +27,14 @@ from rlinf_lightning.flow.metrics import Metrics
 class MemoryPart:
     """Part of what a stage holds on its device: ``nbytes``, ``what`` they are (for messages, e.g.
     ``"0.49 B parameters x 16 bytes (float32 weights, gradients, 2 Adam moments)"``), and a
-    configuration change that would shrink it, if there is one (``fix``)."""
+    configuration change that would shrink it, if there is one (``fix``). ``working``: held only
+    during a call (activations, logits), so a worker, which calls one hosted stage at a time, holds
+    the largest of its stages' working parts, not their sum."""
 
     nbytes: int
     what: str
     fix: str | None = None
+    working: bool = False
 
 
 class Stage:

@@ -64,7 +64,11 @@ class MathTask(Task):
         train_max_tokens_per_micro_batch: instead, cut the actor's micro-batches by tokens: samples
             sorted by length, as many per forward/backward as fit ``rows x longest row <= this``.
             Either way each micro-batch is trimmed to its longest prompt and response, so padding
-            costs no compute.
+            costs no compute. With neither set, the plan's memory check chooses a token budget
+            that fits the actor's device (and the critic's: it takes these keys too; ``docs/gpu.md``).
+        inference_max_tokens_per_micro_batch: the token budget of the inference stage's forwards
+            (reference log-probs); ``None``: each message in one forward, cut by a budget the
+            plan's memory check chooses where it would not fit.
         critic: a value model for an algorithm that reads values (``trainer.algorithm: ppo``):
             its own stage, placed by the plan like the others, with its own optimizer
             (:class:`~rlinf_lightning.policies.ValueModel`; ``critic: {}`` in YAML takes its
@@ -107,6 +111,7 @@ class MathTask(Task):
         sampling: SamplingParams | None = None,
         train_micro_batch_size: int | None = None,
         train_max_tokens_per_micro_batch: int | None = None,
+        inference_max_tokens_per_micro_batch: int | None = None,
         critic: ValueModel | None = None,
         tools: list[str] | None = None,
         environment: dict[str, Any] | None = None,
@@ -121,6 +126,7 @@ class MathTask(Task):
         self.sampling = sampling or SamplingParams()
         self.train_micro_batch_size = train_micro_batch_size
         self.train_max_tokens_per_micro_batch = train_max_tokens_per_micro_batch
+        self.inference_max_tokens_per_micro_batch = inference_max_tokens_per_micro_batch
         self.prompt_template, self.chat_template = prompt_template, chat_template
         self.system_prompt = system_prompt
         self.reward, self.format_reward, self.format_weight = reward, format_reward, format_weight
@@ -192,7 +198,12 @@ class MathTask(Task):
     def _batch_problems(self) -> list[tuple[str, str]]:
         problems = [
             (key, f"must be >= 1, got {getattr(self, key)}")
-            for key in ("rollout_batch_size", "train_micro_batch_size", "train_max_tokens_per_micro_batch")
+            for key in (
+                "rollout_batch_size",
+                "train_micro_batch_size",
+                "train_max_tokens_per_micro_batch",
+                "inference_max_tokens_per_micro_batch",
+            )
             if getattr(self, key) is not None and getattr(self, key) < 1
         ]
         if self.train_micro_batch_size and self.train_max_tokens_per_micro_batch:
@@ -299,6 +310,7 @@ class MathTask(Task):
             prompts_per_iteration=self.rollout_batch_size // self.group_size,
             train_micro_batch_size=self.train_micro_batch_size,
             train_max_tokens_per_micro_batch=self.train_max_tokens_per_micro_batch,
+            inference_max_tokens_per_micro_batch=self.inference_max_tokens_per_micro_batch,
             reward=self.reward,
             format_reward=self.format_reward,
             format_weight=self.format_weight,

@@ -40,6 +40,7 @@ FREE_KEYS = frozenset(
         "rollout_engine_options",
         "train_micro_batch_size",
         "train_max_tokens_per_micro_batch",
+        "inference_max_tokens_per_micro_batch",
     }
 )
 _DEPTH = 4  # nesting beyond this is described by its type only

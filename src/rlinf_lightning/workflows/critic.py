@@ -14,6 +14,10 @@ reasoning flow it takes the advantage stage's place, hosting it:
    each dividing by its tokens over every replica, so every plan makes the same updates.
 
 Its weights and optimizer state are checkpointed with the run (:meth:`CriticStage.extra_state`).
+Its micro-batches are sized like the actor's (``task.critic.train_micro_batch_size``, else the
+task's ``train_micro_batch_size`` or ``train_max_tokens_per_micro_batch``); with none of them set
+the plan's memory check chooses its token budget (``workflows/token_budget.py``) from its own cost
+model (``flow.budget.critic_cost``: the actor's decoder under a value head, no vocabulary logits).
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ from tensordict import TensorDict
 
 from rlinf_lightning.algorithms.losses import aggregate, clipped_value_loss, masked_mean
 from rlinf_lightning.engines.train import TrainSpec, resolve_train_engine
+from rlinf_lightning.flow.budget import LayerShape, StepCost, critic_cost
 from rlinf_lightning.flow.metrics import Metrics
-from rlinf_lightning.flow.stage import StageContext
+from rlinf_lightning.flow.stage import MemoryPart, StageContext
 from rlinf_lightning.policies.value import ValueModel
 from rlinf_lightning.workflows.mini_batches import mini_batch_steps
 from rlinf_lightning.workflows.padding import micro_batches
+from rlinf_lightning.workflows.token_budget import TokenBudget
 from rlinf_lightning.workflows.training import TrainStage
 
 if TYPE_CHECKING:
@@ -68,14 +74,20 @@ def _values_of(critic: ValueModel, mb: TensorDict) -> torch.Tensor:
     return critic.forward_values(mb)
 
 
-class CriticStage(TrainStage):
+class CriticStage(TokenBudget, TrainStage):
     """Hosts ``critic`` (a :class:`~rlinf_lightning.policies.ValueModel`) in a train engine and
     ``advantage`` (the workflow's ``AdvantageStage``, whose algorithm reads values) within it; see
-    the module docstring. ``micro_batch_size`` / ``max_tokens``: its forward/backward sizes."""
+    the module docstring. ``micro_batch_size`` / ``max_tokens``: its forward/backward sizes;
+    ``max_prompt_tokens`` + ``horizon``: its longest sample (for a chosen budget)."""
 
     name = "critic"
     cost_hint = 0.6  # a forward per sample and the update: about the actor's share, less sampling
     out_keys = ("values", "advantage", "returns")
+    budget_key = "task.train_max_tokens_per_micro_batch"
+    budget_fixes = (
+        "use a smaller critic (task.critic.model_path), trainer.precision=bf16-true or more devices"
+    )
+    working_what = "activations and values"
 
     def __init__(
         self,
@@ -86,8 +98,11 @@ class CriticStage(TrainStage):
         max_tokens: int | None,
         prompts_per_iteration: int,
         seed: int,
+        max_prompt_tokens: int | None = None,
+        horizon: int = 1,
     ) -> None:
         super().__init__(critic, train)
+        self.max_prompt_tokens, self.horizon = max_prompt_tokens, horizon
         self.advantage, self.algorithm = advantage, advantage.algorithm
         self.kl_in_reward = advantage.kl_in_reward
         self.in_keys = ("input_ids", "attention_mask", *(k for k in advantage.in_keys if k != "values"))
@@ -102,6 +117,24 @@ class CriticStage(TrainStage):
             )
             return [("trainer.train_engine", why)]
         return super().check_placement(replicas, own_process)
+
+    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
+        """The train engine's state and, under a token budget (configured or chosen), what a step
+        over a micro-batch of that many tokens adds at its peak (``flow.budget.critic_cost``)."""
+        return self.with_working(device, TrainStage.memory(self, device, replicas, micro_batch))
+
+    def budget_configured(self) -> bool:
+        return bool(self.micro_batch_size)
+
+    def budget_state(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
+        return TrainStage.memory(self, device, replicas, micro_batch)
+
+    def budget_cost(self, device: str, static: float, checkpointing: bool) -> StepCost | None:
+        shape = LayerShape.from_dir(self.policy.model_path) if self.policy.model_path else None
+        if shape is None:
+            return None
+        residual, compute = self.step_dtype_bytes(device)
+        return critic_cost(shape, static, residual=residual, compute=compute, checkpointing=checkpointing)
 
     def budget(self, micro_batch: int) -> tuple[str, tuple[str, ...]]:
         keys = ("task.critic.train_micro_batch_size", "task.train_micro_batch_size")

@@ -165,6 +165,13 @@ class TrainStage(Stage):
             MemoryPart(-(-trained * 3 * size // shards), f"{state} (gradients, 2 Adam moments)"),
         ]
 
+    def step_dtype_bytes(self, device: str) -> tuple[int, int]:
+        """Bytes of an element of the weights' dtype and of the matmuls' (2 under bf16 autocast) in
+        this stage's precision on ``device``: what ``flow.budget``'s cost models read."""
+        precision = resolve_precision(self.precision, device)
+        residual = dtype_bytes("bfloat16" if precision == "bf16-true" else policy_dtype(self.policy))
+        return residual, 2 if precision.startswith("bf16") else residual
+
     def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
         self.engine = build_train_engine(self.train_engine, ctx.replicas, self.train_engine_options)

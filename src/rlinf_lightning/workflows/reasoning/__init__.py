@@ -58,6 +58,7 @@ def reasoning_workflow(
     prompts_per_iteration: int,
     train_micro_batch_size: int | None,
     train_max_tokens_per_micro_batch: int | None = None,
+    inference_max_tokens_per_micro_batch: int | None = None,
     reward: str,
     format_reward: str | None,
     format_weight: float,
@@ -120,8 +121,12 @@ def reasoning_workflow(
             train_max_tokens_per_micro_batch,
             prompts_per_iteration,
             seed,
+            max_prompt_tokens,
+            horizon,
         )
-    inference = InferenceStage(policy, algorithm, temperature)
+    inference = InferenceStage(
+        policy, algorithm, temperature, inference_max_tokens_per_micro_batch, max_prompt_tokens, horizon
+    )
     rounds = getattr(algorithm, "max_sampling_rounds", 0)
     dynamic = None
     if rounds and train_problems:

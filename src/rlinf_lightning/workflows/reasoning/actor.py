@@ -3,26 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.algorithms.losses import kl_penalty
-from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE, resolve_precision, resolve_rollout_dtype
+from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE, resolve_rollout_dtype
 from rlinf_lightning.engines.train import TrainSpec
-from rlinf_lightning.flow.budget import ActorCost, Budget, LayerShape, actor_cost, choose_budget
-from rlinf_lightning.flow.memory import dtype_bytes, gib
+from rlinf_lightning.flow.budget import LayerShape, StepCost, actor_cost
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, StageContext
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.workflows.mini_batches import mini_batch_steps
 from rlinf_lightning.workflows.padding import micro_batches
 from rlinf_lightning.workflows.reasoning.advantage import adapted_kl_coef
+from rlinf_lightning.workflows.token_budget import TokenBudget
 from rlinf_lightning.workflows.training import TrainStage, policy_dtype
-
-log = logging.getLogger(__name__)
 
 #: the truncated-importance-sampling cap a bf16 rollout chosen by ``rollout_dtype: auto`` turns on
 #: (Yao et al., 2025, use 2)
@@ -74,7 +71,7 @@ def behaviour_logprobs(policy: LMPolicy, mb: TensorDict, temperature: float) -> 
     return policy.forward_logprobs(mb, temperature)
 
 
-class ActorStage(TrainStage):
+class ActorStage(TokenBudget, TrainStage):
     """Trains the policy on each rollout batch.
 
     One update per batch (``ppo_epochs = num_mini_batches = 1``, no whitening): the gradient is
@@ -93,7 +90,18 @@ class ActorStage(TrainStage):
     precision than the policy's weights (bf16 beside a float32 actor) turns on truncated
     importance sampling at :data:`AUTO_TIS_CAP`, correcting the log-prob mismatch the faster
     rollout brings; an explicit ``rollout_dtype`` leaves the algorithm as configured.
+
+    With neither ``task.train_micro_batch_size`` nor ``task.train_max_tokens_per_micro_batch`` set,
+    the plan's memory check chooses its token budget (:class:`TokenBudget`, ``flow.budget``:
+    ``actor_cost``), with activation checkpointing where the budget without it would be small and
+    ``policy.gradient_checkpointing`` is unset.
     """
+
+    budget_key = "task.train_max_tokens_per_micro_batch"
+    budget_fixes = (
+        "use a smaller model, trainer.precision=bf16-true, policy.gradient_checkpointing=true or more devices"
+    )
+    working_what = "activations and logits"
 
     name = "actor"
     cost_hint = 1.0
@@ -124,10 +132,9 @@ class ActorStage(TrainStage):
     ) -> None:
         super().__init__(policy, train, max_staleness)
         self.max_prompt_tokens = max_prompt_tokens
-        self.budget_chosen: Budget | None = None  # by :meth:`fit_budget` when none is configured
         self.rollout_dtype = rollout_dtype
         self.algorithm, self.temperature = algorithm, temperature
-        self.train_micro_batch_size, self.train_max_tokens = train_micro_batch_size, train_max_tokens
+        self.train_micro_batch_size, self.max_tokens = train_micro_batch_size, train_max_tokens
         self.horizon, self.prompts_per_iteration, self.seed = horizon, prompts_per_iteration, seed
         self.updates = getattr(algorithm, "updates_per_batch", 1)
         self.keeps_batch = self.updates > 1 or getattr(algorithm, "norm_adv", False)
@@ -142,85 +149,35 @@ class ActorStage(TrainStage):
 
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
         """The train engine's state (``TrainStage.memory``) and, under a token budget (configured or
-        chosen by :meth:`fit_budget`), what a step over a micro-batch of that many tokens adds at
-        its peak: activations and logits (``flow.budget``)."""
-        parts = super().memory(device, replicas, micro_batch)
-        chosen = self.budget_chosen
-        tokens = chosen.tokens if chosen else self.train_max_tokens
-        checkpointing = chosen.checkpointing if chosen else self.policy.gradient_checkpointing
-        cost = self._cost(device, parts, checkpointing)
-        if parts is None or cost is None or not tokens:
-            return parts
-        what = f"activations and logits of {tokens:,} tokens "
-        what += f"({'chosen' if chosen else 'task.train_max_tokens_per_micro_batch'}"
-        what += ", activation checkpointing)" if checkpointing else ")"
-        fix = None if chosen else "a smaller task.train_max_tokens_per_micro_batch"
-        return [*parts, MemoryPart(int(cost.peak(tokens) - cost.static), what, fix)]
+        chosen), what a step over a micro-batch of that many tokens adds at its peak: activations
+        and logits (``flow.budget.actor_cost``)."""
+        return self.with_working(device, self.budget_state(device, replicas, micro_batch))
 
-    def reset_budget(self) -> None:
-        """Forget a budget :meth:`fit_budget` chose (a plan's memory check chooses afresh)."""
-        if self.budget_chosen is not None:
-            if self.budget_chosen.checkpointing_chosen:
-                self.policy.gradient_checkpointing = None
-            self.train_max_tokens, self.budget_chosen = None, None
+    def budget_configured(self) -> bool:
+        return bool(self.train_micro_batch_size)
 
-    def fit_budget(self, device: str, left: float, replicas: int, micro_batch: int) -> tuple[str, str] | None:
-        """Choose the token budget when neither ``task.train_micro_batch_size`` nor
-        ``task.train_max_tokens_per_micro_batch`` is set: the most tokens whose predicted peak
-        fits in ``left`` bytes (the device's usable memory less what the plan's stages hold on it,
-        this one's state included), at most the ``micro_batch`` samples it receives (then no budget
-        cuts them, as before), with activation checkpointing where the budget without it would be
-        small and ``policy.gradient_checkpointing`` is unset. Logged. A ``(key, problem)`` when not
-        one sample fits."""
-        if self.train_micro_batch_size or (self.train_max_tokens and not self.budget_chosen):
-            return None
-        self.reset_budget()
-        parts = super().memory(device, replicas, micro_batch)
+    def budget_state(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
+        return TrainStage.memory(self, device, replicas, micro_batch)
+
+    def checkpointing_options(self) -> list[bool]:
         setting = self.policy.gradient_checkpointing
-        options = [False, True] if setting is None else [bool(setting)]
-        costs = {on: self._cost(device, parts, on) for on in options}
-        if parts is None or None in costs.values() or self.max_prompt_tokens is None:
-            return None
-        usable = left + sum(p.nbytes for p in parts)  # ``left`` counted this stage's state as taken
-        sample = self.max_prompt_tokens + self.horizon
-        budget = choose_budget(costs, usable, micro_batch * sample, sample)
-        if budget is None:
-            per = costs[options[-1]].peak(sample)
-            return (
-                "task.train_max_tokens_per_micro_batch",
-                f"not one sample of {sample} tokens fits the actor's device: its step would peak at "
-                f"{gib(per)} with {gib(usable)} usable; use a smaller model, trainer.precision=bf16-true, "
-                "policy.gradient_checkpointing=true or more devices",
-            )
-        chosen = setting is None and budget.checkpointing
-        self.budget_chosen = dataclasses.replace(budget, checkpointing_chosen=chosen)
-        if budget.tokens < micro_batch * sample:  # else the whole micro-batch trains at once, as before
-            self.train_max_tokens = budget.tokens
-        if chosen:
-            self.policy.gradient_checkpointing = True
-        log.info(
-            "actor: token budget %s per micro-batch (predicted peak %s of %s usable%s)",
-            f"{budget.tokens:,}", gib(budget.peak), gib(usable),
-            "; activation checkpointing on" if budget.checkpointing else "",
-        )  # fmt: skip
-        return None
+        return [False, True] if setting is None else [bool(setting)]
 
-    def _cost(
-        self, device: str, parts: list[MemoryPart] | None, checkpointing: bool | None
-    ) -> ActorCost | None:
+    def checkpointing_in_force(self) -> bool:
+        return bool(self.policy.gradient_checkpointing)
+
+    def budget_cost(self, device: str, static: float, checkpointing: bool) -> StepCost | None:
         shape = LayerShape.from_dir(self.policy.model_path)
-        if parts is None or shape is None:
+        if shape is None:
             return None
-        precision = resolve_precision(self.precision, device)
-        residual = dtype_bytes("bfloat16" if precision == "bf16-true" else policy_dtype(self.policy))
-        compute = 2 if precision.startswith("bf16") else residual
+        residual, compute = self.step_dtype_bytes(device)
         prompt = self.max_prompt_tokens or 0
         return actor_cost(
             shape,
-            sum(p.nbytes for p in parts),
+            static,
             residual=residual,
             compute=compute,
-            checkpointing=bool(checkpointing),
+            checkpointing=checkpointing,
             logit_chunk=getattr(self.policy, "logit_chunk_tokens", None),
             response_fraction=self.horizon / (prompt + self.horizon),
         )
@@ -238,8 +195,8 @@ class ActorStage(TrainStage):
         self.kl_seen = torch.zeros(2, dtype=torch.float64)  # KL x samples, samples (adaptive KL)
 
     def budget(self, micro_batch: int) -> tuple[str, tuple[str, ...]]:
-        if self.train_max_tokens:
-            return f"micro-batches of at most {self.train_max_tokens} tokens", (
+        if self.max_tokens:
+            return f"micro-batches of at most {self.max_tokens} tokens", (
                 "task.train_max_tokens_per_micro_batch",
             )
         if self.train_micro_batch_size:
@@ -273,7 +230,7 @@ class ActorStage(TrainStage):
         return None
 
     def _train_on(self, batch: TensorDict, metrics: Metrics) -> None:
-        for chunk in micro_batches(batch, self.train_micro_batch_size, self.train_max_tokens):
+        for chunk in micro_batches(batch, self.train_micro_batch_size, self.max_tokens):
             for k, v in self.engine.accumulate(chunk, self.loss).items():
                 metrics.mean(k, v, len(chunk))
 
@@ -323,7 +280,7 @@ class ActorStage(TrainStage):
         if self.updates > 1 or getattr(self.algorithm, "tis_cap", None) is not None:
             for b in self.buffer:  # the behaviour policy: the actor before its first step
                 b["row"] = torch.arange(len(b))
-                chunks = micro_batches(b, self.train_micro_batch_size, self.train_max_tokens)
+                chunks = micro_batches(b, self.train_micro_batch_size, self.max_tokens)
                 b["old_logprobs"] = torch.zeros_like(b["rollout_logprobs"])
                 for chunk, lp in zip(chunks, self.engine.forward_all(chunks, self._behaviour)):
                     b["old_logprobs"][chunk["row"], : lp.shape[-1]] = lp.to(b["old_logprobs"].device)

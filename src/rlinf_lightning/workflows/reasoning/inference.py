@@ -9,29 +9,74 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.engines.offload import Offloader
-from rlinf_lightning.flow.memory import weights_part
+from rlinf_lightning.flow.budget import LayerShape, StepCost, inference_cost
+from rlinf_lightning.flow.memory import dtype_bytes, weights_part
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.policies.lm import LMPolicy
+from rlinf_lightning.workflows.padding import token_budget_split
+from rlinf_lightning.workflows.token_budget import TokenBudget
 
 
-class InferenceStage(Stage):
-    """Reference-policy log-probs for the KL penalty; passes batches through when KL is off."""
+class InferenceStage(TokenBudget, Stage):
+    """Reference-policy log-probs for the KL penalty; passes batches through when KL is off.
+
+    A message runs in one forward, or in micro-batches of at most ``max_tokens`` tokens
+    (``task.inference_max_tokens_per_micro_batch``); unset, the plan's memory check chooses the
+    budget (:class:`TokenBudget`) from a forward's cost (``flow.budget.inference_cost``: no
+    gradients, so far more tokens than the actor's step), and cuts only what does not fit."""
 
     name = "inference"
     cost_hint = 0.3
     in_keys = ("input_ids", "attention_mask", "response_mask")
     out_keys = ("ref_logprobs",)
+    budget_key = "task.inference_max_tokens_per_micro_batch"
+    budget_fixes = "use a smaller model, policy.logit_chunk_tokens=1024 or more devices"
+    working_what = "a forward's activations and logits"
 
-    def __init__(self, policy: LMPolicy, algorithm: Any, temperature: float) -> None:
+    def __init__(
+        self,
+        policy: LMPolicy,
+        algorithm: Any,
+        temperature: float,
+        max_tokens: int | None = None,
+        max_prompt_tokens: int | None = None,
+        horizon: int = 1,
+    ) -> None:
         self.policy, self.algorithm, self.temperature = policy, algorithm, temperature
+        self.max_tokens, self.max_prompt_tokens, self.horizon = max_tokens, max_prompt_tokens, horizon
 
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
-        """The reference weights in the policy's dtype (nothing when the algorithm has no KL term).
-        Not counted: a forward's activations and logits."""
+        """The reference weights in the policy's dtype and, under a token budget (configured or
+        chosen), a forward's working memory at its peak (nothing when the algorithm has no KL term)."""
+        return self.with_working(device, self.budget_state(device, replicas, micro_batch))
+
+    def budget_configured(self) -> bool:
+        return not self.algorithm.needs_reference  # no reference: no forward to size
+
+    def budget_state(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
         if not self.algorithm.needs_reference:
             return []
         n = self.policy.parameter_count()
         return None if n is None else [weights_part(n, self.policy.dtype, "reference weights")]
+
+    def budget_cost(self, device: str, static: float, checkpointing: bool) -> StepCost | None:
+        shape = LayerShape.from_dir(self.policy.model_path)
+        if shape is None:
+            return None
+        prompt = self.max_prompt_tokens or 0
+        return inference_cost(
+            shape,
+            static,
+            dtype=dtype_bytes(self.policy.dtype),  # the reference runs in its dtype, no autocast
+            logit_chunk=getattr(self.policy, "logit_chunk_tokens", None),
+            response_fraction=self.horizon / (prompt + self.horizon),
+        )
+
+    def budget(self, micro_batch: int) -> tuple[str, tuple[str, ...]]:
+        if self.max_tokens:
+            return f"micro-batches of at most {self.max_tokens} tokens", (self.budget_key,)
+        keys = (self.budget_key, "trainer.micro_batch_size")
+        return f"messages of {micro_batch} samples in one forward", keys
 
     def setup(self, ctx: StageContext) -> None:
         self.ref, self.device = None, ctx.device
@@ -51,7 +96,16 @@ class InferenceStage(Stage):
 
     @torch.no_grad()
     def process(self, batch: TensorDict) -> TensorDict:
-        if self.ref is not None:
-            ref = self.ref.forward_logprobs(batch.to(self.device), self.temperature)
-            batch["ref_logprobs"] = ref.cpu()  # channels carry host tensors
+        if self.ref is None:
+            return batch
+        if not self.max_tokens:  # the whole message at once
+            batch["ref_logprobs"] = self.ref.forward_logprobs(batch.to(self.device), self.temperature).cpu()
+            return batch
+        ref = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
+        batch["row"] = torch.arange(len(batch))
+        for chunk in token_budget_split(batch, self.max_tokens):
+            lp = self.ref.forward_logprobs(chunk.to(self.device), self.temperature)
+            ref[chunk["row"], : lp.shape[-1]] = lp.float().cpu()  # channels carry host tensors
+        del batch["row"]
+        batch["ref_logprobs"] = ref
         return batch

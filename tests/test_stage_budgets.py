@@ -1,0 +1,168 @@
+"""The inference and critic stages' token budgets (``flow.budget``, ``workflows/token_budget.py``):
+a forward without gradients takes far more tokens than the actor's step, the critic's step (a
+value head, no vocabulary) takes its own, each chosen and logged; one that cannot fit is refused
+in one line naming its key, and a real tiny run with no budget set chooses all three and trains."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from rlinf_lightning import RLTrainer
+from rlinf_lightning.algorithms import GRPO, PPO
+from rlinf_lightning.engines.train import TrainSpec
+from rlinf_lightning.errors import ConfigError
+from rlinf_lightning.policies import LMPolicy, ValueModel
+from rlinf_lightning.workflows.critic import CriticStage
+from rlinf_lightning.workflows.reasoning.actor import ActorStage
+from rlinf_lightning.workflows.reasoning.advantage import AdvantageStage
+from rlinf_lightning.workflows.reasoning.inference import InferenceStage
+from trainer_defaults import MetricsRecorder, tiny_task, tiny_trainer_kwargs
+
+GIB = 2**30
+H200_BYTES = 150_754_820_096  # torch.cuda.get_device_properties(0).total_memory on the H200
+USABLE = 0.8 * H200_BYTES
+BF16_MIXED = TrainSpec("single", {}, "bf16-mixed")
+
+
+@pytest.fixture
+def qwen_dir(tmp_path):
+    """A config.json of Qwen2.5-0.5B's shape (no weights: the estimates read the config alone)."""
+    config = {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
+        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+        "tie_word_embeddings": True, "torch_dtype": "float32",
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def _critic(model_dir, max_tokens=None) -> CriticStage:
+    ppo = PPO().on_tokens()
+    return CriticStage(ValueModel(str(model_dir)), AdvantageStage(ppo, 256), BF16_MIXED, None, max_tokens,
+                       32, 0, max_prompt_tokens=64, horizon=256)  # fmt: skip
+
+
+def test_the_inference_budget_on_a_141_gb_device_is_larger_than_the_actors(qwen_dir, caplog):
+    """4,096 samples of 64 + 256 tokens a message, so that neither budget is the whole message."""
+    policy = LMPolicy(str(qwen_dir))
+    actor = ActorStage(policy, GRPO(kl_coef=0.01), BF16_MIXED, 1.0, None, None, 256, 32, max_prompt_tokens=64)
+    inference = InferenceStage(policy, GRPO(kl_coef=0.01), 1.0, None, max_prompt_tokens=64, horizon=256)
+    with caplog.at_level(logging.INFO, logger="rlinf_lightning.flow.budget"):
+        assert actor.fit_budget("cuda:0", USABLE, 1, 4096) is None
+        assert inference.fit_budget("cuda:0", USABLE, 1, 4096) is None
+    chosen = inference.budget_chosen
+    assert chosen.tokens > 3 * actor.budget_chosen.tokens and inference.max_tokens == chosen.tokens
+    assert chosen.tokens < 4096 * 320 and chosen.peak <= USABLE and not chosen.checkpointing
+    parts = inference.memory("cuda:0", 1, 4096)  # the reference's weights and the forward's peak
+    assert sum(p.nbytes for p in parts) == pytest.approx(chosen.peak, rel=1e-6) and parts[-1].working
+    assert "a forward's activations and logits of " in parts[-1].what and "(chosen)" in parts[-1].what
+    assert f"inference: token budget {chosen.tokens:,} per micro-batch" in caplog.text
+    inference.reset_budget()
+    assert inference.max_tokens is None and inference.memory("cuda:0", 1, 4096)[-1].what.startswith("float32")
+
+    # without a KL term there is no reference, so nothing to size
+    idle = InferenceStage(policy, GRPO(), 1.0, None, max_prompt_tokens=64, horizon=256)
+    assert idle.fit_budget("cuda:0", USABLE, 1, 4096) is None and idle.budget_chosen is None
+
+
+def test_a_critic_budget_is_chosen_and_logged_and_its_peak_counted(qwen_dir, caplog):
+    critic = _critic(qwen_dir)
+    actor = ActorStage(LMPolicy(str(qwen_dir), logit_chunk_tokens=None), GRPO(), BF16_MIXED, 1.0, None, None,
+                       256, 32, max_prompt_tokens=64)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="rlinf_lightning.flow.budget"):
+        assert critic.fit_budget("cuda:0", USABLE, 1, 4096) is None
+        assert actor.fit_budget("cuda:0", USABLE, 1, 4096) is None
+    chosen = critic.budget_chosen
+    assert f"critic: token budget {chosen.tokens:,} per micro-batch" in caplog.text
+    assert chosen.peak <= USABLE and critic.max_tokens == chosen.tokens
+    # no vocabulary logits: more tokens than the actor with whole logits takes on the same device
+    assert chosen.tokens > 1.5 * actor.budget_chosen.tokens  # 62,285 against 34,388
+    parts = critic.memory("cuda:0", 1, 4096)
+    assert sum(p.nbytes for p in parts) == pytest.approx(chosen.peak, rel=1e-6)
+    assert "activations and values of" in parts[-1].what
+    assert "at most" in critic.budget(256)[0]  # what an out-of-memory line names in force
+
+    configured = _critic(qwen_dir, max_tokens=4096)  # task.train_max_tokens_per_micro_batch: kept
+    assert configured.fit_budget("cuda:0", USABLE, 1, 4096) is None and configured.max_tokens == 4096
+    assert (
+        "4,096 tokens (task.train_max_tokens_per_micro_batch)" in configured.memory("cuda:0", 1, 64)[-1].what
+    )
+
+
+def test_a_stage_that_cannot_fit_one_sample_is_refused_naming_its_key(qwen_dir):
+    policy = LMPolicy(str(qwen_dir))
+    inference = InferenceStage(policy, GRPO(kl_coef=0.01), 1.0, None, max_prompt_tokens=64, horizon=256)
+    key, why = inference.fit_budget("cuda:0", 2.5 * GIB, 1, 256)  # the weights and little else
+    assert key == "task.inference_max_tokens_per_micro_batch" and "\n" not in why
+    assert why.startswith("not one sample of 320 tokens fits the inference's device")
+    key, why = _critic(qwen_dir).fit_budget("cuda:0", 8 * GIB, 1, 256)
+    assert key == "task.train_max_tokens_per_micro_batch" and "critic's device" in why
+
+
+def test_the_plans_memory_check_refuses_an_inference_that_cannot_fit(assets, tmp_path, monkeypatch):
+    """The tiny model on a node whose memory holds the plan's state but not one reference forward:
+    ``trainer.validate`` refuses in one line naming the inference stage's key."""
+    import rlinf_lightning.flow.memory as memory
+
+    policy = LMPolicy(str(assets["sft"]))
+    task = tiny_task(assets, train_micro_batch_size=None, train_max_tokens_per_micro_batch=4096)
+    trainer = RLTrainer(**tiny_trainer_kwargs(tmp_path, algorithm=GRPO(kl_coef=0.01)))
+    inference = InferenceStage(policy, GRPO(kl_coef=0.01), 1.0, None, 64, 16)
+    state = sum(p.nbytes for p in ActorStage(policy, GRPO(), TrainSpec(), 1.0, None).memory("cpu", 1, 16))
+    state += sum(p.nbytes for p in inference.memory("cpu", 1, 16))
+    monkeypatch.setattr(memory, "host_memory", lambda: int(state / 0.8) + 4096)
+    with pytest.raises(ConfigError) as info:
+        trainer.validate(policy, task)
+    lines = [line for line in str(info.value).splitlines() if "inference" in line]
+    assert len(lines) == 1 and lines[0].strip().startswith(
+        "task.inference_max_tokens_per_micro_batch: not one"
+    ), str(info.value)
+
+
+def test_a_tiny_run_with_no_budget_set_chooses_every_stages_budget_and_trains(assets, tmp_path, caplog):
+    """PPO with a critic and a KL to the reference on the tiny model, no micro-batch size or token
+    budget anywhere: the memory check chooses the actor's, the critic's and the inference stage's
+    (each logged), and both learners train."""
+    rec = MetricsRecorder()
+    critic = ValueModel(lr=1e-3)
+    task = tiny_task(assets, train_micro_batch_size=None, critic=critic, format_reward="number_format")
+    algorithm = PPO(update_epochs=1, num_minibatches=1, kl_coef=0.01)
+    trainer = RLTrainer(
+        **tiny_trainer_kwargs(tmp_path, max_iterations=2, algorithm=algorithm, callbacks=[rec])
+    )
+    with caplog.at_level(logging.INFO, logger="rlinf_lightning.flow.budget"):
+        trainer.fit(LMPolicy(str(assets["sft"])), task)
+    for stage in ("actor", "critic", "inference"):
+        assert f"{stage}: token budget " in caplog.text, caplog.text
+    stages = trainer.plan_connector.workflow.stages
+    assert all(stages[s].budget_chosen is not None for s in ("actor", "critic", "inference"))
+    assert len(rec.metrics) == 2 and all("critic/value_error" in m and "actor/loss" in m for m in rec.metrics)
+
+
+def test_an_inference_cut_by_its_budget_gives_the_whole_forwards_log_probs(assets):
+    """Six samples of 4-19 tokens, each its own micro-batch under a budget of 24 tokens, against one
+    forward over the padded message: the same log-probs (scattered back to their rows)."""
+    import torch
+    from tensordict import TensorDict
+
+    from rlinf_lightning.engines.rollout import Completion
+    from rlinf_lightning.flow.stage import StageContext
+    from rlinf_lightning.workflows.reasoning.rollout import pack_samples
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(4, 90, (int(n),), generator=g).tolist() for n in torch.randint(3, 12, (6,), generator=g)
+    ]
+    completions = [[Completion(torch.randint(4, 90, (int(n),), generator=g).tolist(), [0.0] * int(n))]
+                   for n in torch.randint(1, 9, (6,), generator=g)]  # fmt: skip
+    batch = TensorDict(pack_samples(prompts, completions, pad_id=0), batch_size=[6])
+    out = {}
+    for budget in (None, 24):
+        stage = InferenceStage(LMPolicy(str(assets["sft"])), GRPO(kl_coef=0.01), 1.0, budget)
+        stage.setup(StageContext("cpu"))
+        out[budget] = stage.process(batch.clone())["ref_logprobs"] * batch["response_mask"]
+    assert torch.allclose(out[None], out[24], atol=1e-5) and out[24].abs().sum() > 0

@@ -5,6 +5,8 @@ goes on through failing tools."""
 from __future__ import annotations
 
 import time
+from csv import DictReader
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from tensordict import TensorDict
 from rlinf_lightning import LMPolicy, RLTrainer
 from rlinf_lightning.algorithms import ALGORITHMS
 from rlinf_lightning.algorithms.advantages import returns_to_go, token_gae
+from rlinf_lightning.cli import main
 from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
 from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.flow.metrics import Metrics
@@ -220,3 +223,69 @@ def test_final_turn_is_the_answer_after_the_last_reply(engine, tokenizer):
     for c in (c for cs in comps for c in cs):
         last = max((i for i, m in enumerate(c.mask) if not m), default=-1)
         assert final_turn(c) == c.token_ids[last + 1 :] and all(c.mask[last + 1 :])
+
+
+#: a user's environment module: answers ``</calc>`` calls with ``<res>0</res>`` and scores a sample
+#: by its own rule (the final turn's length, plus 100 when it is the gold answer, plus ``offset``)
+GRADED = """
+from rlinf_lightning.tools import Environment
+
+
+class GradedCalls(Environment):
+    stop = ("</calc>",)
+
+    def __init__(self, offset=0.0):
+        self.offset = offset
+
+    def step(self, turn):
+        return "<res>0</res>", False
+
+    def reward(self, completion, answer):
+        return self.offset + len(completion) + 100.0 * (completion == answer)
+"""
+
+
+def _graded(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "graded.py").write_text(GRADED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_an_environments_reward_is_given_the_final_turn_and_the_answer(
+    engine, tokenizer, tmp_path, monkeypatch
+):
+    _graded(tmp_path, monkeypatch)
+    loop = TurnLoop(environment_factory({"class_path": "graded.GradedCalls"}, []), 2, 16)
+    answers = ["19", "33", "46"]
+    _, comps = loop.generate(engine, tokenizer, RAW, PROMPTS, [0, 1, 2], 2, SAMPLING, 0, answers=answers)
+    for answer, cs in zip(answers, comps):
+        for c in cs:
+            text = tokenizer.decode(final_turn(c), skip_special_tokens=True)
+            assert c.reward == len(text) + 100.0 * (text == answer)
+    _, comps = loop.generate(engine, tokenizer, RAW, PROMPTS, [0, 1, 2], 2, SAMPLING, 0)
+    assert all(c.reward is None for cs in comps for c in cs)  # no answers: the task's reward
+
+
+def test_an_environments_reward_from_yaml_is_the_samples_reward(assets, tmp_path, monkeypatch):
+    """``rlinf fit`` with an environment chosen by ``class_path`` whose ``reward`` is below 0 (the
+    task's ``math_verify`` never is): every sample's reward is the environment's, while the
+    accuracy is still the task's."""
+    _graded(tmp_path, monkeypatch)
+    (tmp_path / "env.yaml").write_text(
+        "task:\n  tools: []\n  environment:\n    class_path: graded.GradedCalls\n"
+        "    init_args: {offset: -1000.0}\n"
+    )
+    config = Path(__file__).parents[1] / "configs" / "math_grpo_tools_tiny.yaml"
+    run = tmp_path / "run"
+    status = main([
+        "fit", f"--config={config}", f"--config={tmp_path / 'env.yaml'}",
+        f"--policy.model_path={assets['sft']}", f"--task.train_path={assets['train']}",
+        f"--task.test_path={assets['test']}", f"--trainer.default_root_dir={run}",
+        "--trainer.max_iterations=2", "--trainer.eval_every=0", "--trainer.ckpt_every=0",
+        "--task.eval_size=4", "--task.rollout_batch_size=16", "--trainer.enable_progress_bar=false",
+    ])  # fmt: skip
+    assert status == 0
+    (csv,) = run.glob("logs/version_*/metrics.csv")
+    rows = [row for row in DictReader(csv.open()) if row["reward/reward"]]  # not the eval rows
+    assert len(rows) == 2
+    for row in rows:
+        assert -1000.0 < float(row["reward/reward"]) < 0.0 <= float(row["reward/accuracy"]), row

@@ -20,7 +20,9 @@ from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
 from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.prompts import RAW
+from rlinf_lightning.tasks.data import load_problems, make_arithmetic_splits, operand_multiset
 from rlinf_lightning.tools import TurnLoop, calculate, environment_factory, final_turn
+from rlinf_lightning.tools.traces import calculator_traces
 from rlinf_lightning.workflows.padding import trim_padding
 from rlinf_lightning.workflows.reasoning.actor import PolicyLoss
 from rlinf_lightning.workflows.reasoning.rollout import pack_samples
@@ -289,3 +291,17 @@ def test_an_environments_reward_from_yaml_is_the_samples_reward(assets, tmp_path
     assert len(rows) == 2
     for row in rows:
         assert -1000.0 < float(row["reward/reward"]) < 0.0 <= float(row["reward/accuracy"]), row
+
+
+def test_warm_start_traces_are_easier_than_the_task_and_miss_the_held_out(tmp_path):
+    """The calculator recipe's warm-start problems: no product of two three-digit numbers (the task
+    is left to RL), none sharing its operands with a held-out problem, every kind present."""
+    split = make_arithmetic_splits(
+        tmp_path / "hard", n_train=50, n_validation=100, n_test=200, max_value=999, ops="*"
+    )
+    traces = load_problems(calculator_traces([split["validation"], split["test"]], tmp_path / "traces.jsonl"))
+    held_out = {operand_multiset(p.prompt) for s in ("validation", "test") for p in load_problems(split[s])}
+    assert 900 < len(traces) <= 1000 and not {operand_multiset(p.prompt) for p in traces} & held_out
+    products = [sorted(operand_multiset(p.prompt)) for p in traces if "*" in p.prompt]
+    assert all(small < 100 for small, _ in products) and any(big >= 100 for _, big in products)
+    assert max(len(p.answer) for p in traces if "*" not in p.prompt) == 7  # long copies: 1999998, -999998

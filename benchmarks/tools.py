@@ -4,23 +4,23 @@
 
 The task: products of two numbers up to 999 (``What is 123*456?=``), which the 0.4 M-parameter
 tiny Qwen2 cannot compute by itself; the twin-free held-out split (no operand multiset of a test
-problem in train) of ``tasks.data.make_arithmetic_splits``. The warm start (``rlinf sft`` with
-``tools: [calculator]``) imitates ``--sft-steps`` steps of tool-use traces of *easier* problems
-(products of numbers up to 99, products of a number from 100 to 999 and a digit, either side, and
-sums and differences of numbers up to 999 and of numbers up to 999999, none sharing its operands
-with a held-out problem; without the second kind every three-digit call it saw was a sum or a
-difference, and it wrote ``+`` or ``-`` for the products; without the last, no result it copied
-had more than four digits, and it cut the products' five- and six-digit results to four):
-``<calc>12*7</calc>`` then the calculator's reply ``<res>84</res>`` (masked out of the loss) then
-``84``; 200 traces of each kind. It teaches the call format and copying, not the task: no
-product of two three-digit operands is shown, and calling on one and copying its result right is
-left to GRPO (the warm start is right on a few per cent of held-out problems).
+problem in train) of ``tasks.data.make_arithmetic_splits``. The recipe is the one of
+``configs/math_sft_tools_tiny.yaml`` and ``configs/math_grpo_tools_tiny.yaml`` (read from them;
+the arguments override it). The warm start (``rlinf sft`` with ``tools: [calculator]``) imitates
+``--sft-steps`` steps of tool-use traces of *easier* problems (``tools/traces.py``: 200 each of
+products up to 99x99, of a three-digit number and a digit either side, of a three-digit number
+and a number up to 99, and sums and differences up to 999 and up to 999999, none sharing its
+operands with a held-out problem): ``<calc>12*7</calc>`` then the calculator's reply
+``<res>84</res>`` (masked out of the loss) then ``84``. It teaches the call format and copying, not
+the task: no product of two three-digit operands is shown.
 
 Per seed, from the same warm start and on the same budget (``--iterations`` of ``--prompts`` x 8
 samples, the same learning rate): GRPO with the calculator (``task.tools: [calculator]``, two turns
 of at most 24 tokens) and GRPO without tools (single turn, 24 tokens). Measured: greedy held-out
-accuracy of the warm start, of each run's curve (``--eval-every``) and at its end, and the share of
-held-out samples that call the tool before and after.
+accuracy of the warm start, of each run's curve (``--eval-every``) and at its end; the share of
+held-out samples that call the tool, and that call it on the problem's expression copied right,
+before and after; per ``--eval-every`` iterations, the sampled rollouts' accuracy, share of groups
+with signal and calling share.
 
 Bars (issue 41): with tools after GRPO >= 0.3 above no tools, >= 0.2 above its warm start, and the
 warm start < 0.5. The last line is one JSON object with every figure per seed and ``bars_met``.
@@ -31,69 +31,81 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import random
+import re
 import sys
 import time
+from csv import DictReader
 from pathlib import Path
 
+import yaml
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-EASY_MAX = 99
-TRACES = 200  # of each kind
-TURN_TOKENS, TURNS = 24, 2
+#: the recipe, shared with the configs a user runs (docs/tools.md)
+SFT = yaml.safe_load((ROOT / "configs" / "math_sft_tools_tiny.yaml").read_text())
+GRPO = yaml.safe_load((ROOT / "configs" / "math_grpo_tools_tiny.yaml").read_text())
+TURN_TOKENS, TURNS = GRPO["task"]["sampling"]["max_new_tokens"], GRPO["task"]["max_turns"]
+#: the hard task's splits: the docs' ``rlinf prepare`` command writes the same
+HARD = {"n_train": 5000, "n_validation": 100, "n_test": 200, "max_value": 999, "ops": "*", "seed": 0}
 
 
 def make_data(root: Path) -> dict[str, Path]:
-    """The hard task's splits, and warm-start problems (easier products) sharing no operand
-    multiset with a held-out hard problem."""
-    from rlinf_lightning.tasks.data import (
-        Problem,
-        generate_arithmetic,
-        load_problems,
-        make_arithmetic_splits,
-        operand_multiset,
-        write_jsonl,
-    )
+    """The hard task's splits (as ``rlinf prepare`` writes them with :data:`HARD`), and the
+    warm-start problems, none sharing its operand multiset with a held-out hard problem."""
+    from rlinf_lightning.tasks.data import make_arithmetic_splits
+    from rlinf_lightning.tools.traces import calculator_traces
 
-    hard = make_arithmetic_splits(
-        root / "hard", n_train=5000, n_validation=100, n_test=200, max_value=999, ops="*", seed=0
-    )
-    held_out = {operand_multiset(p.prompt) for s in ("test", "validation") for p in load_problems(hard[s])}
-    rng = random.Random(3)
-    pairs = [(rng.randint(100, 999), rng.randint(0, 9)) for _ in range(TRACES)]
-    by_digit = [  # the operator after a three-digit operand, either side; short results
-        Problem(f"What is {x}*{y}?=" if i % 2 else f"What is {y}*{x}?=", str(x * y))
-        for i, (x, y) in enumerate(pairs)
-    ]
-    easy = [
-        *generate_arithmetic(TRACES, max_value=EASY_MAX, ops="*", seed=1),  # the operator, short
-        *by_digit,
-        *generate_arithmetic(TRACES, max_value=999, ops="+-", seed=2),  # long operands, either operator
-        *generate_arithmetic(TRACES, max_value=999999, ops="+-", seed=4),  # long copies: 5-6 digit results
-    ]
-    traces = [p for p in easy if operand_multiset(p.prompt) not in held_out]
-    return {**hard, "warm_start": write_jsonl(traces, root / "warm_start.jsonl")}
+    hard = make_arithmetic_splits(root / "hard", **HARD)
+    return {
+        **hard,
+        "warm_start": calculator_traces([hard["validation"], hard["test"]], root / "warm_start.jsonl"),
+    }
 
 
-def evaluate(model: Path, weights: Path | None, test: Path, size: int) -> tuple[float, float]:
-    """Greedy held-out ``(accuracy, share calling the tool)`` with the calculator."""
+def evaluate(model: Path, weights: Path | None, test: Path, size: int) -> dict:
+    """Greedy held-out figures with the calculator: ``accuracy``, ``calling`` (share of samples
+    that call), ``exact_call`` (share whose call is the problem's expression, copied right) and
+    ``result_copied`` (share whose answer is the calculator's reply, copied right)."""
     from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
     from rlinf_lightning.policies.lm import LMPolicy
     from rlinf_lightning.prompts import RAW
-    from rlinf_lightning.tasks.data import load_problems
+    from rlinf_lightning.tasks.data import expression_of, load_problems
     from rlinf_lightning.tools import TurnLoop, environment_factory
 
     engine = HFRolloutEngine(str(model))
     if weights is not None:
         engine.update_weights(load_file(str(weights)).items())
     problems = load_problems(test)[:size]
+    prompts, answers = [p.prompt for p in problems], [p.answer for p in problems]
     loop = TurnLoop(environment_factory(None, ["calculator"]), TURNS, TURNS * TURN_TOKENS)
     tokenizer = LMPolicy(str(model)).load_tokenizer()
-    return loop.evaluate(
-        engine, tokenizer, RAW, [p.prompt for p in problems], [p.answer for p in problems],
-        "math_verify", SamplingParams(max_new_tokens=TURN_TOKENS),
-    )  # fmt: skip
+    greedy = SamplingParams(max_new_tokens=TURN_TOKENS, temperature=0.0)
+    accuracy, calling = loop.evaluate(engine, tokenizer, RAW, prompts, answers, "math_verify", greedy)
+    _, outs = loop.generate(engine, tokenizer, RAW, prompts, list(range(len(prompts))), 1, greedy, 0)
+    exact = copied = 0
+    for problem, (completion,) in zip(problems, outs):
+        text = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        call = re.match(r"<calc>(.*?)</calc><res>(.*?)</res>(.*)", text)
+        exact += call is not None and call.group(1) == expression_of(problem.prompt)
+        copied += call is not None and call.group(3).strip() == call.group(2)
+    n = max(1, len(problems))
+    return {"accuracy": accuracy, "calling": calling, "exact_call": exact / n, "result_copied": copied / n}
+
+
+def run_stats(run: Path, every: int) -> dict[str, list[float]]:
+    """Per block of ``every`` iterations, the means of the sampled rollouts' accuracy, the share of
+    groups with signal (not all rewards equal) and, with tools, the share of samples calling."""
+    (csv,) = run.glob("logs/version_*/metrics.csv")
+    rows = [r for r in DictReader(csv.open()) if r.get("reward/accuracy")]
+    keys = {"sampled_accuracy": "reward/accuracy", "groups_with_signal": "advantage/groups_with_signal",
+            "calling_share": "rollout/tools/calling_share"}  # fmt: skip
+    out = {}
+    for name, key in keys.items():
+        values = [float(r[key]) for r in rows if r.get(key)]
+        if values:
+            blocks = [values[i : i + every] for i in range(0, len(values), every)]
+            out[name] = [round(sum(b) / len(b), 3) for b in blocks]
+    return out
 
 
 def grpo(model: Path, data: dict, run: Path, seed: int, args, tools: bool) -> dict:
@@ -102,26 +114,31 @@ def grpo(model: Path, data: dict, run: Path, seed: int, args, tools: bool) -> di
     from rlinf_lightning.engines.rollout import SamplingParams
     from rlinf_lightning.tasks import MathTask
 
+    cfg = GRPO["task"]
+    multi_turn = {k: cfg[k] for k in ("tools", "max_turns", "max_response_tokens", "tool_timeout_s")}
     task = MathTask(
-        str(data["train"]), str(data["test"]), reward="math_verify", eval_size=args.eval_size,
-        group_size=8, rollout_batch_size=8 * args.prompts, train_micro_batch_size=64,
-        sampling=SamplingParams(temperature=1.0, max_new_tokens=TURN_TOKENS),
-        tools=["calculator"] if tools else None, max_turns=TURNS,
+        str(data["train"]), str(data["test"]), reward=cfg["reward"], eval_size=args.eval_size,
+        group_size=cfg["group_size"], rollout_batch_size=cfg["group_size"] * args.prompts,
+        train_micro_batch_size=cfg["train_micro_batch_size"], sampling=SamplingParams(**cfg["sampling"]),
+        **(multi_turn if tools else {}),
     )  # fmt: skip
     trainer = RLTrainer(
         max_iterations=args.iterations, eval_every=args.eval_every, ckpt_every=args.iterations,
-        default_root_dir=str(run), seed=seed, enable_progress_bar=False,
-        strategy="collocated", num_threads=args.threads, timeout_s=1200, logger=True,
+        default_root_dir=str(run), seed=seed, enable_progress_bar=False, strategy="collocated",
+        num_threads=args.threads, timeout_s=GRPO["trainer"]["timeout_s"], logger=True,
     )  # fmt: skip
     start = time.perf_counter()
-    summary = trainer.fit(LMPolicy(str(model), lr=args.lr, max_grad_norm=1.0), task)
+    policy = LMPolicy(str(model), lr=args.lr, max_grad_norm=GRPO["policy"]["max_grad_norm"])
+    summary = trainer.fit(policy, task)
     weights = run / "checkpoints" / f"iter-{args.iterations:06d}" / "model.safetensors"
-    accuracy, calling = evaluate(model, weights, data["test"], args.eval_size)
+    after = evaluate(model, weights, data["test"], args.eval_size)
     return {
         "curve": [[h["iteration"], round(h["accuracy"], 4)] for h in summary["eval_history"]],
-        "accuracy_after": accuracy,  # with the calculator; without tools the run's own eval is single-turn
+        "accuracy_after": after["accuracy"],  # with the calculator (without tools: the run's own eval)
         "run_accuracy_after": summary["eval_accuracy_after"],
-        "calling_share_after": calling,
+        "calling_share_after": after["calling"],
+        "exact_call_after": after["exact_call"],
+        "per_block": run_stats(run, args.eval_every),
         "wall_s": round(time.perf_counter() - start, 1),
     }
 
@@ -129,12 +146,13 @@ def grpo(model: Path, data: dict, run: Path, seed: int, args, tools: bool) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--iterations", type=int, default=30)
-    parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--sft-steps", type=int, default=700)
-    parser.add_argument("--lr", type=float, default=2e-4)
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per iteration (8 samples each)")
-    parser.add_argument("--eval-size", type=int, default=100)
+    parser.add_argument("--iterations", type=int, default=GRPO["trainer"]["max_iterations"])
+    parser.add_argument("--eval-every", type=int, default=GRPO["trainer"]["eval_every"])
+    parser.add_argument("--sft-steps", type=int, default=SFT["steps"])
+    parser.add_argument("--lr", type=float, default=GRPO["policy"]["lr"])
+    prompts = GRPO["task"]["rollout_batch_size"] // GRPO["task"]["group_size"]
+    parser.add_argument("--prompts", type=int, default=prompts, help="prompts per iteration (a group each)")
+    parser.add_argument("--eval-size", type=int, default=GRPO["task"]["eval_size"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--root", type=Path, default=ROOT / "runs" / "bench_tools")
     args = parser.parse_args()
@@ -152,15 +170,19 @@ def main() -> None:
         out = args.root / f"seed{seed}"
         sft = run_sft(
             str(base), str(data["warm_start"]), str(data["test"]), str(out / "sft"), steps=args.sft_steps,
-            batch_size=32, seed=seed, eval_size=args.eval_size, num_threads=args.threads,
-            tools=["calculator"], max_turns=TURNS, max_new_tokens=TURN_TOKENS,
+            batch_size=SFT["batch_size"], lr=SFT["lr"], seed=seed, eval_size=args.eval_size,
+            num_threads=args.threads, tools=SFT["tools"], max_turns=SFT["max_turns"],
+            max_new_tokens=SFT["max_new_tokens"],
         )  # fmt: skip
+        before = evaluate(out / "sft", None, data["test"], args.eval_size)
         with_tools = grpo(out / "sft", data, out / "grpo_tools", seed, args, tools=True)
         without = grpo(out / "sft", data, out / "grpo_no_tools", seed, args, tools=False)
         start = sft["eval_accuracy"]
         results[seed] = {
             "sft_start": start,
             "calling_share_before": sft["eval_calling_share"],
+            "exact_call_before": before["exact_call"],
+            "result_copied_before": before["result_copied"],
             "with_tools": with_tools,
             "without_tools": without,
             "gain_over_no_tools": with_tools["accuracy_after"] - without["run_accuracy_after"],

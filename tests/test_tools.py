@@ -5,6 +5,8 @@ goes on through failing tools."""
 from __future__ import annotations
 
 import time
+from csv import DictReader
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +15,14 @@ from tensordict import TensorDict
 from rlinf_lightning import LMPolicy, RLTrainer
 from rlinf_lightning.algorithms import ALGORITHMS
 from rlinf_lightning.algorithms.advantages import returns_to_go, token_gae
+from rlinf_lightning.cli import main
 from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
 from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.prompts import RAW
+from rlinf_lightning.tasks.data import load_problems, make_arithmetic_splits, operand_multiset
 from rlinf_lightning.tools import TurnLoop, calculate, environment_factory, final_turn
+from rlinf_lightning.tools.traces import calculator_traces
 from rlinf_lightning.workflows.padding import trim_padding
 from rlinf_lightning.workflows.reasoning.actor import PolicyLoss
 from rlinf_lightning.workflows.reasoning.rollout import pack_samples
@@ -220,3 +225,83 @@ def test_final_turn_is_the_answer_after_the_last_reply(engine, tokenizer):
     for c in (c for cs in comps for c in cs):
         last = max((i for i, m in enumerate(c.mask) if not m), default=-1)
         assert final_turn(c) == c.token_ids[last + 1 :] and all(c.mask[last + 1 :])
+
+
+#: a user's environment module: answers ``</calc>`` calls with ``<res>0</res>`` and scores a sample
+#: by its own rule (the final turn's length, plus 100 when it is the gold answer, plus ``offset``)
+GRADED = """
+from rlinf_lightning.tools import Environment
+
+
+class GradedCalls(Environment):
+    stop = ("</calc>",)
+
+    def __init__(self, offset=0.0):
+        self.offset = offset
+
+    def step(self, turn):
+        return "<res>0</res>", False
+
+    def reward(self, completion, answer):
+        return self.offset + len(completion) + 100.0 * (completion == answer)
+"""
+
+
+def _graded(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "graded.py").write_text(GRADED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_an_environments_reward_is_given_the_final_turn_and_the_answer(
+    engine, tokenizer, tmp_path, monkeypatch
+):
+    _graded(tmp_path, monkeypatch)
+    loop = TurnLoop(environment_factory({"class_path": "graded.GradedCalls"}, []), 2, 16)
+    answers = ["19", "33", "46"]
+    _, comps = loop.generate(engine, tokenizer, RAW, PROMPTS, [0, 1, 2], 2, SAMPLING, 0, answers=answers)
+    for answer, cs in zip(answers, comps):
+        for c in cs:
+            text = tokenizer.decode(final_turn(c), skip_special_tokens=True)
+            assert c.reward == len(text) + 100.0 * (text == answer)
+    _, comps = loop.generate(engine, tokenizer, RAW, PROMPTS, [0, 1, 2], 2, SAMPLING, 0)
+    assert all(c.reward is None for cs in comps for c in cs)  # no answers: the task's reward
+
+
+def test_an_environments_reward_from_yaml_is_the_samples_reward(assets, tmp_path, monkeypatch):
+    """``rlinf fit`` with an environment chosen by ``class_path`` whose ``reward`` is below 0 (the
+    task's ``math_verify`` never is): every sample's reward is the environment's, while the
+    accuracy is still the task's."""
+    _graded(tmp_path, monkeypatch)
+    (tmp_path / "env.yaml").write_text(
+        "task:\n  tools: []\n  environment:\n    class_path: graded.GradedCalls\n"
+        "    init_args: {offset: -1000.0}\n"
+    )
+    config = Path(__file__).parents[1] / "configs" / "math_grpo_tools_tiny.yaml"
+    run = tmp_path / "run"
+    status = main([
+        "fit", f"--config={config}", f"--config={tmp_path / 'env.yaml'}",
+        f"--policy.model_path={assets['sft']}", f"--task.train_path={assets['train']}",
+        f"--task.test_path={assets['test']}", f"--trainer.default_root_dir={run}",
+        "--trainer.max_iterations=2", "--trainer.eval_every=0", "--trainer.ckpt_every=0",
+        "--task.eval_size=4", "--task.rollout_batch_size=16", "--trainer.enable_progress_bar=false",
+    ])  # fmt: skip
+    assert status == 0
+    (csv,) = run.glob("logs/version_*/metrics.csv")
+    rows = [row for row in DictReader(csv.open()) if row["reward/reward"]]  # not the eval rows
+    assert len(rows) == 2
+    for row in rows:
+        assert -1000.0 < float(row["reward/reward"]) < 0.0 <= float(row["reward/accuracy"]), row
+
+
+def test_warm_start_traces_are_easier_than_the_task_and_miss_the_held_out(tmp_path):
+    """The calculator recipe's warm-start problems: no product of two three-digit numbers (the task
+    is left to RL), none sharing its operands with a held-out problem, every kind present."""
+    split = make_arithmetic_splits(
+        tmp_path / "hard", n_train=50, n_validation=100, n_test=200, max_value=999, ops="*"
+    )
+    traces = load_problems(calculator_traces([split["validation"], split["test"]], tmp_path / "traces.jsonl"))
+    held_out = {operand_multiset(p.prompt) for s in ("validation", "test") for p in load_problems(split[s])}
+    assert 900 < len(traces) <= 1000 and not {operand_multiset(p.prompt) for p in traces} & held_out
+    products = [sorted(operand_multiset(p.prompt)) for p in traces if "*" in p.prompt]
+    assert all(small < 100 for small, _ in products) and any(big >= 100 for _, big in products)
+    assert max(len(p.answer) for p in traces if "*" not in p.prompt) == 7  # long copies: 1999998, -999998

@@ -46,6 +46,7 @@ def prepare(
     seed: int = 0,
     n_validation: int = 250,
     pi0_dir: str = "artifacts/tiny-pi0",
+    tool_traces: str | None = None,
 ) -> None:
     """Build the tiny model (if absent) and write the arithmetic splits (unless ``data_dir`` holds
     them with these settings; data split by an older rule is rewritten).
@@ -63,8 +64,12 @@ def prepare(
         n_validation: held-out problems for choices made while training (settings, checkpoints),
             apart from test; none shares its operands with a training or test one.
         pi0_dir: where the tiny π0 (``transformers``' ``PI0ForConditionalGeneration``) is saved.
+        tool_traces: also write the calculator recipe's warm-start problems here, none sharing
+            its operands with a held-out problem of ``data_dir`` (``tools/traces.py``, docs/tools.md).
     """
-    settings = {k: v for k, v in locals().items() if k not in ("model_dir", "data_dir", "pi0_dir")}
+    settings = {
+        k: v for k, v in locals().items() if k not in ("model_dir", "data_dir", "pi0_dir", "tool_traces")
+    }
     from rlinf_lightning.assets import build_tiny_pi0, build_tiny_qwen2, is_model_dir
     from rlinf_lightning.tasks.data import arithmetic_splits_on_disk, make_arithmetic_splits
 
@@ -76,6 +81,11 @@ def prepare(
             "prepare: wrote %d train / %d validation / %d test problems to %s (held-out operands never "
             "in train: %s/split.json)", n_train, n_validation, n_test, data_dir, data_dir,
         )  # fmt: skip
+    if tool_traces is not None:
+        from rlinf_lightning.tools.traces import calculator_traces
+
+        held_out = [Path(data_dir) / f"{split}.jsonl" for split in ("validation", "test")]
+        log.info("prepare: wrote warm-start traces' problems to %s", calculator_traces(held_out, tool_traces))
     if is_model_dir(model_dir):
         log.info("prepare: model exists at %s", model_dir)
     else:

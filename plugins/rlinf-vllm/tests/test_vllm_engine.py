@@ -60,6 +60,41 @@ def test_sampled_logprobs_match_hf_after_an_update_and_sync(assets, engine):
     engine.update_weights(policy.model.named_parameters())
 
 
+def test_multi_turn_rows_from_the_prefix_cache_match_the_actor_after_a_sync(assets, engine):
+    """Multi-turn samples (each later turn's prompt the context so far, its prefix cached from the
+    turn before): the behaviour log-probs equal the actor's, also after a weight sync (a block
+    cached under the old weights would not). The prompts are longer than a cache block (32
+    tokens on CPU), so the second generation finds their first block cached."""
+    from rlinf_lightning.prompts import RAW
+    from rlinf_lightning.tools import TurnLoop, environment_factory
+
+    policy = LMPolicy(str(assets["sft"]))
+    policy.configure_model()
+    tok = policy.load_tokenizer()
+    loop = TurnLoop(environment_factory({"class_path": "rlinf_lightning.testing.DigitTurns"}, []), 3, 40)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8)
+
+    def gap(actor) -> float:
+        ids, outs = loop.generate(engine, tok, RAW, [p * 3 for p in PROMPTS], [0, 1, 2, 3], 4, sampling, 0)
+        batch = pack_samples(ids, outs, tok.pad_token_id)
+        assert any(0 in c.mask for cs in outs for c in cs)  # replies: several turns
+        with torch.no_grad():
+            recomputed = actor.forward_logprobs(batch, temperature=1.0)
+        mask = batch["response_mask"].bool()
+        return float((recomputed - batch["rollout_logprobs"])[mask].abs().max())
+
+    assert gap(policy) < LOGPROB_TOLERANCE
+    updated = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in updated.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    engine.update_weights(updated.model.named_parameters())
+    try:
+        assert gap(updated) < LOGPROB_TOLERANCE
+    finally:
+        engine.update_weights(policy.model.named_parameters())
+
+
 def test_greedy_tokens_equal_hf_and_sampling_ignores_batch_composition(assets, engine):
     tok = LMPolicy(str(assets["sft"])).load_tokenizer()
     ids = _ids(tok)

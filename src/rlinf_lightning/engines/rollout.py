@@ -55,6 +55,8 @@ class Completion:
     logprobs: list[float]  # log-prob of each sampled token under softmax(logits / temperature)
     #: 1 where the policy generated the token, 0 on a tool reply (``None``: all generated)
     mask: list[int] | None = None
+    #: the sample's environment's ``reward``, in place of the task's (``None``: the task's)
+    reward: float | None = None
 
 
 class RolloutEngine(ABC):

@@ -133,9 +133,12 @@ class TurnLoop:
         params: SamplingParams,
         seed: int,
         metrics: Metrics | None = None,
+        answers: list[str] | None = None,
     ) -> tuple[list[list[int]], list[list[Completion]]]:
         """``(prompt_ids, completions)`` as ``engine.generate`` gives them for a single turn, each
-        completion's ``mask`` marking the replies (0) among its tokens."""
+        completion's ``mask`` marking the replies (0) among its tokens. With ``answers`` (one per
+        problem), a sample whose environment has a ``reward`` method gets
+        ``reward(final turn's text, answer)`` as its completion's ``reward``."""
         metrics = metrics if metrics is not None else Metrics()
         for counter in ("calls", "errors", "timeouts", "malformed"):
             metrics.sum(f"tools/{counter}", 0)
@@ -171,6 +174,12 @@ class TurnLoop:
             running = self._answer(running, tokenizer, metrics)
         self._count(samples, metrics)
         completions = [Completion(s.tokens, s.logprobs, s.mask) for s in samples]
+        if answers is not None:
+            for i, (s, c) in enumerate(zip(samples, completions)):
+                reward = getattr(s.env, "reward", None)
+                if callable(reward):
+                    text = tokenizer.decode(final_turn(c), skip_special_tokens=True)
+                    c.reward = float(reward(text, answers[i // n]))
         return prompt_ids, [completions[i : i + n] for i in range(0, len(completions), n)]
 
     def _advance(

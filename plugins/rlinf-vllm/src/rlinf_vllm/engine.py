@@ -13,11 +13,14 @@
   ``model_path``, which is what the rollout holds for them. Layers not touched keep their tensors.
 * ``offload``/``onload`` are vLLM's ``sleep``/``wake_up`` on CUDA; the CPU backend has no sleep
   mode, so there they do nothing (its KV cache is a fixed reservation).
+* Prefix caching is on: a multi-turn sample's later turns (its context so far as the prompt) and
+  the samples of one prompt reuse the KV blocks already computed for their common prefix. The
+  cache is reset at each weight sync and wake-up, so no block computed under older weights is read.
 
 Options (``task.rollout_engine_options``): ``gpu_memory_utilization`` (default 0.5 on CUDA, 0.2 on
 CPU: the CPU backend reserves this fraction of a NUMA node's memory, and vLLM's default 0.92 fails
-to start on small machines) and ``tensor_parallel_size``. CPU knob (environment):
-``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; default here :func:`cpu_kv_cache_bytes`).
+to start on small machines), ``tensor_parallel_size`` and ``prefix_caching`` (default on). CPU
+knob (environment): ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; default here :func:`cpu_kv_cache_bytes`).
 """
 
 from __future__ import annotations
@@ -190,8 +193,10 @@ class VLLMRolloutEngine(RolloutEngine):
         dtype: str = "float32",
         gpu_memory_utilization: float | None = None,
         tensor_parallel_size: int = 1,
+        prefix_caching: bool = True,
     ) -> None:
         super().__init__(model_path, device=device, dtype=dtype)
+        self.prefix_caching = prefix_caching
         from vllm import LLM
 
         self.cuda = device.startswith("cuda") and torch.cuda.is_available()
@@ -211,7 +216,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 tensor_parallel_size=tensor_parallel_size,
                 logprobs_mode="processed_logprobs",
                 enable_sleep_mode=self.cuda,
-                enable_prefix_caching=False,
+                enable_prefix_caching=prefix_caching,
                 kv_cache_memory_bytes=kv,
                 **({} if self.cuda else {"block_size": CPU_BLOCK_TOKENS}),
             )
@@ -270,11 +275,16 @@ class VLLMRolloutEngine(RolloutEngine):
             tensors += [("lm_head.weight", t) for n, t in tensors if n == "model.embed_tokens.weight"]
         base = self.model_path if partial else None
         missing = sorted({n for names in self.llm.collective_rpc(_reload(tensors, base)) for n in names})
+        self._reset_prefix_cache()  # blocks computed under the old weights
         if missing:
             raise RuntimeError(
                 f"weight sync left {len(missing)} vLLM parameter(s) with their old values: "
                 f"{', '.join(missing[:5])}; the actor's state dict must name every parameter"
             )
+
+    def _reset_prefix_cache(self) -> None:
+        if self.prefix_caching and not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache (requests still running)")
 
     def offload(self) -> None:
         if self.cuda and not self._asleep:
@@ -285,3 +295,4 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.cuda and self._asleep:
             self.llm.wake_up()
             self._asleep = False
+            self._reset_prefix_cache()

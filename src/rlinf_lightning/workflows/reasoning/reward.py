@@ -13,7 +13,11 @@ from rlinf_lightning.workflows.finite import check_finite
 
 class RewardStage(Stage):
     """Scores each completion: ``reward`` (correctness) plus ``format_weight`` x ``format_reward``
-    (names in ``rewards.REWARDS``); logs what the rewards count (``timeouts``, ``unparsed_gold``)."""
+    (names in ``rewards.REWARDS``); logs what the rewards count (``timeouts``, ``unparsed_gold``).
+
+    A multi-turn sample whose environment has a ``reward`` method (the rollout's ``env_reward``,
+    NaN where there is none) gets that reward instead; ``correct`` (the accuracy) stays the task's
+    correctness reward."""
 
     name = "reward"
     cost_hint = 0.15
@@ -60,6 +64,9 @@ class RewardStage(Stage):
             self.metrics,
         )
         reward, correct = self.score(inputs)
+        if "env_reward" in batch.keys():
+            env = batch["env_reward"].to(reward.dtype)
+            reward = torch.where(env.isnan(), reward, env)
         check_finite(self.name, self.iteration, "rewards", reward)
         batch["reward"] = reward
         batch["correct"] = correct

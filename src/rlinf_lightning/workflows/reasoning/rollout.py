@@ -179,7 +179,9 @@ class RolloutStage(Stage):
         if self.dynamic_sampling is not None:  # its scorer's judge process, if any
             self.dynamic_sampling.scorer.teardown()
 
-    def _generate(self, prompts: list[str], groups: list[int], n: int, params: SamplingParams):
+    def _generate(
+        self, prompts: list[str], answers: list[str], groups: list[int], n: int, params: SamplingParams
+    ):
         if self.turns is not None:
             return self.turns.generate(
                 self.engine,
@@ -191,6 +193,7 @@ class RolloutStage(Stage):
                 params,
                 self.seed,
                 self.metrics,
+                answers,
             )
         prompt_ids = self.prompt_format.encode(self.tokenizer, prompts)
         completions = self.engine.generate(
@@ -203,6 +206,13 @@ class RolloutStage(Stage):
             self.tokenizer.decode(final_turn(c), skip_special_tokens=True) for cs in completions for c in cs
         ]
 
+    @staticmethod
+    def _env_rewards(completions: list[list[Completion]]) -> torch.Tensor:
+        """Each sample's environment reward, NaN where it has none (the task's reward then)."""
+        return torch.tensor(
+            [float("nan") if c.reward is None else c.reward for cs in completions for c in cs]
+        )
+
     def _resample(
         self, prompts: list[str], answers: list[str], groups: list[int], prompt_ids: list, completions: list
     ) -> None:
@@ -212,6 +222,8 @@ class RolloutStage(Stage):
             reward, _ = ds.scorer.score(
                 RewardInput(self._texts(completions), [a for a in answers for _ in range(n)])
             )
+            env = self._env_rewards(completions)
+            reward = torch.where(env.isnan(), reward, env)
             flat = reward.view(len(prompts), n)
             todo = [i for i in range(len(prompts)) if bool((flat[i] == flat[i, 0]).all())]
             if not todo or round_ == ds.rounds:
@@ -222,6 +234,7 @@ class RolloutStage(Stage):
                 prompts[i], answers[i] = ds.reserve(self.seed, groups[i], round_)
             ids, comps = self._generate(
                 [prompts[i] for i in todo],
+                [answers[i] for i in todo],
                 [groups[i] + (round_ + 1) * RESERVE_GROUP_STRIDE for i in todo],
                 n,
                 self.sampling,
@@ -232,7 +245,7 @@ class RolloutStage(Stage):
     def process(self, batch: TensorDict) -> TensorDict:
         groups = batch["group_id"].tolist()
         prompts, answers = list(batch["prompt"]), list(batch["answer"])
-        prompt_ids, completions = self._generate(prompts, groups, self.group_size, self.sampling)
+        prompt_ids, completions = self._generate(prompts, answers, groups, self.group_size, self.sampling)
         if self.dynamic_sampling is not None:
             self._resample(prompts, answers, groups, prompt_ids, completions)
         tensors = pack_samples(prompt_ids, completions, self.tokenizer.pad_token_id)
@@ -246,6 +259,7 @@ class RolloutStage(Stage):
                 "answer": [a for a in answers for _ in range(n)],
                 "prompt": [p for p in prompts for _ in range(n)],
                 "policy_version": torch.full((len(texts),), self.policy_version),
+                **({"env_reward": self._env_rewards(completions)} if self.turns is not None else {}),
             },
             batch_size=[len(texts)],
         )

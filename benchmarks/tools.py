@@ -7,7 +7,7 @@ tiny Qwen2 cannot compute by itself; the twin-free held-out split (no operand mu
 problem in train) of ``tasks.data.make_arithmetic_splits``. The recipe is the one of
 ``configs/math_sft_tools_tiny.yaml`` and ``configs/math_grpo_tools_tiny.yaml`` (read from them;
 the arguments override it). The warm start (``rlinf sft`` with ``tools: [calculator]``) imitates
-``--sft-steps`` steps of tool-use traces of *easier* problems (``tools/traces.py``: 200 each of
+``--sft-steps`` steps of tool-use traces of *easier* problems (``tasks/tool_traces.py``: 200 each of
 products up to 99x99, of a three-digit number and a digit either side, of a three-digit number
 and a number up to 99, and sums and differences up to 999 and up to 999999, none sharing its
 operands with a held-out problem): ``<calc>12*7</calc>`` then the calculator's reply
@@ -53,7 +53,7 @@ def make_data(root: Path) -> dict[str, Path]:
     """The hard task's splits (as ``rlinf prepare`` writes them with :data:`HARD`), and the
     warm-start problems, none sharing its operand multiset with a held-out hard problem."""
     from rlinf_lightning.tasks.data import make_arithmetic_splits
-    from rlinf_lightning.tools.traces import calculator_traces
+    from rlinf_lightning.tasks.tool_traces import calculator_traces
 
     hard = make_arithmetic_splits(root / "hard", **HARD)
     return {

@@ -99,9 +99,16 @@ def test_math_verify_times_out_within_the_bound_anywhere_and_counts_it(where):
     if where == "main thread":
         bad, took, counts, took_slow, good = _timed_calls()
     else:
+        import functools
+        import multiprocessing
+
+        # a worker process from the fork server, as the processes launcher's: forked from the test
+        # run itself (ray's and torch's threads running), one died abruptly in a full-suite run
         pool_cls = {
             "worker thread": concurrent.futures.ThreadPoolExecutor,
-            "worker process": concurrent.futures.ProcessPoolExecutor,
+            "worker process": functools.partial(
+                concurrent.futures.ProcessPoolExecutor, mp_context=multiprocessing.get_context("forkserver")
+            ),
         }[where]
         with pool_cls(1) as pool:
             pool.submit(_math_verify, "1", "1").result(timeout=120)  # start-up not timed

@@ -21,8 +21,8 @@ from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.prompts import RAW
 from rlinf_lightning.tasks.data import load_problems, make_arithmetic_splits, operand_multiset
+from rlinf_lightning.tasks.tool_traces import calculator_traces
 from rlinf_lightning.tools import TurnLoop, calculate, environment_factory, final_turn
-from rlinf_lightning.tools.traces import calculator_traces
 from rlinf_lightning.workflows.padding import trim_padding
 from rlinf_lightning.workflows.reasoning.actor import PolicyLoss
 from rlinf_lightning.workflows.reasoning.rollout import pack_samples

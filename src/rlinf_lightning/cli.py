@@ -65,7 +65,7 @@ def prepare(
             apart from test; none shares its operands with a training or test one.
         pi0_dir: where the tiny π0 (``transformers``' ``PI0ForConditionalGeneration``) is saved.
         tool_traces: also write the calculator recipe's warm-start problems here, none sharing
-            its operands with a held-out problem of ``data_dir`` (``tools/traces.py``, docs/tools.md).
+            its operands with a held-out problem of ``data_dir`` (``tasks/tool_traces.py``, docs/tools.md).
     """
     settings = {
         k: v for k, v in locals().items() if k not in ("model_dir", "data_dir", "pi0_dir", "tool_traces")
@@ -82,7 +82,7 @@ def prepare(
             "in train: %s/split.json)", n_train, n_validation, n_test, data_dir, data_dir,
         )  # fmt: skip
     if tool_traces is not None:
-        from rlinf_lightning.tools.traces import calculator_traces
+        from rlinf_lightning.tasks.tool_traces import calculator_traces
 
         held_out = [Path(data_dir) / f"{split}.jsonl" for split in ("validation", "test")]
         log.info("prepare: wrote warm-start traces' problems to %s", calculator_traces(held_out, tool_traces))

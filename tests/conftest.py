@@ -31,3 +31,18 @@ def warm_assets(tmp_path_factory) -> dict[str, Path]:
     from rlinf_lightning.testing import build_warm_started
 
     return build_warm_started(tmp_path_factory.mktemp("warm_assets"), steps=300, batch_size=64)
+
+
+@pytest.fixture
+def qwen_dir(tmp_path) -> Path:
+    """A config.json of Qwen2.5-0.5B's shape (no weights: the budget estimates read the config alone)."""
+    import json
+
+    config = {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
+        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+        "tie_word_embeddings": True, "torch_dtype": "float32",
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path

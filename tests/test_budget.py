@@ -4,8 +4,6 @@ checkpointing chosen when the budget without it is small, and the refusal of a d
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from rlinf_lightning.algorithms import GRPO
@@ -18,19 +16,6 @@ GIB = 2**30
 QWEN_05B = LayerShape(hidden=896, intermediate=4864, layers=24, vocab=151936)
 QWEN_05B_PARAMS = 494_032_768
 H200_BYTES = 150_754_820_096  # torch.cuda.get_device_properties(0).total_memory on the H200
-
-
-@pytest.fixture
-def qwen_dir(tmp_path):
-    """A config.json of Qwen2.5-0.5B's shape (no weights: the estimate reads the config alone)."""
-    config = {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
-        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-        "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
-        "tie_word_embeddings": True, "torch_dtype": "float32",
-    }  # fmt: skip
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    return tmp_path
 
 
 def test_the_predictor_is_within_15_percent_of_the_h200_peaks():

@@ -5,7 +5,6 @@ in one line naming its key, and a real tiny run with no budget set chooses all t
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
@@ -25,19 +24,6 @@ GIB = 2**30
 H200_BYTES = 150_754_820_096  # torch.cuda.get_device_properties(0).total_memory on the H200
 USABLE = 0.8 * H200_BYTES
 BF16_MIXED = TrainSpec("single", {}, "bf16-mixed")
-
-
-@pytest.fixture
-def qwen_dir(tmp_path):
-    """A config.json of Qwen2.5-0.5B's shape (no weights: the estimates read the config alone)."""
-    config = {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
-        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-        "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
-        "tie_word_embeddings": True, "torch_dtype": "float32",
-    }  # fmt: skip
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    return tmp_path
 
 
 def _critic(model_dir, max_tokens=None) -> CriticStage:

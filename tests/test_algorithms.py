@@ -434,3 +434,22 @@ def test_critic_value_loss_hand_computed_clips_around_the_old_values_and_skips_m
     assert float(metrics["value_clip_frac"]) == pytest.approx(0.5)
     unclipped = ValueLoss(value_clip=None, vf_coef=1.0)(FixedValues(), mb)[0]
     assert float(unclipped) == pytest.approx(0.02 + 0.005)
+
+
+def test_ppo_takes_a_ratio_per_entry_when_the_log_probs_factorise():
+    """``[B, N]`` log-probs (π0's per-entry ones): each entry's ratio is clipped on its own and the
+    sample's loss is their mean, so an entry far outside the trust region stops its own gradient
+    only; with one entry it is the per-sample loss."""
+    from rlinf_lightning.algorithms import PPO
+
+    algo = PPO(clip_eps=0.2, value_clip=None, vf_coef=0.0, ent_coef=0.0)
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.0, 1.0, 0.05], [0.0, 0.0, 0.0]], requires_grad=True)  # entry 1 way out
+    adv, zeros = torch.tensor([1.0, -1.0]), torch.zeros(2)
+    loss, count, m = algo.loss(logp, old, adv, zeros, zeros, zeros, zeros)
+    loss.backward()
+    assert float(count) == 2.0 and float(m["clip_frac"]) == pytest.approx(1 / 6)
+    assert logp.grad[0, 1] == 0 and logp.grad[0, 0] < 0 and logp.grad[0, 2] < 0  # the others still move
+    assert torch.allclose(logp.grad[1], torch.full((3,), 1 / 3))
+    one = algo.loss(logp.detach()[:, :1], old[:, :1], adv, zeros, zeros, zeros, zeros)[0]
+    assert torch.isclose(one, algo.loss(logp.detach()[:, 0], old[:, 0], adv, zeros, zeros, zeros, zeros)[0])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rlinf_lightning.envs import make_env
+from rlinf_lightning.envs.time_aware import TimeAware
 
 
 def test_a_gymnasium_id_steps_as_an_env_batch():
@@ -102,3 +103,25 @@ def test_an_action_space_no_policy_serves_is_refused_naming_the_env_and_the_spac
     with pytest.raises(ConfigError) as info:  # as a fit sees it: one line, before any worker
         RLTrainer(algorithm="ppo", devices=1, logger=False).validate(MLPActorCritic(), task)
     assert info.value.keys == ["task.env"] and "action space Tuple(" in str(info.value)
+
+
+def test_time_aware_shows_the_elapsed_time_and_ends_the_episode_at_the_limit():
+    """``time_aware``: ``obs["time"]`` counts the episode's steps over its limit, and the limit is
+    a termination (no bootstrap) whose final observation reads 1.0; a reset starts at 0 again."""
+    env = make_env("FetchReachDense-v4", 2, time_aware=True)
+    try:
+        obs = env.reset(seed=0)
+        assert obs["time"].shape == (2, 1) and bool((obs["time"] == 0).all())
+        for t in range(1, 51):
+            step = env.step(torch.zeros(2, 4))
+            if t < 50:
+                assert torch.allclose(step.obs["time"], torch.full((2, 1), t / 50))
+                assert not (step.terminated | step.truncated).any()
+        assert step.terminated.all() and not step.truncated.any()
+        assert bool((step.final_obs["time"] == 1.0).all()) and bool((step.obs["time"] == 0).all())
+    finally:
+        env.close()
+    endless = make_env("FetchReachDense-v4", 1)
+    endless.max_episode_steps = None  # as an env without a time limit declares
+    with pytest.raises(ValueError, match="time_aware needs an env with a time limit"):
+        TimeAware(endless)

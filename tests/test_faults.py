@@ -240,8 +240,11 @@ def _no_orphans(procs) -> None:
     assert not alive, [" ".join(p.cmdline()[:3]) for p in alive]
 
 
-# ray's run (90 s) runs with `-m slow`; the ray launcher's teardown is covered by the tests above
-@pytest.mark.parametrize("launcher", RAY_SLOW)
+# the spawning launchers' runs (150 s with processes, 90 s with ray) run with `-m slow`: a killed
+# driver's workers ending is covered by the tests above, and the checkpoint's atomicity is the driver's
+@pytest.mark.parametrize(
+    "launcher", ["inprocess", *(pytest.param(n, marks=pytest.mark.slow) for n in LAUNCHER_NAMES[1:])]
+)
 def test_checkpoint_faults_end_cleanly_and_resume_exactly(assets, tmp_path, launcher):
     """Per launcher: an uninterrupted run; a run whose driver is SIGKILLed while writing iteration
     4's checkpoint; a run whose disk fills while writing it. Each faulty run ends (no hang), leaves

@@ -97,6 +97,36 @@ def test_act_then_evaluate_give_the_same_log_probs_and_values(pi0_dir):
     assert torch.equal(policy.act(mixed, generators=_gens([0, 7, 8, 9]))["chain"][0], out["chain"][0])
 
 
+def test_entry_log_probs_are_the_chunks_joint_one_spread_over_its_entries(pi0_dir):
+    """``logprob_level``: ``entry`` (the default) gives one log-prob per executed entry, the mean
+    of its K+1 chain terms, so the ``chunk`` level (the joint log-likelihood) is their sum x (K+1)."""
+    entry, chunk = _policy(pi0_dir), _policy(pi0_dir, logprob_level="chunk")
+    obs = _obs(3)
+    a, b = entry.act(obs, generators=_gens([0, 1, 2])), chunk.act(obs, generators=_gens([0, 1, 2]))
+    assert torch.equal(a["chain"], b["chain"])
+    assert a["logprob"].shape == (3, CHUNK * ACTION_DIM) and b["logprob"].shape == (3,)
+    joint = a["logprob"].sum(-1) * (entry.num_denoise_steps + 1)
+    torch.testing.assert_close(joint, b["logprob"], atol=1e-4, rtol=1e-6)
+    assert Pi0Policy(pi0_dir, logprob_level="token").validate_config()[0][0] == "logprob_level"
+
+
+def test_the_value_head_reads_the_value_keys_beside_pi0s_feature(pi0_dir):
+    """``value_keys``: more observation entries into the value head (the episode's time); they
+    change the value and nothing π0 acts on; a key the env lacks names ``policy.value_keys``."""
+    policy = Pi0Policy(pi0_dir, value_keys=["time"])
+    obs = _obs(2)
+    obs["time"] = torch.tensor([[0.0], [0.0]])
+    policy.configure_spaces(obs, (CHUNK, ACTION_DIM))
+    policy.configure_model()
+    assert policy.model.value_head[0].in_features == policy.model.pi0.config.dit_config.hidden_size + 1
+    early = policy.act(obs, generators=_gens([0, 1]))
+    obs["time"] = torch.tensor([[0.9], [0.9]])
+    late = policy.act(obs, generators=_gens([0, 1]))
+    assert torch.equal(early["chain"], late["chain"]) and not torch.equal(early["value"], late["value"])
+    with pytest.raises(ValueError, match="policy.value_keys: the env's observation has no 'time'"):
+        Pi0Policy(pi0_dir, value_keys=["time"]).configure_spaces(_obs(2), (CHUNK, ACTION_DIM))
+
+
 def test_under_bf16_autocast_act_and_evaluate_agree_to_bf16s_rounding(pi0_dir):
     policy = _policy(pi0_dir)
     obs = _obs(4)
@@ -118,7 +148,7 @@ def test_gradients_reach_the_action_expert_the_noise_head_and_the_value_head(pi0
     obs = _obs(4)
     out = policy.act(obs, generators=_gens([0, 1, 2, 3]))
     logprob, entropy, value = policy.evaluate(TensorDict({"obs": obs, "chain": out["chain"]}, [4]))
-    (-(logprob * torch.tensor([1.0, -1.0, 0.5, 2.0])).sum() + value.pow(2).sum()).backward()
+    (-(logprob.sum(-1) * torch.tensor([1.0, -1.0, 0.5, 2.0])).sum() + value.pow(2).sum()).backward()
     grads = {n: p.grad for n, p in policy.model.named_parameters()}
     for prefix in ("pi0.model.dit.", "pi0.action_out_proj.", "pi0.embed_action_time.", "noise_head.",
                    "value_head.", "pi0.model.vlm.language_model.",

@@ -72,7 +72,8 @@ def reference(assets, tmp_path_factory):
     return metrics, weights
 
 
-@pytest.mark.parametrize("launcher", LAUNCHER_NAMES)
+# ray's case (130 s) runs with `-m slow`; ray in the default run: test_ray_cluster and test_async
+@pytest.mark.parametrize("launcher", [*LAUNCHER_NAMES[:2], pytest.param("ray", marks=pytest.mark.slow)])
 def test_every_plan_computes_the_same_update_on_every_launcher(assets, tmp_path, reference, launcher):
     """Collocated with 1 and 2 replicas, disaggregated and an explicit hybrid placement, run as
     configs run them (``ckpt_every=0``: each iteration queued while the previous one finishes):

@@ -185,18 +185,26 @@ class PPO(Algorithm):
         entropy: torch.Tensor,
         proximal_logprobs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """``(loss_sum, count, metrics)`` over a minibatch of samples (all tensors ``[B]``);
+        """``(loss_sum, count, metrics)`` over a minibatch of samples (tensors ``[B]``);
         ``old_logprobs`` are the behaviour policy's, ``proximal_logprobs`` the actor's before the
-        iteration's first step (needed by a correction that reads them)."""
+        iteration's first step (needed by a correction that reads them).
+
+        Log-probs may also be ``[B, N]``: a policy whose action's log-prob factorises over ``N``
+        entries (π0's chunk, ``Pi0Policy(logprob_level="entry")``) gets a ratio and a clip per
+        entry, the sample's advantage broadcast, and the sample's loss is their mean (RLinf's
+        ``logprob_type: token_level``): one entry's ratio leaving the trust region no longer
+        stops the gradient of all the others."""
         hi = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
         ratio_of, weight, corrected = correct(
             self, logprobs, old_logprobs, proximal_logprobs, old_logprobs, torch.ones_like(logprobs)
         )
+        per_entry = advantages.view(-1, *[1] * (logprobs.dim() - 1))
         pg, clipped = ppo_clip_per_token(
-            logprobs, ratio_of, advantages, clip_low=self.clip_eps, clip_high=hi, dual_clip=self.dual_clip
+            logprobs, ratio_of, per_entry, clip_low=self.clip_eps, clip_high=hi, dual_clip=self.dual_clip
         )
         if weight is not None:
             pg = pg * weight
+        pg = pg.flatten(1).mean(-1) if pg.dim() > 1 else pg
         v_loss = clipped_value_loss(values, old_values, returns, self.value_clip)
         per_sample = pg + self.vf_coef * v_loss - self.ent_coef * entropy
         log_ratio = (logprobs - ratio_of).detach()

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from rlinf_lightning.envs.base import ENVS, EnvBatch
 from rlinf_lightning.envs.gym import GymEnvBatch, ensure_registered
+from rlinf_lightning.envs.time_aware import TimeAware
 
 
-def make_env(name: str, num_envs: int, **kwargs: Any) -> EnvBatch:
+def make_env(name: str, num_envs: int, time_aware: bool = False, **kwargs: Any) -> EnvBatch:
     """The registered env ``name`` (a factory called with ``num_envs`` and ``kwargs``), or else
-    the gymnasium id ``name`` as a synchronous vector env."""
-    if name in ENVS:
-        return ENVS.get(name)(num_envs=num_envs, **kwargs)
-    return GymEnvBatch(name, num_envs, **kwargs)
+    the gymnasium id ``name`` as a synchronous vector env; ``time_aware``: wrapped in
+    :class:`~rlinf_lightning.envs.time_aware.TimeAware` (``obs["time"]``, the time limit terminal)."""
+    factory = ENVS.get(name) if name in ENVS else partial(GymEnvBatch, name)
+    env = factory(num_envs=num_envs, **kwargs)
+    return TimeAware(env) if time_aware else env
 
 
 def import_env(name: str, **kwargs: Any) -> None:
@@ -23,7 +26,7 @@ def import_env(name: str, **kwargs: Any) -> None:
     workers started in the background, it would stall the first iteration after the switch). A
     registered factory's env is not made: it may be costly (a GPU simulator's scene)."""
     if name not in ENVS:
-        make_env(name, 1, **kwargs).close()
+        make_env(name, 1, **{k: v for k, v in kwargs.items() if k != "time_aware"}).close()
 
 
 def check_env(name: str) -> str | None:

@@ -57,6 +57,10 @@ class EmbodiedTask(Task):
             accumulation; ``None``: a whole minibatch at once). The update is the same; smaller
             pieces keep the activations in cache (the 21 M-parameter VLA's update of 128 samples
             runs about 10% faster in pieces of 32 on a CPU) and bound the actor's memory.
+        time_aware: add the elapsed fraction of the episode to the observation (``obs["time"]``)
+            and make the env's time limit a terminal (``envs.time_aware``): a critic that reads
+            it (``Pi0Policy(value_keys=["time"])``) predicts the return left before the limit,
+            which one that cannot see the time has to learn by bootstrapping.
     """
 
     input_keys = ("shard", "first_env", "envs")
@@ -74,11 +78,18 @@ class EmbodiedTask(Task):
         eval_metric: str = "success",
         rollout_dtype: str | None = AUTO_ROLLOUT_DTYPE,
         train_micro_batch_size: int | None = None,
+        time_aware: bool = False,
     ) -> None:
         self.env, self.env_kwargs = env, dict(env_kwargs or {})
         self.num_envs, self.steps, self.chunk = num_envs, steps, chunk
         self.eval_episodes, self.group_size, self.eval_metric = eval_episodes, group_size, eval_metric
         self.rollout_dtype, self.train_micro_batch_size = rollout_dtype, train_micro_batch_size
+        self.time_aware = time_aware
+
+    @property
+    def _env_kwargs(self) -> dict[str, Any]:
+        """What every env of the run is made with: ``env_kwargs``, and the time wrapper's switch."""
+        return {**self.env_kwargs, "time_aware": True} if self.time_aware else self.env_kwargs
 
     def validate_config(self) -> list[tuple[str, str]]:
         problems = []
@@ -113,7 +124,7 @@ class EmbodiedTask(Task):
         if not hasattr(self, "_probed"):
             from rlinf_lightning.envs import make_env
 
-            probe = make_env(self.env, 1, **self.env_kwargs)
+            probe = make_env(self.env, 1, **self._env_kwargs)
             try:
                 choices = probe.action_choices
                 self._horizon = probe.max_episode_steps
@@ -149,8 +160,9 @@ class EmbodiedTask(Task):
             obs, shape, choices = self._spaces(run.seed)
         except TypeError as exc:
             raise ConfigError([("task.env_kwargs", f"{self.env}: {exc}")]) from exc
-        except ValueError as exc:  # an action space no policy here serves
-            raise ConfigError([("task.env", str(exc))]) from exc
+        except ValueError as exc:  # an action space no policy here serves, or no time limit
+            key = "task.time_aware" if "time_aware" in str(exc) else "task.env"
+            raise ConfigError([(key, str(exc))]) from exc
         if self._horizon is not None and self.chunk > self._horizon:
             why = f"{self.chunk} steps per chunk, longer than {self.env}'s episodes ({self._horizon} steps)"
             raise ConfigError([("task.chunk", why)])
@@ -168,7 +180,7 @@ class EmbodiedTask(Task):
             policy=policy,
             algorithm=run.algorithm,
             env=self.env,
-            env_kwargs=self.env_kwargs,
+            env_kwargs=self._env_kwargs,
             num_envs=self.num_envs,
             steps=self.steps,
             chunk=self.chunk,
@@ -202,7 +214,7 @@ class EmbodiedTask(Task):
             runtime.workflow.roles["evaluate"],
             "evaluate",
             self.env,
-            self.env_kwargs,
+            self._env_kwargs,
             self.eval_episodes,
             EVAL_SEED,
         )

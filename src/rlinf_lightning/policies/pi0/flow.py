@@ -34,17 +34,26 @@ def normal_logpdf(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> tor
     return -0.5 * ((x - mean) / std) ** 2 - torch.log(std) - 0.5 * math.log(2 * math.pi)
 
 
+LOGPROB_LEVELS = ("chunk", "entry")
+
+
 def flow_noise_logprob(
-    chain: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, executed: torch.Tensor
+    chain: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, executed: torch.Tensor, level: str = "chunk"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chain's log-likelihood (above) and its entropy, over the ``executed`` entries (a
     ``[H, D]`` 0/1 mask).
 
     ``chain``: ``[B, K+1, H, D]`` (``A^0 .. A^K``); ``mean``, ``std``: ``[B, K, H, D]`` (``μ_k``,
-    ``σ_k``). The entropy is the transitions' (``Σ_k Σ_i ½ log(2πe σ²)``): ``A^0``'s is a
-    constant."""
+    ``σ_k``). ``level``: ``"chunk"``, the chain's joint log-likelihood ``[B]``; ``"entry"``, one
+    log-prob per executed entry ``[B, N]`` (entries in ``executed``'s row-major order), the mean of
+    that entry's ``K + 1`` terms (RLinf's ``joint_logprob`` with ``logprob_type: token_level``):
+    PPO then takes a ratio per entry. The entropy ``[B]`` is the transitions' (``Σ_k Σ_i ½ log(2πe
+    σ²)``): ``A^0``'s is a constant."""
     start = normal_logpdf(chain[:, 0], torch.zeros_like(chain[:, 0]), torch.ones_like(chain[:, 0]))
     steps = normal_logpdf(chain[:, 1:], mean, std)
-    logprob = (start * executed).sum((-2, -1)) + (steps * executed).sum((-3, -2, -1))
     entropy = ((0.5 * LOG_2PI_E + torch.log(std)) * executed).sum((-3, -2, -1))
+    if level == "entry":
+        terms = torch.cat([start[:, None], steps], 1).mean(1)  # [B, H, D]
+        return terms[:, executed.bool()], entropy
+    logprob = (start * executed).sum((-2, -1)) + (steps * executed).sum((-3, -2, -1))
     return logprob, entropy

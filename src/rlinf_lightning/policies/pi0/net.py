@@ -39,16 +39,22 @@ class Pi0Net(nn.Module):
 
     The critic reads the expert's output at π0's *state token*: π0's attention blocks let that
     token see the images, the instruction and the state, and no noisy action, so it is a feature of
-    the observation alone (the same at every denoising step), computed by the first step's pass.
+    the observation alone (the same at every denoising step), computed by the first step's pass;
+    and ``value_inputs`` more entries of the observation (``inputs["value_inputs"]``, e.g. the
+    episode's time).
     """
 
-    def __init__(self, pi0: nn.Module, std_min: float, std_max: float, detach_critic_input: bool) -> None:
+    def __init__(
+        self, pi0: nn.Module, std_min: float, std_max: float, detach_critic_input: bool, value_inputs: int = 0
+    ) -> None:
         super().__init__()
         self.pi0 = pi0
         config = pi0.config
         hidden = config.dit_config.hidden_size
         self.noise_head = NoiseHead(hidden, config.max_action_dim, std_min, std_max)
-        self.value_head = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+        self.value_head = nn.Sequential(
+            nn.Linear(hidden + value_inputs, hidden), nn.Tanh(), nn.Linear(hidden, 1)
+        )
         self.detach_critic_input = detach_critic_input
 
     def _prefix(self, inputs: dict[str, torch.Tensor]) -> Any:
@@ -103,6 +109,7 @@ class Pi0Net(nn.Module):
                 if value is None:
                     feature = h[:, -horizon - 1].float()
                     feature = feature.detach() if self.detach_critic_input else feature
+                    feature = torch.cat([feature, inputs["value_inputs"].float()], dim=-1)
                     value = self.value_head(feature).squeeze(-1)
                 if not steps:
                     return {"value": value}

@@ -31,7 +31,7 @@ from tensordict import TensorDict
 
 from rlinf_lightning.policies.lora import LoRA, lora_problems
 from rlinf_lightning.policies.module import RLModule, instructions
-from rlinf_lightning.policies.pi0.flow import flow_noise_logprob
+from rlinf_lightning.policies.pi0.flow import LOGPROB_LEVELS, flow_noise_logprob
 from rlinf_lightning.policies.pi0.net import Pi0Net
 from rlinf_lightning.policies.pi0.norm import NORM_FILE, NormStats
 
@@ -62,8 +62,16 @@ class Pi0Policy(RLModule):
             ``norm_stats.json`` there standardises the state and the actions, else they are raw.
         num_denoise_steps: Euler steps ``K`` of the chain (πRL: 4).
         noise_std_range: ``[σ_min, σ_max]`` of the learned per-step noise (πRL: 0.08, 0.16).
+        logprob_level: what PPO's ratio is taken of. ``"entry"`` (RLinf's default,
+            ``logprob_type: token_level``): a log-prob per executed action entry, the mean of its
+            ``K + 1`` chain terms, so each entry is clipped on its own; ``"chunk"``: the chain's
+            joint log-likelihood, one ratio per chunk (its ``chunk x action_dim x K`` Gaussian
+            terms all move it, so the trust region binds after tiny moves of each entry).
         detach_critic_input: the value loss does not train π0 through the critic's features (πRL's
             ManiSkill setting).
+        value_keys: observation entries the value head reads beside π0's feature (the critic's
+            privileged inputs; ``["time"]`` with ``task.time_aware``: the return left depends on
+            the time left, which π0's state does not show).
         lr: AdamW learning rate of π0 and the noise head.
         value_lr: the value head's learning rate (``None``: ``lr``); πRL trains it 20x faster.
         max_grad_norm: clip the global gradient norm to this before each step (0 disables).
@@ -87,7 +95,10 @@ class Pi0Policy(RLModule):
         model_path: str,
         num_denoise_steps: int = 4,
         noise_std_range: tuple[float, float] = (0.08, 0.16),
+        logprob_level: str = "entry",
+        chain_start: str = "noise",
         detach_critic_input: bool = True,
+        value_keys: tuple[str, ...] = (),
         lr: float = 1e-4,
         value_lr: float | None = None,
         max_grad_norm: float = 1.0,
@@ -103,7 +114,9 @@ class Pi0Policy(RLModule):
         self.model_path = model_path
         self.num_denoise_steps = num_denoise_steps
         self.noise_std_range = tuple(noise_std_range)
+        self.logprob_level, self.chain_start = logprob_level, chain_start
         self.detach_critic_input = detach_critic_input
+        self.value_keys, self._value_dim = list(value_keys), 0
         self.lr, self.value_lr, self.max_grad_norm, self.seed = lr, value_lr, max_grad_norm, seed
         self.default_instruction = default_instruction
         self.max_instruction_len = max_instruction_len
@@ -132,6 +145,10 @@ class Pi0Policy(RLModule):
             problems.append(
                 ("noise_std_range", f"must be [min, max] with 0 < min <= max, got {self.noise_std_range}")
             )
+        if self.chain_start not in ("noise", "mean"):
+            problems.append(("chain_start", f"must be noise or mean, got {self.chain_start!r}"))
+        if self.logprob_level not in LOGPROB_LEVELS:
+            problems.append(("logprob_level", f"must be one of {LOGPROB_LEVELS}, got {self.logprob_level!r}"))
         for key in ("lr", "value_lr"):
             if getattr(self, key) is not None and not getattr(self, key) > 0:
                 problems.append((key, f"must be > 0, got {getattr(self, key)}"))
@@ -156,11 +173,12 @@ class Pi0Policy(RLModule):
             (1, shape[0]) if len(shape) == 1 else (shape[0], int(torch.Size(shape[1:]).numel()))
         )
         keys = sorted(obs.keys())
-        for key in (*self.image_keys, *self.state_keys):
+        for key in (*self.image_keys, *self.state_keys, *self.value_keys):
             if key not in keys:
-                field = "image_keys" if key in self.image_keys else "state_keys"
+                field = next(f for f in ("image_keys", "state_keys", "value_keys") if key in getattr(self, f))
                 raise ValueError(f"policy.{field}: the env's observation has no {key!r} (it has {keys})")
         state_dim = sum(int(obs[k].reshape(obs.batch_size[0], -1).shape[-1]) for k in self.state_keys)
+        self._value_dim = sum(int(obs[k].reshape(obs.batch_size[0], -1).shape[-1]) for k in self.value_keys)
         checks = (
             (self.action_dim is not None and action_dim != self.action_dim, "policy.action_dim",
              f"the checkpoint acts in {self.action_dim} dimensions, the env's actions have {action_dim}"),
@@ -203,7 +221,7 @@ class Pi0Policy(RLModule):
             else:
                 pi0 = PI0ForConditionalGeneration.from_pretrained(self.model_path, dtype=torch.float32)
             low, high = self.noise_std_range
-            model = Pi0Net(pi0, low, high, self.detach_critic_input)
+            model = Pi0Net(pi0, low, high, self.detach_critic_input, self._value_dim)
         heads = Path(self.model_path) / HEADS_FILE
         if heads.is_file() and torch.empty(0).device.type != "meta":
             from safetensors.torch import load_file
@@ -235,7 +253,7 @@ class Pi0Policy(RLModule):
     def inputs(self, obs: TensorDict) -> dict[str, torch.Tensor | None]:
         """π0's inputs for ``obs``: ``input_ids`` and ``attention_mask`` of the prefix
         ``[image tokens | <s> instruction pads]``, ``pixel_values`` ``[B, cams, 3, S, S]`` (``None``
-        without cameras), ``pixel_mask``, and the padded ``state``."""
+        without cameras), ``pixel_mask``, the padded ``state`` and the critic's ``value_inputs``."""
         device = self.model.pi0.action_out_proj.weight.device
         n = obs.batch_size[0]
         tok, width = self.tokenizer, self.max_instruction_len + 1
@@ -262,8 +280,12 @@ class Pi0Policy(RLModule):
             state = self.norm.state(state)
         state = F.pad(state, (0, self.model.pi0.config.max_state_dim - state.shape[-1]))
         pixel_mask = torch.ones(n, cams, dtype=torch.bool, device=device)
+        value_inputs = torch.cat(
+            [obs[k].reshape(n, -1).to(device, torch.float32) for k in self.value_keys]
+            or [state.new_zeros(n, 0)], dim=-1
+        )  # fmt: skip
         return {"input_ids": input_ids, "attention_mask": mask, "pixel_values": pixels,
-                "pixel_mask": pixel_mask, "state": state}  # fmt: skip
+                "pixel_mask": pixel_mask, "state": state, "value_inputs": value_inputs}  # fmt: skip
 
     def _pixels(self, rgb: torch.Tensor) -> torch.Tensor:
         """uint8 ``[B, H, W, 3]`` -> float ``[B, 3, S, S]`` in ``[-1, 1]`` (mean and std 0.5)."""
@@ -299,9 +321,11 @@ class Pi0Policy(RLModule):
         noise = self._noise(n, generators).to(inputs["state"].device)
         if deterministic:
             noise.zero_()
+        elif self.chain_start == "mean":
+            noise[:, 0] = 0.0
         out = self.model(inputs, self.num_denoise_steps, noise=noise)
         logprob, _ = flow_noise_logprob(
-            out["chain"], out["mean"], out["std"], self._executed.to(noise.device)
+            out["chain"], out["mean"], out["std"], self._executed.to(noise.device), self.logprob_level
         )
         action = out["chain"][:, -1, : self.chunk, : self.action_dim]
         action = (self.norm.action(action) if self.norm is not None else action).reshape(n, -1)
@@ -321,7 +345,7 @@ class Pi0Policy(RLModule):
         chain = batch["chain"].to(inputs["state"].device)
         out = self.model(inputs, self.num_denoise_steps, chain=chain)
         logprob, entropy = flow_noise_logprob(
-            chain.float(), out["mean"], out["std"], self._executed.to(chain.device)
+            chain.float(), out["mean"], out["std"], self._executed.to(chain.device), self.logprob_level
         )
         return logprob, entropy, out["value"]
 

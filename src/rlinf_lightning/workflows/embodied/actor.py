@@ -14,6 +14,12 @@ from rlinf_lightning.seeds import row_seed
 from rlinf_lightning.workflows.training import TrainStage
 
 
+def _tokens(logprob: torch.Tensor) -> torch.Tensor:
+    """A sample's log-prob as GRPO's ``[B, T]`` tokens: one, or one per entry where the policy's
+    factorises (``[B, N]``: π0's per-entry log-probs)."""
+    return logprob[:, None] if logprob.dim() == 1 else logprob.flatten(1)
+
+
 class EpisodeGRPOLoss:
     """GRPO's clipped surrogate on the masked steps (no critic); picklable, for every rank."""
 
@@ -27,11 +33,11 @@ class EpisodeGRPOLoss:
         mask = mb["mask"].float()[:, None]
         proximal = mb.get("proximal_logprob", None)
         loss_sum, count, metrics = self.algorithm.loss(
-            logprob[:, None],
-            mb["logprob"][:, None],
+            _tokens(logprob),
+            _tokens(mb["logprob"]),
             mb["advantage"],
-            mask,
-            proximal_logprobs=None if proximal is None else proximal[:, None],
+            mask.expand_as(_tokens(logprob)),
+            proximal_logprobs=None if proximal is None else _tokens(proximal),
         )
         mean_entropy = (entropy.detach() * mask[:, 0]).sum() / mask.sum().clamp_min(1.0)
         return loss_sum, count, {**metrics, "entropy": mean_entropy}

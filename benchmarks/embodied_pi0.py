@@ -68,8 +68,7 @@ def run_seed(seed: int, args: argparse.Namespace, work: Path) -> dict:
           f"--trainer.default_root_dir={run}", "--trainer.logger=csv", "--trainer.enable_progress_bar=false",
           f"--trainer.max_iterations={args.iterations}", f"--trainer.eval_every={args.eval_every}",
           f"--trainer.ckpt_every={args.iterations}", f"--policy.init_args.model_path={root / 'sft'}",
-          "--trainer.num_threads=1", f"--policy.init_args.lr={args.lr}",
-          f"--policy.init_args.noise_std_range=[{args.noise_std[0]},{args.noise_std[1]}]"])  # fmt: skip
+          "--trainer.num_threads=1", *args.override])  # fmt: skip
     ppo_s = time.perf_counter() - t0
     summary = json.loads((run / "summary.json").read_text())
     curve = [(0, summary["success_before"])]
@@ -91,10 +90,10 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--demos", type=int, default=64, help="demonstration episodes for SFT")
     ap.add_argument("--sft-steps", type=int, default=600, help="600: a partly fitted policy (0.3-1.0)")
-    ap.add_argument("--iterations", type=int, default=30, help="PPO iterations")
+    ap.add_argument("--iterations", type=int, default=50, help="PPO iterations")
     ap.add_argument("--eval-every", type=int, default=5)
-    ap.add_argument("--lr", type=float, default=1e-4, help="π0's PPO learning rate")
-    ap.add_argument("--noise-std", type=float, nargs=2, default=[0.08, 0.16], help="Flow-Noise σ range")
+    ap.add_argument("--override", nargs="*", default=[], help="more `rlinf fit` overrides, e.g. "
+                    "--policy.init_args.lr=3e-4 (the recipe is the config's)")  # fmt: skip
     ap.add_argument("--work-dir", help="keep each seed's runs here (default: a temporary directory)")
     args = ap.parse_args()
     load = os.getloadavg()[0]

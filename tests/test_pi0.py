@@ -277,6 +277,30 @@ def test_three_iterations_are_the_same_updates_under_every_plan(
         assert diff <= 1e-4, (name, launcher, diff)
 
 
+def test_critic_warmup_trains_the_value_head_alone_and_expert_only_freezes_the_vlm(pi0_dir, tmp_path):
+    """PPO's ``critic_warmup`` in the embodied workflow: those iterations move the value head and
+    nothing else (the critic's input is detached); ``train_expert_only`` then keeps PaliGemma fixed
+    while the action expert trains."""
+    from transformers import PI0ForConditionalGeneration
+
+    base = PI0ForConditionalGeneration.from_pretrained(pi0_dir).state_dict()
+    algorithm = PPO(update_epochs=1, num_minibatches=2, critic_warmup=2)
+    _, metrics, weights = _fit(tmp_path / "warm", pi0_dir, iterations=2, algorithm=algorithm)
+    assert [m["actor/warmup"] for m in metrics] == [1.0, 1.0]
+    assert all(torch.equal(weights[f"pi0.{k}"], v) for k, v in base.items())
+    _, metrics, trained = _fit(
+        tmp_path / "expert", pi0_dir, iterations=3, algorithm=algorithm, train_expert_only=True
+    )
+    assert "actor/warmup" not in metrics[-1] and metrics[-1]["actor/grad_norm"] > 0
+    vlm = [k for k in base if k.startswith("model.vlm.")]
+    assert vlm and all(torch.equal(trained.get(f"pi0.{k}", base[k]), base[k]) for k in vlm)
+    assert not torch.equal(trained["pi0.action_out_proj.weight"], base["action_out_proj.weight"])
+    assert not torch.equal(
+        trained["pi0.model.dit.layers.0.mlp.up_proj.weight"], base["model.dit.layers.0.mlp.up_proj.weight"]
+    )
+    assert not torch.equal(trained["value_head.0.weight"], weights["value_head.0.weight"])
+
+
 def test_lora_on_the_action_expert_trains_adapters_and_heads_only(pi0_dir, tmp_path):
     lora = LoRA(rank=2, alpha=4, target_modules=["pi0.model.dit.*_proj"])
     _, metrics, weights = _fit(tmp_path, pi0_dir, "collocated", iterations=2, lora=lora)

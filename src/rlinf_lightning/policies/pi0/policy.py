@@ -72,6 +72,10 @@ class Pi0Policy(RLModule):
         value_keys: observation entries the value head reads beside π0's feature (the critic's
             privileged inputs; ``["time"]`` with ``task.time_aware``: the return left depends on
             the time left, which π0's state does not show).
+        train_expert_only: freeze π0's PaliGemma (vision tower, projector, language model); the
+            action expert, its projections and the heads train (RLinf's ``train_expert_only``).
+            Without a camera the prefix is the same for every observation, so the language
+            model's gradient carries no state-dependent signal, only moves every action at once.
         lr: AdamW learning rate of π0 and the noise head.
         value_lr: the value head's learning rate (``None``: ``lr``); πRL trains it 20x faster.
         max_grad_norm: clip the global gradient norm to this before each step (0 disables).
@@ -99,6 +103,7 @@ class Pi0Policy(RLModule):
         chain_start: str = "noise",
         detach_critic_input: bool = True,
         value_keys: tuple[str, ...] = (),
+        train_expert_only: bool = False,
         lr: float = 1e-4,
         value_lr: float | None = None,
         max_grad_norm: float = 1.0,
@@ -117,6 +122,7 @@ class Pi0Policy(RLModule):
         self.logprob_level, self.chain_start = logprob_level, chain_start
         self.detach_critic_input = detach_critic_input
         self.value_keys, self._value_dim = list(value_keys), 0
+        self.train_expert_only = train_expert_only
         self.lr, self.value_lr, self.max_grad_norm, self.seed = lr, value_lr, max_grad_norm, seed
         self.default_instruction = default_instruction
         self.max_instruction_len = max_instruction_len
@@ -222,6 +228,8 @@ class Pi0Policy(RLModule):
                 pi0 = PI0ForConditionalGeneration.from_pretrained(self.model_path, dtype=torch.float32)
             low, high = self.noise_std_range
             model = Pi0Net(pi0, low, high, self.detach_critic_input, self._value_dim)
+        if self.train_expert_only:
+            model.pi0.model.vlm.requires_grad_(False)
         heads = Path(self.model_path) / HEADS_FILE
         if heads.is_file() and torch.empty(0).device.type != "meta":
             from safetensors.torch import load_file

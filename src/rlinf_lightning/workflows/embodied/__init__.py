@@ -76,9 +76,6 @@ def embodied_workflow(
     from rlinf_lightning.flow.workflow import Workflow
 
     ppo = advantage_mode(algorithm) == "gae"
-    if getattr(algorithm, "critic_warmup", 0):
-        why = "the embodied critic is the policy's value head, which trains with it; set it to 0"
-        raise ConfigError([("trainer.algorithm.critic_warmup", why)])
     replay = tuple(getattr(policy, "replay_keys", ()))
     advantage = GAEStage(algorithm, replay) if ppo else EpisodeAdvantageStage(algorithm, replay)
     loss = PPOLoss(algorithm) if ppo else EpisodeGRPOLoss(algorithm)

@@ -44,19 +44,26 @@ class EpisodeGRPOLoss:
 
 
 class PPOLoss:
-    """``(policy, minibatch) -> (loss_sum, count, metrics)``; picklable, for every rank."""
+    """``(policy, minibatch) -> (loss_sum, count, metrics)``; picklable, for every rank.
+
+    ``critic_only`` (PPO's ``critic_warmup`` iterations): the surrogate sees zero advantages and
+    no entropy gradient, so only the value loss moves the weights (the value head, and π0 under it
+    where the critic's input is not detached)."""
 
     in_keys = ("obs", "action", "logprob", "value", "advantage", "return", "sample_id", "policy_version")
 
-    def __init__(self, algorithm: Any) -> None:
-        self.algorithm = algorithm
+    def __init__(self, algorithm: Any, critic_only: bool = False) -> None:
+        self.algorithm, self.critic_only = algorithm, critic_only
 
     def __call__(self, policy: RLModule, mb: TensorDict):
         logprob, entropy, value = policy.evaluate(mb)
+        advantage = mb["advantage"]
+        if self.critic_only:
+            advantage, entropy = torch.zeros_like(advantage), entropy.detach()
         # with a proximal policy the value clip, too, is around the critic the actor holds
         old_value = mb["proximal_value"] if "proximal_value" in mb.keys() else mb["value"]
         return self.algorithm.loss(
-            logprob, mb["logprob"], mb["advantage"], value, old_value, mb["return"], entropy,
+            logprob, mb["logprob"], advantage, value, old_value, mb["return"], entropy,
             proximal_logprobs=mb.get("proximal_logprob", None),
         )  # fmt: skip
 
@@ -166,6 +173,10 @@ class PPOActorStage(TrainStage):
             if data is not None:
                 data["proximal_logprob"] = torch.cat([lp.cpu() for lp, _ in proximal])
                 data["proximal_value"] = torch.cat([v.cpu() for _, v in proximal])
+        loss = self.loss
+        if self.iteration <= getattr(self.algorithm, "critic_warmup", 0):
+            loss = PPOLoss(self.algorithm, critic_only=True)
+            metrics.mean("warmup", 1.0)
         epochs = 0
         for epoch in range(self.update_epochs):
             g = torch.Generator().manual_seed(row_seed(self.seed, self.iteration, epoch))
@@ -181,7 +192,7 @@ class PPOActorStage(TrainStage):
                 if data is not None and bool((minibatch == m).any()):
                     mb = data[minibatch == m]
                     for piece in mb.split(self.micro_batch_size or len(mb)):  # gradient accumulation
-                        stats = self.engine.accumulate(piece, self.loss)
+                        stats = self.engine.accumulate(piece, loss)
                         for k, v in stats.items():
                             metrics.mean(k, v, len(piece))
                         kl_sum += stats.get("approx_kl", 0.0) * len(piece)

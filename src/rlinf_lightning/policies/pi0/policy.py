@@ -69,6 +69,9 @@ class Pi0Policy(RLModule):
             terms all move it, so the trust region binds after tiny moves of each entry).
         detach_critic_input: the value loss does not train π0 through the critic's features (πRL's
             ManiSkill setting).
+        chain_start: where a sampled chain starts: ``"noise"``, π0's ``A^0 ~ N(0, I)``;
+            ``"mean"``, ``A^0 = 0`` (the deterministic policy's start), so all exploration is the
+            per-step noise, which the log-prob credits (``A^0``'s term is a constant of it).
         value_keys: observation entries the value head reads beside π0's feature (the critic's
             privileged inputs; ``["time"]`` with ``task.time_aware``: the return left depends on
             the time left, which π0's state does not show).

@@ -6,6 +6,8 @@ resumes to the uninterrupted run's weights bit for bit."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -108,6 +110,36 @@ def test_entry_log_probs_are_the_chunks_joint_one_spread_over_its_entries(pi0_di
     joint = a["logprob"].sum(-1) * (entry.num_denoise_steps + 1)
     torch.testing.assert_close(joint, b["logprob"], atol=1e-4, rtol=1e-6)
     assert Pi0Policy(pi0_dir, logprob_level="token").validate_config()[0][0] == "logprob_level"
+
+
+def test_noise_at_the_last_step_is_a_gaussian_around_the_deterministic_action(pi0_dir):
+    """``noisy_steps="last"``: the chain is π0's ODE up to its last step, so the chunk's mean is
+    the deterministic action; ``evaluate`` recomputes that ODE and scores the executed chunk
+    exactly, with gradient through every step; a weight change moves the log-prob."""
+    policy = _policy(pi0_dir, noisy_steps="last", chain_start="mean")
+    obs = _obs(3)
+    out = policy.act(obs, generators=_gens([0, 1, 2]))
+    det = policy.act(obs, deterministic=True)
+    steps = policy.num_denoise_steps
+    torch.testing.assert_close(out["chain"][:, :steps], det["chain"][:, :steps], atol=1e-6, rtol=0)
+    assert not torch.allclose(out["action"], det["action"])
+    assert out["logprob"].shape == (3, CHUNK * ACTION_DIM)
+    batch = TensorDict({"obs": obs, "action": out["action"], "chain": out["chain"]}, [3])
+    logprob, entropy, _ = policy.evaluate(batch)
+    torch.testing.assert_close(logprob, out["logprob"], atol=1e-5, rtol=0)
+    half_log_2pi_e = 0.5 * math.log(2 * math.pi * math.e)
+    low, high = (CHUNK * ACTION_DIM * (half_log_2pi_e + math.log(s)) for s in (0.08, 0.16))
+    assert bool((entropy >= low - 1e-4).all()) and bool((entropy <= high + 1e-4).all())
+    logprob.sum().backward()
+    # A^0 = 0 reaches the last step through the earlier steps' actions: action_in_proj's weight
+    # has a gradient only if it flows through the chain
+    grads = {
+        n: p.grad
+        for n, p in policy.model.named_parameters()
+        if "action_in_proj.weight" in n or "noise_head" in n
+    }
+    assert len(grads) >= 3 and all(g is not None and g.abs().sum() > 0 for g in grads.values()), grads.keys()
+    assert Pi0Policy(pi0_dir, noisy_steps="first").validate_config()[0][0] == "noisy_steps"
 
 
 def test_the_value_head_reads_the_value_keys_beside_pi0s_feature(pi0_dir):

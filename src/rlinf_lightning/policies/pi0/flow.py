@@ -13,6 +13,13 @@ The rollout records the chain ``A^0 .. A^K``; the actor recomputes ``μ_k`` and 
 same chain under its parameters (the chain's equation again), so PPO's ratio compares one sampled
 chain under two policies. Only the entries the env executes (the first ``chunk`` steps, the env's action
 dimensions) count, as RLinf's ``joint_logprob`` does.
+
+Noise at the last step alone (``noisy_steps="last"``) makes the policy a Gaussian around π0's
+deterministic action: ``A^1 .. A^{K-1}`` follow the ODE from ``A^0``, so the executed chunk's
+marginal log-likelihood is exactly ``log N(A^K; μ_{K-1}, σ_{K-1}²)`` with ``μ_{K-1}`` recomputed
+along the ODE under the current weights (the gradient runs through all ``K`` steps). Evaluation
+runs that ODE without the noise, so it acts with the mean of the policy PPO improves; with noise at
+every step the noisy chains visit intermediate actions the deterministic chain never does.
 """
 
 from __future__ import annotations
@@ -35,10 +42,16 @@ def normal_logpdf(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> tor
 
 
 LOGPROB_LEVELS = ("chunk", "entry")
+NOISY_STEPS = ("all", "last")
 
 
 def flow_noise_logprob(
-    chain: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, executed: torch.Tensor, level: str = "chunk"
+    chain: torch.Tensor,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    executed: torch.Tensor,
+    level: str = "chunk",
+    noisy_steps: str = "all",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chain's log-likelihood (above) and its entropy, over the ``executed`` entries (a
     ``[H, D]`` 0/1 mask).
@@ -48,7 +61,14 @@ def flow_noise_logprob(
     log-prob per executed entry ``[B, N]`` (entries in ``executed``'s row-major order), the mean of
     that entry's ``K + 1`` terms (RLinf's ``joint_logprob`` with ``logprob_type: token_level``):
     PPO then takes a ratio per entry. The entropy ``[B]`` is the transitions' (``Σ_k Σ_i ½ log(2πe
-    σ²)``): ``A^0``'s is a constant."""
+    σ²)``): ``A^0``'s is a constant. ``noisy_steps="last"``: the last transition's term alone
+    (and its entropy), the chunk's exact log-likelihood when the other steps follow the ODE."""
+    if noisy_steps == "last":
+        last = normal_logpdf(chain[:, -1], mean[:, -1], std[:, -1])
+        entropy = ((0.5 * LOG_2PI_E + torch.log(std[:, -1])) * executed).sum((-2, -1))
+        if level == "entry":
+            return last[:, executed.bool()], entropy
+        return (last * executed).sum((-2, -1)), entropy
     start = normal_logpdf(chain[:, 0], torch.zeros_like(chain[:, 0]), torch.ones_like(chain[:, 0]))
     steps = normal_logpdf(chain[:, 1:], mean, std)
     entropy = ((0.5 * LOG_2PI_E + torch.log(std)) * executed).sum((-3, -2, -1))

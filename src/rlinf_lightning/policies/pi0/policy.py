@@ -31,7 +31,7 @@ from tensordict import TensorDict
 
 from rlinf_lightning.policies.lora import LoRA, lora_problems
 from rlinf_lightning.policies.module import RLModule, instructions
-from rlinf_lightning.policies.pi0.flow import LOGPROB_LEVELS, flow_noise_logprob
+from rlinf_lightning.policies.pi0.flow import LOGPROB_LEVELS, NOISY_STEPS, flow_noise_logprob
 from rlinf_lightning.policies.pi0.net import Pi0Net
 from rlinf_lightning.policies.pi0.norm import NORM_FILE, NormStats
 
@@ -72,6 +72,11 @@ class Pi0Policy(RLModule):
         chain_start: where a sampled chain starts: ``"noise"``, π0's ``A^0 ~ N(0, I)``;
             ``"mean"``, ``A^0 = 0`` (the deterministic policy's start), so all exploration is the
             per-step noise, which the log-prob credits (``A^0``'s term is a constant of it).
+        noisy_steps: which denoising steps draw noise: ``"all"`` (πRL's Flow-Noise, the chain's
+            joint likelihood) or ``"last"``: the chain follows π0's ODE and only its last step
+            draws, so the policy is a Gaussian around the deterministic action that evaluation
+            runs, and :meth:`evaluate` recomputes that ODE under the current weights (the exact
+            marginal log-prob of the executed chunk, its gradient through all ``K`` steps).
         value_keys: observation entries the value head reads beside π0's feature (the critic's
             privileged inputs; ``["time"]`` with ``task.time_aware``: the return left depends on
             the time left, which π0's state does not show).
@@ -104,6 +109,7 @@ class Pi0Policy(RLModule):
         noise_std_range: tuple[float, float] = (0.08, 0.16),
         logprob_level: str = "entry",
         chain_start: str = "noise",
+        noisy_steps: str = "all",
         detach_critic_input: bool = True,
         value_keys: tuple[str, ...] = (),
         train_expert_only: bool = False,
@@ -122,7 +128,7 @@ class Pi0Policy(RLModule):
         self.model_path = model_path
         self.num_denoise_steps = num_denoise_steps
         self.noise_std_range = tuple(noise_std_range)
-        self.logprob_level, self.chain_start = logprob_level, chain_start
+        self.logprob_level, self.chain_start, self.noisy_steps = logprob_level, chain_start, noisy_steps
         self.detach_critic_input = detach_critic_input
         self.value_keys, self._value_dim = list(value_keys), 0
         self.train_expert_only = train_expert_only
@@ -156,6 +162,8 @@ class Pi0Policy(RLModule):
             )
         if self.chain_start not in ("noise", "mean"):
             problems.append(("chain_start", f"must be noise or mean, got {self.chain_start!r}"))
+        if self.noisy_steps not in NOISY_STEPS:
+            problems.append(("noisy_steps", f"must be one of {NOISY_STEPS}, got {self.noisy_steps!r}"))
         if self.logprob_level not in LOGPROB_LEVELS:
             problems.append(("logprob_level", f"must be one of {LOGPROB_LEVELS}, got {self.logprob_level!r}"))
         for key in ("lr", "value_lr"):
@@ -334,10 +342,13 @@ class Pi0Policy(RLModule):
             noise.zero_()
         elif self.chain_start == "mean":
             noise[:, 0] = 0.0
+        if self.noisy_steps == "last":
+            noise[:, 1:-1] = 0.0
         out = self.model(inputs, self.num_denoise_steps, noise=noise)
         logprob, _ = flow_noise_logprob(
-            out["chain"], out["mean"], out["std"], self._executed.to(noise.device), self.logprob_level
-        )
+            out["chain"], out["mean"], out["std"], self._executed.to(noise.device), self.logprob_level,
+            self.noisy_steps,
+        )  # fmt: skip
         action = out["chain"][:, -1, : self.chunk, : self.action_dim]
         action = (self.norm.action(action) if self.norm is not None else action).reshape(n, -1)
         return TensorDict(
@@ -354,10 +365,16 @@ class Pi0Policy(RLModule):
         """``(log-prob of batch["chain"], entropy, value)`` under the current parameters."""
         inputs = self.inputs(batch["obs"])
         chain = batch["chain"].to(inputs["state"].device)
-        out = self.model(inputs, self.num_denoise_steps, chain=chain)
+        if self.noisy_steps == "last":  # the ODE from the recorded A^0, under the current weights
+            start = torch.zeros_like(chain)
+            start[:, 0] = chain[:, 0]
+            out = self.model(inputs, self.num_denoise_steps, noise=start)
+        else:
+            out = self.model(inputs, self.num_denoise_steps, chain=chain)
         logprob, entropy = flow_noise_logprob(
-            chain.float(), out["mean"], out["std"], self._executed.to(chain.device), self.logprob_level
-        )
+            chain.float(), out["mean"], out["std"], self._executed.to(chain.device), self.logprob_level,
+            self.noisy_steps,
+        )  # fmt: skip
         return logprob, entropy, out["value"]
 
     # -- saving ---------------------------------------------------------------------------------

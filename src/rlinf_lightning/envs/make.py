@@ -26,7 +26,7 @@ def import_env(name: str, **kwargs: Any) -> None:
     workers started in the background, it would stall the first iteration after the switch). A
     registered factory's env is not made: it may be costly (a GPU simulator's scene)."""
     if name not in ENVS:
-        make_env(name, 1, **{k: v for k, v in kwargs.items() if k != "time_aware"}).close()
+        make_env(name, 1, **kwargs).close()
 
 
 def check_env(name: str) -> str | None:

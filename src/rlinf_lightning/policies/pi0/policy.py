@@ -194,8 +194,10 @@ class Pi0Policy(RLModule):
             if key not in keys:
                 field = next(f for f in ("image_keys", "state_keys", "value_keys") if key in getattr(self, f))
                 raise ValueError(f"policy.{field}: the env's observation has no {key!r} (it has {keys})")
-        state_dim = sum(int(obs[k].reshape(obs.batch_size[0], -1).shape[-1]) for k in self.state_keys)
-        self._value_dim = sum(int(obs[k].reshape(obs.batch_size[0], -1).shape[-1]) for k in self.value_keys)
+        state_dim, self._value_dim = (
+            sum(obs[k].reshape(obs.batch_size[0], -1).shape[-1] for k in keys)
+            for keys in (self.state_keys, self.value_keys)
+        )
         checks = (
             (self.action_dim is not None and action_dim != self.action_dim, "policy.action_dim",
              f"the checkpoint acts in {self.action_dim} dimensions, the env's actions have {action_dim}"),

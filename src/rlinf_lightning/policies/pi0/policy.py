@@ -64,7 +64,8 @@ class Pi0Policy(RLModule):
         noise_std_range: ``[σ_min, σ_max]`` of the learned per-step noise (πRL: 0.08, 0.16).
         logprob_level: what PPO's ratio is taken of. ``"entry"`` (RLinf's default,
             ``logprob_type: token_level``): a log-prob per executed action entry, the mean of its
-            ``K + 1`` chain terms, so each entry is clipped on its own; ``"chunk"``: the chain's
+            ``K + 1`` chain terms (its last step's term with ``noisy_steps="last"``), so each
+            entry is clipped on its own; ``"chunk"``: the chain's
             joint log-likelihood, one ratio per chunk (its ``chunk x action_dim x K`` Gaussian
             terms all move it, so the trust region binds after tiny moves of each entry).
         detach_critic_input: the value loss does not train π0 through the critic's features (πRL's

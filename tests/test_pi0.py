@@ -18,6 +18,7 @@ from rlinf_lightning.algorithms import GRPO, PPO
 from rlinf_lightning.assets import TinyPi0Config, build_tiny_pi0
 from rlinf_lightning.policies import Pi0Policy
 from rlinf_lightning.policies.lora import LoRA
+from rlinf_lightning.policies.pi0.flow import LOG_2PI_E
 from rlinf_lightning.policies.pi0.norm import STD_FLOOR, NormStats
 from rlinf_lightning.tasks import EmbodiedTask
 
@@ -115,7 +116,7 @@ def test_entry_log_probs_are_the_chunks_joint_one_spread_over_its_entries(pi0_di
 def test_noise_at_the_last_step_is_a_gaussian_around_the_deterministic_action(pi0_dir):
     """``noisy_steps="last"``: the chain is π0's ODE up to its last step, so the chunk's mean is
     the deterministic action; ``evaluate`` recomputes that ODE and scores the executed chunk
-    exactly, with gradient through every step; a weight change moves the log-prob."""
+    exactly, with gradient through every step."""
     policy = _policy(pi0_dir, noisy_steps="last", chain_start="mean")
     obs = _obs(3)
     out = policy.act(obs, generators=_gens([0, 1, 2]))
@@ -127,8 +128,12 @@ def test_noise_at_the_last_step_is_a_gaussian_around_the_deterministic_action(pi
     batch = TensorDict({"obs": obs, "action": out["action"], "chain": out["chain"]}, [3])
     logprob, entropy, _ = policy.evaluate(batch)
     torch.testing.assert_close(logprob, out["logprob"], atol=1e-5, rtol=0)
-    half_log_2pi_e = 0.5 * math.log(2 * math.pi * math.e)
-    low, high = (CHUNK * ACTION_DIM * (half_log_2pi_e + math.log(s)) for s in (0.08, 0.16))
+    # the intermediate actions are recomputed under the current weights, not read from the chain
+    scrambled = out["chain"].clone()
+    scrambled[:, 1:-1] += 1.0
+    again, _, _ = policy.evaluate(TensorDict({"obs": obs, "action": out["action"], "chain": scrambled}, [3]))
+    torch.testing.assert_close(again, logprob, atol=1e-6, rtol=0)
+    low, high = (CHUNK * ACTION_DIM * (0.5 * LOG_2PI_E + math.log(s)) for s in (0.08, 0.16))
     assert bool((entropy >= low - 1e-4).all()) and bool((entropy <= high + 1e-4).all())
     logprob.sum().backward()
     # A^0 = 0 reaches the last step through the earlier steps' actions: action_in_proj's weight

@@ -64,16 +64,11 @@ def flow_noise_logprob(
     σ²)``): ``A^0``'s is a constant. ``noisy_steps="last"``: the last transition's term alone
     (and its entropy), the chunk's exact log-likelihood when the other steps follow the ODE."""
     if noisy_steps == "last":
-        last = normal_logpdf(chain[:, -1], mean[:, -1], std[:, -1])
-        entropy = ((0.5 * LOG_2PI_E + torch.log(std[:, -1])) * executed).sum((-2, -1))
-        if level == "entry":
-            return last[:, executed.bool()], entropy
-        return (last * executed).sum((-2, -1)), entropy
-    start = normal_logpdf(chain[:, 0], torch.zeros_like(chain[:, 0]), torch.ones_like(chain[:, 0]))
-    steps = normal_logpdf(chain[:, 1:], mean, std)
+        terms, std = normal_logpdf(chain[:, -1:], mean[:, -1:], std[:, -1:]), std[:, -1:]
+    else:
+        start = normal_logpdf(chain[:, 0], torch.zeros_like(chain[:, 0]), torch.ones_like(chain[:, 0]))
+        terms = torch.cat([start[:, None], normal_logpdf(chain[:, 1:], mean, std)], 1)  # [B, K+1, H, D]
     entropy = ((0.5 * LOG_2PI_E + torch.log(std)) * executed).sum((-3, -2, -1))
     if level == "entry":
-        terms = torch.cat([start[:, None], steps], 1).mean(1)  # [B, H, D]
-        return terms[:, executed.bool()], entropy
-    logprob = (start * executed).sum((-2, -1)) + (steps * executed).sum((-3, -2, -1))
-    return logprob, entropy
+        return terms.mean(1)[:, executed.bool()], entropy
+    return (terms * executed).sum((-3, -2, -1)), entropy

@@ -79,6 +79,24 @@ def test_a_critic_budget_is_chosen_and_logged_and_its_peak_counted(qwen_dir, cap
     )
 
 
+def test_a_small_device_turns_the_critics_checkpointing_on_unless_configured(qwen_dir):
+    critic = _critic(qwen_dir)
+    static = sum(p.nbytes for p in critic.memory("cuda:0", 1, 256))
+    assert critic.fit_budget("cuda:0", static + 4 * GIB, 1, 256) is None  # 4 GiB beside the state
+    assert critic.budget_chosen.checkpointing and critic.policy.gradient_checkpointing is True
+    assert "activation checkpointing" in critic.memory("cuda:0", 1, 256)[-1].what
+    checked = critic.budget_chosen.tokens
+    critic.reset_budget()
+    assert critic.policy.gradient_checkpointing is None  # what the budget chose, it takes back
+
+    critic.policy.gradient_checkpointing = False  # task.critic.gradient_checkpointing=false: kept
+    assert critic.fit_budget("cuda:0", static + 4 * GIB, 1, 256) is None
+    assert not critic.budget_chosen.checkpointing and critic.max_tokens < checked
+    # the inference stage trains nothing: it never offers checkpointing
+    inference = InferenceStage(LMPolicy(str(qwen_dir)), GRPO(kl_coef=0.01), 1.0, None, max_prompt_tokens=64)
+    assert inference.checkpointing_options() == [False] and not inference.checkpointing_in_force()
+
+
 def test_a_stage_that_cannot_fit_one_sample_is_refused_naming_its_key(qwen_dir):
     policy = LMPolicy(str(qwen_dir))
     inference = InferenceStage(policy, GRPO(kl_coef=0.01), 1.0, None, max_prompt_tokens=64, horizon=256)

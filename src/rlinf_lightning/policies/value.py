@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
+from rlinf_lightning.policies.lm import enable_gradient_checkpointing
 from rlinf_lightning.policies.module import DTYPES, RLModule
 
 
@@ -39,6 +40,9 @@ class ValueModel(RLModule):
         dtype: parameter dtype (``float32``; ``bfloat16`` on GPU).
         train_micro_batch_size: samples per forward/backward of the critic (``None``: the task's
             ``train_micro_batch_size``).
+        gradient_checkpointing: recompute each decoder layer's activations in the backward instead
+            of keeping them; ``None``: the critic stage decides from its token budget
+            (``flow.budget``), off where no budget is computed.
     """
 
     def __init__(
@@ -50,19 +54,29 @@ class ValueModel(RLModule):
         max_grad_norm: float = 1.0,
         dtype: str = "float32",
         train_micro_batch_size: int | None = None,
+        gradient_checkpointing: bool | None = None,
     ) -> None:
         super().__init__()
         self.model_path = None if model_path is None else str(model_path)
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.max_grad_norm, self.dtype = max_grad_norm, dtype
         self.train_micro_batch_size = train_micro_batch_size
+        self.gradient_checkpointing = gradient_checkpointing
         self.model: ValueNetwork | None = None
 
     def for_policy(self, model_path: str) -> ValueModel:
         """This critic with ``model_path`` filled in from the policy's when it names none."""
         if self.model_path is not None:
             return self
-        options = ("lr", "weight_decay", "betas", "max_grad_norm", "dtype", "train_micro_batch_size")
+        options = (
+            "lr",
+            "weight_decay",
+            "betas",
+            "max_grad_norm",
+            "dtype",
+            "train_micro_batch_size",
+            "gradient_checkpointing",
+        )
         return type(self)(model_path, **{k: getattr(self, k) for k in options})
 
     def configure_model(self) -> None:
@@ -71,6 +85,8 @@ class ValueModel(RLModule):
         from transformers import AutoModel
 
         backbone = AutoModel.from_pretrained(self.model_path, dtype=getattr(torch, self.dtype))
+        if self.gradient_checkpointing:  # None (the budget decides) turns it on later, if at all
+            enable_gradient_checkpointing(backbone)
         self.model = ValueNetwork(backbone, backbone.config.hidden_size)
 
     def meta_model(self) -> None:

@@ -17,7 +17,9 @@ Its weights and optimizer state are checkpointed with the run (:meth:`CriticStag
 Its micro-batches are sized like the actor's (``task.critic.train_micro_batch_size``, else the
 task's ``train_micro_batch_size`` or ``train_max_tokens_per_micro_batch``); with none of them set
 the plan's memory check chooses its token budget (``workflows/token_budget.py``) from its own cost
-model (``flow.budget.critic_cost``: the actor's decoder under a value head, no vocabulary logits).
+model (``flow.budget.critic_cost``: the actor's decoder under a value head, no vocabulary logits),
+with activation checkpointing where the budget without it would be small and
+``task.critic.gradient_checkpointing`` is unset.
 """
 
 from __future__ import annotations
@@ -85,9 +87,11 @@ class CriticStage(TokenBudget, TrainStage):
     out_keys = ("values", "advantage", "returns")
     budget_key = "task.train_max_tokens_per_micro_batch"
     budget_fixes = (
-        "use a smaller critic (task.critic.model_path), trainer.precision=bf16-true or more devices"
+        "use a smaller critic (task.critic.model_path), trainer.precision=bf16-true, "
+        "task.critic.gradient_checkpointing=true or more devices"
     )
     working_what = "activations and values"
+    offers_checkpointing = True
 
     def __init__(
         self,

@@ -31,6 +31,9 @@ class TokenBudget:
     budget_chosen: Budget | None = None  # by :meth:`fit_budget` when none is configured
     max_prompt_tokens: int | None = None
     horizon: int = 1
+    #: whether the stage trains its model (a ``policy`` with ``gradient_checkpointing``), so that
+    #: activation checkpointing can buy a larger budget
+    offers_checkpointing: bool = False
 
     def budget_configured(self) -> bool:
         """Whether the configuration sizes the micro-batches (then nothing is chosen)."""
@@ -49,11 +52,14 @@ class TokenBudget:
         return not self.budget_configured() and not (self.max_tokens and not self.budget_chosen)
 
     def checkpointing_options(self) -> list[bool]:
-        """Activation checkpointing settings the budget may choose between (none by default)."""
-        return [False]
+        """Activation checkpointing settings the budget may choose between: both where the stage
+        trains (``offers_checkpointing``) and its model's ``gradient_checkpointing`` is unset, else
+        the one in force."""
+        setting = self.policy.gradient_checkpointing if self.offers_checkpointing else False
+        return [False, True] if setting is None else [bool(setting)]
 
     def checkpointing_in_force(self) -> bool:
-        return False
+        return self.offers_checkpointing and bool(self.policy.gradient_checkpointing)
 
     def with_working(self, device: str, parts: list[MemoryPart] | None) -> list[MemoryPart] | None:
         """``parts`` (the state) and, under a token budget (configured or chosen), the working

@@ -102,6 +102,7 @@ class ActorStage(TokenBudget, TrainStage):
         "use a smaller model, trainer.precision=bf16-true, policy.gradient_checkpointing=true or more devices"
     )
     working_what = "activations and logits"
+    offers_checkpointing = True
 
     name = "actor"
     cost_hint = 1.0
@@ -158,13 +159,6 @@ class ActorStage(TokenBudget, TrainStage):
 
     def budget_state(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
         return TrainStage.memory(self, device, replicas, micro_batch)
-
-    def checkpointing_options(self) -> list[bool]:
-        setting = self.policy.gradient_checkpointing
-        return [False, True] if setting is None else [bool(setting)]
-
-    def checkpointing_in_force(self) -> bool:
-        return bool(self.policy.gradient_checkpointing)
 
     def budget_cost(self, device: str, static: float, checkpointing: bool) -> StepCost | None:
         shape = LayerShape.from_dir(self.policy.model_path)

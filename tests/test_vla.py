@@ -1,4 +1,4 @@
-"""TinyVLA (policies/vla.py): the rollout's log-probs are the trainer's, a row's action is its
+"""TinyVLA (policies/vla/): the rollout's log-probs are the trainer's, a row's action is its
 generator's, deterministic actions are greedy, saved models act alike, and one PPO-like step learns."""
 
 from __future__ import annotations

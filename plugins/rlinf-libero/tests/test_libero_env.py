@@ -55,7 +55,9 @@ def test_observations_and_reset_by_seed(env):
     assert obs["state"].dtype == torch.float32 and obs["state"].shape == (2, 8)
     assert list(obs["instruction"]) == [INSTRUCTION] * 2
     again = env.reset(seed=0)
-    assert torch.equal(again["rgb"], obs["rgb"]) and torch.equal(again["state"], obs["state"])
+    # apart, so that a failure says which differs (one rare CI failure, not reproduced since)
+    assert torch.equal(again["state"], obs["state"]), (again["state"] - obs["state"]).abs().max(-1)
+    assert torch.equal(again["rgb"], obs["rgb"]), (again["rgb"] != obs["rgb"]).flatten(1).sum(-1)
     # env i is seeded with seed + i: here the two draw different initial states
     assert not torch.equal(obs["rgb"][0], obs["rgb"][1])
     grouped = env.reset([5, 5])  # one seed per env: equal seeds, equal episodes (a GRPO group)

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,12 +38,23 @@ def site(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def fits(assets, site, tmp_path_factory) -> dict[str | None, subprocess.CompletedProcess]:
-    """One-iteration ``rlinf fit`` at each verbosity."""
-    out = {}
-    for flag in (None, "--quiet", "--verbose"):
-        args = cli_fit_args(assets, tmp_path_factory.mktemp("run"), "--trainer.max_iterations=1")
-        out[flag] = _rlinf(args + ["--task.eval_size=8"], flag, site)
-        assert out[flag].returncode == 0, out[flag].stderr
+    """One-iteration ``rlinf fit`` at each verbosity, the three side by side."""
+    flags = (None, "--quiet", "--verbose")
+    with ThreadPoolExecutor(len(flags)) as pool:
+        runs = {
+            flag: pool.submit(
+                _rlinf,
+                cli_fit_args(
+                    assets, tmp_path_factory.mktemp("run"), "--trainer.max_iterations=1", "--task.eval_size=8"
+                ),
+                flag,
+                site,
+            )
+            for flag in flags
+        }
+        out = {flag: run.result() for flag, run in runs.items()}
+    for res in out.values():
+        assert res.returncode == 0, res.stderr
     return out
 
 

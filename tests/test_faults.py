@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -250,33 +251,43 @@ def test_checkpoint_faults_end_cleanly_and_resume_exactly(assets, tmp_path, laun
     4's checkpoint; a run whose disk fills while writing it. Each faulty run ends (no hang), leaves
     no process behind and no partial checkpoint in use, and resuming from the last complete one
     (iteration 2) logs iterations 3 and 4 exactly as the uninterrupted run did."""
-    status, _, err, procs = _run_fit(assets, tmp_path / "full", launcher)
-    assert status == 0, err
-    _no_orphans(procs)
-    want = logged_metrics(tmp_path / "full" / "run")
-    for fault in ("kill", "disk"):
-        run = tmp_path / fault
-        t0 = time.monotonic()
-        status, _, err, procs = _run_fit(assets, run, launcher, fault=(fault, 4))
-        assert time.monotonic() - t0 < 240
-        if fault == "kill":
-            assert status == -signal.SIGKILL
-        else:
-            assert status == 1, err
-            assert "could not write checkpoint" in err and "(iter-000002) is intact" in err, err
-            assert "Traceback" not in err
-        _no_orphans(procs)
-        ckpts = run / "run" / "checkpoints"
-        assert (ckpts / "last").read_text() == "iter-000002"
-        assert not (ckpts / "iter-000004").exists()
-        status, out, err, procs = _run_fit(assets, run, launcher, "--ckpt_path=last")
+    faults = ("kill", "disk")
+    # the three first runs, then the two resumes, side by side: each is its own run directory
+    with ThreadPoolExecutor(3) as pool:
+        full = pool.submit(_run_fit, assets, tmp_path / "full", launcher)
+        faulty = [pool.submit(_run_fit, assets, tmp_path / f, launcher, fault=(f, 4)) for f in faults]
+        status, _, err, procs = full.result()
         assert status == 0, err
-        assert "resumed from" in out and "iter-000002" in out
         _no_orphans(procs)
-        got = logged_metrics(run / "run", 1)
-        for it in (3, 4):
-            for key in COMPARED:
-                assert got[it][key] == want[it][key], (fault, it, key)
+        want = logged_metrics(tmp_path / "full" / "run")
+        for fault, result in zip(faults, faulty):
+            status, _, err, procs = result.result()
+            _check_fault(tmp_path / fault, fault, status, err, procs)
+        resumes = [pool.submit(_run_fit, assets, tmp_path / f, launcher, "--ckpt_path=last") for f in faults]
+        for fault, result in zip(faults, resumes):
+            status, out, err, procs = result.result()
+            assert status == 0, err
+            assert "resumed from" in out and "iter-000002" in out
+            _no_orphans(procs)
+            got = logged_metrics(tmp_path / fault / "run", 1)
+            for it in (3, 4):
+                for key in COMPARED:
+                    assert got[it][key] == want[it][key], (fault, it, key)
+
+
+def _check_fault(run, fault: str, status: int, err: str, procs) -> None:
+    """A run that ``fault`` (``kill``: SIGKILL, ``disk``: a full disk) hit while it wrote iteration
+    4's checkpoint ended, left no process behind, and kept iteration 2's checkpoint in use."""
+    if fault == "kill":
+        assert status == -signal.SIGKILL
+    else:
+        assert status == 1, err
+        assert "could not write checkpoint" in err and "(iter-000002) is intact" in err, err
+        assert "Traceback" not in err
+    _no_orphans(procs)
+    ckpts = run / "run" / "checkpoints"
+    assert (ckpts / "last").read_text() == "iter-000002"
+    assert not (ckpts / "iter-000004").exists()
 
 
 class FailsOnSecondReplica(Stage):

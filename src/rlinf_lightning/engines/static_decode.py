@@ -71,14 +71,38 @@ class StaticDecoder:
 
         rows, width = ids.shape
         length = -(-full_mask.shape[1] // CACHE_BUCKET) * CACHE_BUCKET
-        if self._shape != (rows, length):
-            self._cache = StaticCache(config=self.model.config, max_cache_len=length)
-            self._shape = (rows, length)
-        else:
-            self._cache.reset()
         mask = full_mask.new_zeros(rows, length)
         mask[:, : full_mask.shape[1]] = full_mask
         cache_position = torch.arange(width, device=ids.device)
+        if self._shape != (rows, length):
+            self._cache = StaticCache(config=self.model.config, max_cache_len=length)
+            self._shape = (rows, length)
+            if self._step is not None:
+                self._record(ids, mask, pos, cache_position)
+        self._cache.reset()
+        self.prefill_logits = self._prefill(ids, mask, pos, cache_position)
+        step = self._step or self._eager_step
+
+        def decode(token: torch.Tensor, t: int, position_ids: torch.Tensor) -> torch.Tensor:
+            if self._step is not None:
+                torch.compiler.cudagraph_mark_step_begin()
+            return step(token, position_ids, cache_position[-1:] + 1 + t, mask)
+
+        return decode
+
+    def _record(self, ids, mask, pos, cache_position) -> None:
+        """Compile, warm up and record the step of a new cache shape. The cache is allocated by an
+        eager prefill first (its tensors then have static addresses, which a graph needs); the
+        warm-up steps write past the prompt, so the caller resets the cache and prefills again
+        (whether a cache writes at ``cache_position`` or after its own count of written tokens, as
+        transformers 5.19's ``StaticLayer`` does, the decode then starts right after the prompt)."""
+        self._prefill(ids, mask, pos, cache_position)
+        for i in range(3):
+            torch.compiler.cudagraph_mark_step_begin()
+            self._step(ids[:, -1], pos[:, -1:] + 1 + i, cache_position[-1:] + 1 + i, mask)
+
+    def _prefill(self, ids, mask, pos, cache_position) -> torch.Tensor:
+        """The prompts through the model into the static cache: the last position's logits."""
         res = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -87,19 +111,7 @@ class StaticDecoder:
             past_key_values=self._cache,
             use_cache=True,
         )
-        self.prefill_logits = res.logits[:, -1].clone()
-        step = self._step or self._eager_step
-        if self._step is not None:  # warm up and record: writes slot ``width``, which step 0 rewrites
-            for _ in range(3):
-                torch.compiler.cudagraph_mark_step_begin()
-                self._step(ids[:, -1], pos[:, -1:], cache_position[-1:] + 1, mask)
-
-        def decode(token: torch.Tensor, t: int, position_ids: torch.Tensor) -> torch.Tensor:
-            if self._step is not None:
-                torch.compiler.cudagraph_mark_step_begin()
-            return step(token, position_ids, cache_position[-1:] + 1 + t, mask)
-
-        return decode
+        return res.logits[:, -1].clone()
 
     def _eager_step(self, token, position_ids, cache_position, mask):
         res = self.model(

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from scipy.stats import chi2
+from torch._dynamo.utils import counters
 
 from rlinf_lightning.assets import build_tiny_qwen2
 from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
@@ -106,14 +107,22 @@ def test_the_static_cache_step_decodes_what_the_dynamic_cache_does(engine, compi
     was taken out of the decoded cache, it shifted every token after the first (transformers 5.19's
     static cache writes after its own count of written tokens)."""
     params = SamplingParams(temperature=0.9, top_k=20, max_new_tokens=10)
-    rollouts = [([[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]], 3), ([[5, 6], [8, 9, 10], [14]], 4), ([[7, 8]], 5)]
+    # (prompts, seed): the first two share a shape (6 rows, a 64-token cache), the third has 2 rows
+    rollouts = [([[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]], 3), ([[5, 6], [8, 9, 10], [14]], 4)]
+    rollouts.append(([[7, 8]], 5))
     want = [engine.generate(ids, list(range(len(ids))), 2, params, seed, -1) for ids, seed in rollouts]
     engine.graphs = StaticDecoder(engine.model, compile=compile)
+    graphs = counters["stats"]["unique_graphs"]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a failed capture falls back to eager with a warning
-            got = [engine.generate(ids, list(range(len(ids))), 2, params, seed, -1) for ids, seed in rollouts]
+            got = []
+            for ids, seed in rollouts:
+                got.append(engine.generate(ids, list(range(len(ids))), 2, params, seed, -1))
+                engine.graphs.release()  # as an offload between rollouts does
     finally:
         engine.graphs = None
     for g, w in zip(got, want):
         _same_completions(g, w)
+    # one compiled step per shape (6 rows, then 2), none again after a release
+    assert counters["stats"]["unique_graphs"] - graphs == (2 if compile else 0)

@@ -97,9 +97,10 @@ class StaticDecoder:
         (whether a cache writes at ``cache_position`` or after its own count of written tokens, as
         transformers 5.19's ``StaticLayer`` does, the decode then starts right after the prompt)."""
         self._prefill(ids, mask, pos, cache_position)
+        token = ids[:, -1].contiguous()  # as the sampled tokens are (a strided one compiles apart)
         for i in range(3):
             torch.compiler.cudagraph_mark_step_begin()
-            self._step(ids[:, -1], pos[:, -1:] + 1 + i, cache_position[-1:] + 1 + i, mask)
+            self._step(token, pos[:, -1:] + 1 + i, cache_position[-1:] + 1 + i, mask)
 
     def _prefill(self, ids, mask, pos, cache_position) -> torch.Tensor:
         """The prompts through the model into the static cache: the last position's logits."""

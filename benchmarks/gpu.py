@@ -38,7 +38,9 @@ rollout engine, ``RLTrainer.fit``), not a re-implementation:
 - ``chunked``: the actor step with the chunked lm head and with whole logits at the smallest
   budget: peak memory, MFU (``actor_memory.py``).
 - ``generate``: our ``hf`` engine beside plain ``model.generate`` on the same model, device, dtype
-  and sizes: ``rollout_over_generate`` = generate's seconds over ours (``decode_ops.py``).
+  and sizes: ``rollout_over_generate`` = generate's seconds over ours, and ``graph_rows_as_eager``,
+  the share of rows whose first 8 tokens the CUDA-graph step samples as the eager one does (a
+  check that the graph decodes right; ``null`` without one) (``decode_ops.py``).
 - ``decode_ops``: aten ops dispatched per decode step, ours and ``generate``'s, at ``--ops-rows``
   (eager: the CUDA-graph path replays one graph a step) (``decode_ops.py``).
 

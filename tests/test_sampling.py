@@ -103,22 +103,27 @@ def test_the_static_cache_step_decodes_what_the_dynamic_cache_does(engine, compi
     """The step a GPU captures as a CUDA graph, on this CPU: same tokens, same log-probs, for a
     second rollout of the same shape (the cache reset, the graph replayed) and one of another.
     ``compiled``: ``torch.compile(mode="reduce-overhead")`` with its warm-up and recording steps,
-    as on a GPU (Inductor here, without the graph capture, which only CUDA has); before the warm-up
-    was taken out of the decoded cache, it shifted every token after the first (transformers 5.19's
-    static cache writes after its own count of written tokens)."""
-    params = SamplingParams(temperature=0.9, top_k=20, max_new_tokens=10)
-    # (prompts, seed): the first two share a shape (6 rows, a 64-token cache), the third has 2 rows
-    rollouts = [([[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]], 3), ([[5, 6], [8, 9, 10], [14]], 4)]
-    rollouts.append(([[7, 8]], 5))
-    want = [engine.generate(ids, list(range(len(ids))), 2, params, seed, -1) for ids, seed in rollouts]
+    as on a GPU (Inductor here, without the graph capture, which only CUDA has). Two bugs this
+    caught: the warm-up steps ran on the cache the decode then used, which shifted every token after
+    the first (transformers 5.19's static cache writes after its own count of written tokens); and
+    they wrote past a cache with no room for them (63 prompt tokens and 1 new one)."""
+    sampling = SamplingParams(temperature=0.9, top_k=20, max_new_tokens=10)
+    # (prompts, seed, sampling): the first two share a shape (6 rows), the third has 2 rows and
+    # fills its cache's 64-token bucket but for the warm-up's room
+    rollouts = [
+        ([[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]], 3, sampling),
+        ([[5, 6], [8, 9, 10], [14]], 4, sampling),
+        ([list(range(5, 68))], 5, SamplingParams(temperature=0.9, max_new_tokens=1)),
+    ]
+    want = [engine.generate(ids, list(range(len(ids))), 2, p, seed, -1) for ids, seed, p in rollouts]
     engine.graphs = StaticDecoder(engine.model, compile=compile)
     graphs = counters["stats"]["unique_graphs"]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a failed capture falls back to eager with a warning
             got = []
-            for ids, seed in rollouts:
-                got.append(engine.generate(ids, list(range(len(ids))), 2, params, seed, -1))
+            for ids, seed, p in rollouts:
+                got.append(engine.generate(ids, list(range(len(ids))), 2, p, seed, -1))
                 engine.graphs.release()  # as an offload between rollouts does
     finally:
         engine.graphs = None

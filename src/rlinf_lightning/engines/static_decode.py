@@ -8,8 +8,9 @@ replay returns live in the graph's memory until the next replay; the loop sample
 it steps again, so nothing reads an overwritten output (what broke transformers' own static cache
 under reduce-overhead: it handed graph outputs back to the caller across replays).
 
-Shapes: the cache length is rounded up to ``CACHE_BUCKET`` tokens, so rollouts whose prompts differ
-by a few tokens replay the same graph; the rows of a micro-batch are fixed by the plan.
+Shapes: the cache length (the prompt, the new tokens and ``WARMUP_STEPS``) is rounded up to
+``CACHE_BUCKET`` tokens, so rollouts whose prompts differ by a few tokens replay the same graph; the
+rows of a micro-batch are fixed by the plan.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import torch
 
 #: the static cache's length is a multiple of this many tokens (fewer distinct graphs)
 CACHE_BUCKET = 64
+#: steps run to compile, warm up and record a new shape's graph (cudagraph trees record on the
+#: second call and replay from the third); the cache has room for them past the decode's tokens
+WARMUP_STEPS = 3
 
 
 class StaticDecoder:
@@ -70,7 +74,7 @@ class StaticDecoder:
         from transformers import StaticCache
 
         rows, width = ids.shape
-        length = -(-full_mask.shape[1] // CACHE_BUCKET) * CACHE_BUCKET
+        length = -(-(full_mask.shape[1] + WARMUP_STEPS) // CACHE_BUCKET) * CACHE_BUCKET
         mask = full_mask.new_zeros(rows, length)
         mask[:, : full_mask.shape[1]] = full_mask
         cache_position = torch.arange(width, device=ids.device)
@@ -98,7 +102,7 @@ class StaticDecoder:
         transformers 5.19's ``StaticLayer`` does, the decode then starts right after the prompt)."""
         self._prefill(ids, mask, pos, cache_position)
         token = ids[:, -1].contiguous()  # as the sampled tokens are (a strided one compiles apart)
-        for i in range(3):
+        for i in range(WARMUP_STEPS):
             torch.compiler.cudagraph_mark_step_begin()
             self._step(token, pos[:, -1:] + 1 + i, cache_position[-1:] + 1 + i, mask)
 

@@ -89,7 +89,7 @@ def bench_rollout(model: Path, args):
         assert {len(c.token_ids) for cs in out for c in cs} == {new_tokens}
         return time.perf_counter() - t0
 
-    generate(8)  # warm-up: kernels, allocator
+    generate(args.new_tokens)  # warm-up: kernels, the allocator, the decode graph of this cache shape
     seconds = statistics.median(generate(args.new_tokens) for _ in range(args.repeats))
     tokens = n_prompts * args.group * args.new_tokens
     row = {

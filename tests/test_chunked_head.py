@@ -35,6 +35,26 @@ def test_values_and_gradients_equal_the_whole_logits(temperature, bias):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_under_bf16_autocast_the_matmuls_run_in_bf16_as_the_whole_logits_do():
+    """Float32 master weights under CPU bf16 autocast (``trainer.precision: bf16-mixed``): the
+    head's matmuls run in bf16 as ``head(hidden)`` would, forward and backward, so log-probs and
+    gradients equal the whole logits' within bf16 rounding, and the weight's gradient is float32."""
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(2, 9, 32, generator=g, requires_grad=True)
+    head = torch.nn.Linear(32, 70, bias=False)
+    targets = torch.randint(0, 70, (2, 9), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lsm = torch.log_softmax(head(hidden).float(), -1)
+        want_logp = lsm.gather(-1, targets[..., None]).squeeze(-1)
+        logp, _ = chunked_logprobs(hidden, head, targets, 1.0, chunk=4, entropy=False)
+    want = torch.autograd.grad(want_logp.sum(), [hidden, head.weight])
+    got = torch.autograd.grad(logp.sum(), [hidden, head.weight])
+    torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=0)  # the same bf16 products
+    assert got[1].dtype == torch.float32
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)  # bf16 gradients, rounded apart
+
+
 def test_logprobs_alone_take_no_entropy_gradient():
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(2, 5, 8, generator=g, requires_grad=True)

@@ -36,8 +36,9 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         entropy = torch.zeros_like(logp)
         lse = torch.empty_like(logp)
         with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)  # once, not per chunk (float32 master weights: a bf16 copy)
             for s in range(0, hidden.shape[0], chunk):
-                z = _logits(hidden[s : s + chunk], weight, bias, temperature, dtype)
+                z = _logits(hidden[s : s + chunk], w, bias, temperature)
                 lse[s : s + chunk] = torch.logsumexp(z, -1)
                 logp[s : s + chunk] = z.gather(-1, targets[s : s + chunk, None]).squeeze(-1)
                 if with_entropy:
@@ -58,9 +59,10 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if ctx.needs_input_grad[2] else None
         with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(ctx.dtype)
             for s in range(0, hidden.shape[0], ctx.chunk):
                 h = hidden[s : s + ctx.chunk]
-                z = _logits(h, weight, bias, ctx.temperature, ctx.dtype)
+                z = _logits(h, w, bias, ctx.temperature)
                 log_probs = z.sub_(lse[s : s + ctx.chunk, None])
                 probs = log_probs.exp()
                 # d logp_t / dz = onehot(t) - p;  d H / dz = -p (log p + H)
@@ -72,7 +74,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                 g /= ctx.temperature
                 gd = g.to(ctx.dtype)
                 if grad_hidden is not None:
-                    grad_hidden[s : s + ctx.chunk] = (gd @ weight.to(ctx.dtype)).to(hidden.dtype)
+                    grad_hidden[s : s + ctx.chunk] = (gd @ w).to(hidden.dtype)
                 if grad_weight is not None:
                     grad_weight += (gd.T @ h.to(ctx.dtype)).float()
                 if grad_bias is not None:
@@ -82,9 +84,10 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _logits(hidden, weight, bias, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-    """A chunk's float32 logits over the temperature (a fresh tensor: callers modify it in place)."""
-    z = (hidden.to(dtype) @ weight.to(dtype).T).float()
+def _logits(hidden, weight, bias, temperature: float) -> torch.Tensor:
+    """A chunk's float32 logits over the temperature, the matmul in ``weight``'s dtype (a fresh
+    tensor: callers modify it in place)."""
+    z = (hidden.to(weight.dtype) @ weight.T).float()
     if bias is not None:
         z += bias.float()
     return z.div_(temperature) if temperature != 1.0 else z

@@ -14,7 +14,7 @@ from rlinf_lightning import Callback, RLTrainer
 from rlinf_lightning.flow import BatchShape
 from rlinf_lightning.flow.placement import parse_placement
 from rlinf_lightning.flow.stage import Stage
-from rlinf_lightning.flow.worker import Span
+from rlinf_lightning.flow.trace import Span
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.strategies import STRATEGIES, HybridStrategy, Replan, Resources, RunInfo, Strategy
 from rlinf_lightning.strategies.auto import AutoStrategy

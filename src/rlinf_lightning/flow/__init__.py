@@ -5,7 +5,8 @@ from rlinf_lightning.flow.channel import Channel, ChannelAborted, ChannelTimeout
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroup
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
-from rlinf_lightning.flow.worker import Span, StageError, Worker
+from rlinf_lightning.flow.trace import Span
+from rlinf_lightning.flow.worker import StageError, Worker
 from rlinf_lightning.flow.workflow import Workflow
 
 __all__ = [

@@ -11,10 +11,24 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from rlinf_lightning.flow.plan import ExecutionPlan
-from rlinf_lightning.flow.worker import Span
+
+
+@dataclass
+class Span:
+    """One timed call: ``kind`` is ``process`` (a micro-batch), ``end_iteration``, ``sync_state``
+    (gather and send state), ``sync_broadcast`` / ``sync_receive`` (the two ends of a broadcast
+    sync), ``apply_sync``, ``onload`` or ``offload``."""
+
+    worker: str
+    stage: str
+    kind: str
+    start: float
+    end: float
+    samples: int = 0
 
 
 def chrome_trace(spans: Iterable[Span], plan: ExecutionPlan) -> dict:

@@ -21,8 +21,9 @@ from rlinf_lightning.flow.channel import ChannelAborted, Message
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.sharing import baton_queues, slot_turns
+from rlinf_lightning.flow.trace import Span
 from rlinf_lightning.flow.wiring import Port, wire
-from rlinf_lightning.flow.worker import Span, StageError
+from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.flow.workflow import Workflow
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.plan import ExecutionPlan, Schedule, WorkerGroup
-from rlinf_lightning.flow.worker import Span
+from rlinf_lightning.flow.trace import Span
 from rlinf_lightning.flow.workflow import Workflow
 
 

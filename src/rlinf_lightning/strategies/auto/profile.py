@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlinf_lightning.flow.worker import Span
+from rlinf_lightning.flow.trace import Span
 
 PROFILE_VERSION = 2
 MIN_TIMED_S = 1e-4  # a call shorter than this is timing noise, not a speed to compare

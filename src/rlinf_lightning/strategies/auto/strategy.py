@@ -58,7 +58,7 @@ from pathlib import Path
 from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.memory import memory_problems
 from rlinf_lightning.flow.plan import ExecutionPlan
-from rlinf_lightning.flow.worker import Span
+from rlinf_lightning.flow.trace import Span
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.strategies.auto.profile import Profile
 from rlinf_lightning.strategies.auto.search import (

@@ -4,9 +4,9 @@ A worker reads each hosted stage's inputs (its stream, a loop's messages), calls
 the result on (down the stream, round the loop, or back to the loop head that asked), marks the
 end of the iteration on its outputs once a stage has seen the end of all its inputs, hands sync
 state along sync edges and applies the versions a hosted stage is due (``flow.sync_edges``), and
-records a span per stage call (``flow.trace``), so the run can report seconds per stage and write a trace. Every
-launcher runs the same worker; they differ only in where it lives (a thread, a process, a Ray
-actor) and in the queues it is given.
+records a span per stage call (``flow.trace``), so the run can report seconds per stage and write
+a trace. Every launcher runs the same worker; they differ only in where it lives (a thread, a
+process, a Ray actor) and in the queues it is given.
 """
 
 from __future__ import annotations

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -60,6 +59,7 @@ from rlinf_lightning.flow.memory import memory_problems
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.trace import Span
 from rlinf_lightning.flow.workflow import Workflow
+from rlinf_lightning.strategies.auto.launch import launch_estimate, process_age_s
 from rlinf_lightning.strategies.auto.profile import Profile
 from rlinf_lightning.strategies.auto.search import (
     IN_PROCESS,
@@ -77,25 +77,6 @@ from rlinf_lightning.strategies.collocated import CollocatedStrategy
 PROFILING_ITERATIONS = 2  # on one slot
 
 log = logging.getLogger(__name__)
-
-
-def process_age_s() -> float | None:
-    """Seconds since this process started (Linux; ``None`` elsewhere): the interpreter, its
-    imports and whatever ran before the fit, the most a new worker process repeats."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def launch_estimate(inprocess_s: float, startup_s: float | None) -> float:
-    """What starting worker processes will cost, before any started on this run: a process
-    repeats the driver's start-up (``startup_s``, its age when the fit began: interpreter and
-    imports, an upper bound since it also counts the script's own work) and the stages' set-up
-    (``inprocess_s``, measured in this process). Without ``startup_s``, the set-up alone."""
-    return (startup_s or 0.0) + inprocess_s
 
 
 @dataclass

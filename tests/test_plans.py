@@ -61,6 +61,16 @@ def _maxdiff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a.keys() & b.keys())
 
 
+def _assert_same_metrics(metrics: list[dict], ref: list[dict], what: tuple) -> None:
+    """Each iteration's metrics equal the reference's within float32 rounding: 1e-4, relative
+    above 1 (a grad norm near 3.4 summed over two replicas in another order drifted 1.6e-4 by the
+    third iteration; a lost or doubled replica's gradient moves it by tens of percent)."""
+    for it in range(3):
+        for key, value in metrics[it].items():
+            want = ref[it][key]
+            assert abs(value - want) <= 1e-4 * max(1.0, abs(want)), (*what, it, key, value, want)
+
+
 @pytest.fixture(scope="module")
 def reference(assets, tmp_path_factory):
     """Three iterations of the one-worker collocated plan: the baseline every plan must equal."""
@@ -89,9 +99,7 @@ def test_every_plan_computes_the_same_update_on_every_launcher(assets, tmp_path,
         assert len(weights) == 1 and len(metrics) == 3, name  # the final checkpoint only
         assert weights[0].keys() == ref_weights[-1].keys()
         assert _maxdiff(weights[0], ref_weights[-1]) <= 1e-4, (name, launcher)
-        for it in range(3):
-            for key, value in metrics[it].items():
-                assert abs(value - ref_metrics[it][key]) <= 1e-4, (name, launcher, it, key, value)
+        _assert_same_metrics(metrics, ref_metrics, (name, launcher))
         assert sorted({s for g in trainer.plan.groups for s in g.slots}) == [0, 1], name
 
 
@@ -383,9 +391,7 @@ def test_several_updates_per_batch_are_the_same_under_every_plan(
             assets, tmp_path / name, strategy=strategy, launcher=launcher, ckpt_every=0, algorithm=algorithm
         )
         assert _maxdiff(weights[0], ref_weights[-1]) <= 1e-4, (name, launcher)
-        for it in range(3):
-            for key, value in metrics[it].items():
-                assert abs(value - ref_metrics[it][key]) <= 1e-4, (name, launcher, it, key, value)
+        _assert_same_metrics(metrics, ref_metrics, (name, launcher))
 
 
 #: PPO with a critic on its own stage: 2 epochs x 2 mini-batches, so 4 steps of each model per iteration
@@ -452,9 +458,7 @@ def test_the_critics_updates_are_the_same_under_every_plan(assets, tmp_path, cri
         )
         assert _maxdiff(weights[0], ref_weights[-1]) <= 1e-4, (name, launcher)
         assert _maxdiff(_critic_state(root)["model"], ref_critic) <= 1e-4, (name, launcher)
-        for it in range(3):
-            for key, value in metrics[it].items():
-                assert abs(value - ref_metrics[it][key]) <= 1e-4, (name, launcher, it, key, value)
+        _assert_same_metrics(metrics, ref_metrics, (name, launcher))
 
 
 #: every sample multi-turn: each digit the policy writes ends a turn, answered by a masked reply
@@ -496,6 +500,4 @@ def test_multi_turn_updates_are_the_same_under_every_plan(assets, tmp_path, mult
             launcher=launcher, ckpt_every=0,
         )  # fmt: skip
         assert _maxdiff(weights[0], ref_weights[-1]) <= 1e-4, (name, launcher)
-        for it in range(3):
-            for key, value in metrics[it].items():
-                assert abs(value - ref_metrics[it][key]) <= 1e-4, (name, launcher, it, key, value)
+        _assert_same_metrics(metrics, ref_metrics, (name, launcher))

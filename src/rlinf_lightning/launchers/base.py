@@ -19,10 +19,11 @@ from tensordict import TensorDict
 
 from rlinf_lightning.flow.channel import ChannelAborted, Message
 from rlinf_lightning.flow.metrics import Metrics
-from rlinf_lightning.flow.plan import ExecutionPlan
+from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroup
 from rlinf_lightning.flow.sharing import baton_queues, slot_turns
+from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.flow.trace import Span
-from rlinf_lightning.flow.wiring import Port, wire
+from rlinf_lightning.flow.wiring import Port, wire, worker_queues
 from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.flow.workflow import Workflow
 
@@ -95,6 +96,30 @@ class Runtime(ABC):
         """Every cross-worker queue a launcher creates, by name: whether it carries sync state."""
         names = {n: link.edge.kind == "sync" for link in self.links.values() for n in link.queue_names()}
         return {**names, **dict.fromkeys(baton_queues(self.plan), False)}
+
+    def worker_build(self, g: WorkerGroup, replica: int, **ctx: Any) -> dict[str, Any]:
+        """What a worker in a process of its own is built from (picklable; the launcher adds its
+        transport's part): its group, the workflow, the queues it reads or writes, and its context,
+        whose device is numbered as that process sees its devices. ``ctx``: more of the context."""
+        slots = g.replica_slots(replica)
+        return {
+            "group": g,
+            "workflow": self.workflow,
+            "links": self.links,
+            "queues": {n: self.queues[n] for n in worker_queues(self.links, self.plan, g.name)},
+            "ctx": StageContext(
+                self.plan.device_of(slots, remapped=True),
+                replica,
+                g.replicas,
+                g.num_threads,
+                slots,
+                own_process=True,
+                timeout_s=self.timeout_s,
+                **ctx,
+            ),  # fmt: skip
+            "timeout_s": self.timeout_s,
+            "slot_turns": self.slot_turns.get(g.worker_name(replica)),
+        }
 
     # -- transport (each launcher) -----------------------------------------------------------------
     @abstractmethod

@@ -36,7 +36,6 @@ from rlinf_lightning.flow.collective import Rendezvous, free_port
 from rlinf_lightning.flow.lifetime import exit_with_parent
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.stage import StageContext
-from rlinf_lightning.flow.wiring import worker_queues
 from rlinf_lightning.flow.worker import StageError, Worker
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers.base import (
@@ -144,7 +143,7 @@ class ProcessRuntime(Runtime):
         }
         self.procs: dict[str, Any] = {}
         try:
-            self._start(workflow, plan, timeout_s, meet, sync_meet)
+            self._start(meet, sync_meet)
         except BaseException:  # a worker that cannot start: stop those that did
             self._closed = True
             for p in self.procs.values():
@@ -154,29 +153,14 @@ class ProcessRuntime(Runtime):
         atexit.register(self.shutdown)  # before multiprocessing's exit hook joins the workers
         self._setup()
 
-    def _start(self, workflow: Workflow, plan: ExecutionPlan, timeout_s: float, meet, sync_meet) -> None:
-        environ = dict(os.environ)  # the driver's now: every worker starts with it
+    def _start(self, meet: dict[str, Rendezvous], sync_meet: dict[str, Rendezvous]) -> None:
+        environ, plan = dict(os.environ), self.plan  # the driver's environment now: every worker's
         for g, r in plan.workers:
             name, slots = g.worker_name(r), g.replica_slots(r)
             build = {
-                "group": g,
-                "workflow": workflow,
-                "links": self.links,
-                "queues": {n: self.queues[n] for n in worker_queues(self.links, plan, g.name)},
-                "ctx": StageContext(
-                    plan.device_of(slots, remapped=True),
-                    r,
-                    g.replicas,
-                    g.num_threads,
-                    slots,
-                    own_process=True,
-                    rendezvous=meet.get(g.name),
-                    timeout_s=timeout_s,
-                ),  # fmt: skip
-                "timeout_s": timeout_s,
+                **self.worker_build(g, r, rendezvous=meet.get(g.name)),
                 "abort": self.abort,
                 "sync_meet": sync_meet,
-                "slot_turns": self.slot_turns.get(name),
                 "visible_devices": None if plan.accelerator == "cpu" else plan.visible_devices(slots),
                 "cores": plan.cores_of(slots),
                 "environ": environ,

@@ -24,8 +24,6 @@ from rlinf_lightning.flow.channel import Channel, ChannelTimeout
 from rlinf_lightning.flow.collective import Rendezvous, free_port, node_address
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.sharing import slot_shares
-from rlinf_lightning.flow.stage import StageContext
-from rlinf_lightning.flow.wiring import worker_queues
 from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers.base import (
@@ -145,26 +143,11 @@ class RayRuntime(Runtime):
             actor_cls = ray.remote(concurrency_groups={"control": 1})(_RayWorker)
             gpu = plan.accelerator != "cpu"
             for g, r in plan.workers:
-                name, slots = g.worker_name(r), g.replica_slots(r)
+                name = g.worker_name(r)
                 pg, index = bundles[name]
                 build = {
-                    "group": g,
-                    "workflow": workflow,
-                    "links": self.links,
-                    "queues": {n: self.queues[n] for n in worker_queues(self.links, plan, g.name)},
-                    "ctx": StageContext(
-                        plan.device_of(slots, remapped=True),
-                        r,
-                        g.replicas,
-                        g.num_threads,
-                        slots,
-                        own_process=True,
-                        timeout_s=timeout_s,
-                        one_machine=len({plan.node_of(s) for s in g.slots}) == 1,
-                    ),
-                    "timeout_s": timeout_s,
+                    **self.worker_build(g, r, one_machine=len({plan.node_of(s) for s in g.slots}) == 1),
                     "abort": None,
-                    "slot_turns": self.slot_turns.get(name),
                 }
                 k = self.shares[name]
                 self.actors[name] = actor_cls.options(

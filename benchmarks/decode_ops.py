@@ -124,6 +124,9 @@ def rollout_over_generate(engine, rows: int, group: int, vocab: int, tokens: int
             torch.cuda.synchronize(engine.device)
         return time.perf_counter() - t0
 
+    from rlinf_lightning.engines.static_decode import cudagraph_skips
+
+    skips = cudagraph_skips()
     prompts = _prompts(rows, group, vocab, length=32)
     runs = {
         "ours": ours(engine, prompts, group, tokens),
@@ -140,6 +143,7 @@ def rollout_over_generate(engine, rows: int, group: int, vocab: int, tokens: int
         "generate_s": round(seconds["generate"], 3),
         "rollout_over_generate": round(seconds["generate"] / seconds["ours"], 3),
         "graph_rows_as_eager": graph_rows_as_eager(engine, prompts, group, tokens),
+        "cudagraph_skips": cudagraph_skips() - skips,
     }
     print(f"ours vs generate: {row}", flush=True)
     return row

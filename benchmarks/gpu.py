@@ -40,7 +40,8 @@ rollout engine, ``RLTrainer.fit``), not a re-implementation:
 - ``generate``: our ``hf`` engine beside plain ``model.generate`` on the same model, device, dtype
   and sizes: ``rollout_over_generate`` = generate's seconds over ours, and ``graph_rows_as_eager``,
   the share of rows whose first 8 tokens the CUDA-graph step samples as the eager one does (a
-  check that the graph decodes right; ``null`` without one) (``decode_ops.py``).
+  check that the graph decodes right; ``null`` without one), and ``cudagraph_skips``, the graphs
+  torch chose not to capture meanwhile (0 where the step replays one) (``decode_ops.py``).
 - ``decode_ops``: aten ops dispatched per decode step, ours and ``generate``'s, at ``--ops-rows``
   (eager: the CUDA-graph path replays one graph a step) (``decode_ops.py``).
 

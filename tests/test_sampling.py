@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 from rlinf_lightning.assets import build_tiny_qwen2
 from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
 from rlinf_lightning.engines.sampling import counter_uniforms, row_keys, sample_next
-from rlinf_lightning.engines.static_decode import StaticDecoder
+from rlinf_lightning.engines.static_decode import StaticDecoder, cudagraph_skips
 from rlinf_lightning.seeds import row_seed
 
 
@@ -116,8 +116,8 @@ def test_the_static_cache_step_decodes_what_the_dynamic_cache_does(engine, compi
         ([list(range(5, 68))], 5, SamplingParams(temperature=0.9, max_new_tokens=1)),
     ]
     want = [engine.generate(ids, list(range(len(ids))), 2, p, seed, -1) for ids, seed, p in rollouts]
-    engine.graphs = StaticDecoder(engine.model, compile=compile)
-    graphs = counters["stats"]["unique_graphs"]
+    engine.graphs = decoder = StaticDecoder(engine.model, compile=compile)
+    graphs, skips = counters["stats"]["unique_graphs"], cudagraph_skips()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a failed capture falls back to eager with a warning
@@ -131,3 +131,6 @@ def test_the_static_cache_step_decodes_what_the_dynamic_cache_does(engine, compi
         _same_completions(g, w)
     # one compiled step per shape (6 rows, then 2), none again after a release
     assert counters["stats"]["unique_graphs"] - graphs == (2 if compile else 0)
+    # the counter the GPU warning reads: torch skips every graph on a CPU (no warning here, where
+    # none is expected); on a GPU a skip warns once
+    assert (cudagraph_skips() > skips) == compile and decoder.skipped == 0

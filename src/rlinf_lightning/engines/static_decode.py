@@ -27,6 +27,16 @@ CACHE_BUCKET = 64
 WARMUP_STEPS = 3
 
 
+def cudagraph_skips() -> int:
+    """How many times torch chose not to capture a compiled function as a CUDA graph in this
+    process (a CPU tensor in it, an input mutated outside the graph, too many re-recordings; each
+    skip logs its reason under ``TORCH_LOGS=perf_hints``). The step then still runs, compiled but
+    launch-bound: only this counter tells."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
 class StaticDecoder:
     """Prefill and a captured decode step on a ``transformers`` static cache.
 
@@ -40,6 +50,7 @@ class StaticDecoder:
         self.model = model
         self.compile = compile
         self.failed = False
+        self.skipped = 0  # CUDA-graph skips (:func:`cudagraph_skips`) while recording a step
         self.prefill_logits: torch.Tensor | None = None
         self._cache = None
         self._shape: tuple[int, int] | None = None
@@ -82,7 +93,9 @@ class StaticDecoder:
             self._cache = StaticCache(config=self.model.config, max_cache_len=length)
             self._shape = (rows, length)
             if self._step is not None:
+                skips = cudagraph_skips()
                 self._record(ids, mask, pos, cache_position)
+                self._check_captured(ids.device, cudagraph_skips() - skips)
         self._cache.reset()
         self.prefill_logits = self._prefill(ids, mask, pos, cache_position)
         step = self._step or self._eager_step
@@ -105,6 +118,19 @@ class StaticDecoder:
         for i in range(WARMUP_STEPS):
             torch.compiler.cudagraph_mark_step_begin()
             self._step(token, pos[:, -1:] + 1 + i, cache_position[-1:] + 1 + i, mask)
+
+    def _check_captured(self, device: torch.device, skips: int) -> None:
+        """Warn once where torch skipped the graph of a step it recorded on a GPU (after an offload
+        a recording is a re-recording: torch 2.11 stops capturing a step after 128 of them)."""
+        if device.type != "cuda" or not skips:
+            return
+        if not self.skipped:
+            warnings.warn(
+                "rollout engine 'hf': torch did not capture the decode step as a CUDA graph; it runs "
+                "compiled without one, bound by kernel launches (TORCH_LOGS=perf_hints says why)",
+                stacklevel=4,
+            )
+        self.skipped += skips
 
     def _prefill(self, ids, mask, pos, cache_position) -> torch.Tensor:
         """The prompts through the model into the static cache: the last position's logits."""

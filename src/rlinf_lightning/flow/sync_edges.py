@@ -5,9 +5,10 @@ sent.
 A source sends its state once its iteration's work is done: the object itself to a stage on the
 same worker, a host copy through the channel to another worker, or by broadcast after the worker's
 turns. A target applies the versions it is due after each iteration: exactly one on a synchronous
-edge; on a lagged edge (``staleness`` k) none until it is k versions behind. :class:`SyncEdges` is
-:class:`~rlinf_lightning.flow.worker.Worker`'s base; it keeps what a checkpoint needs to resume a
-lagging target exactly (:meth:`SyncEdges.held_back`, :meth:`SyncEdges.resync`).
+edge; on a lagged edge (``staleness`` k) only those it must take to stay within k versions.
+:class:`SyncEdges` is :class:`~rlinf_lightning.flow.worker.Worker`'s base; it keeps what a
+checkpoint needs to resume a lagging target exactly (:meth:`SyncEdges.held_back`,
+:meth:`SyncEdges.resync`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,35 @@ import time
 from typing import Any
 
 from rlinf_lightning.flow.channel import Message
+from rlinf_lightning.flow.stage import Stage, StageContext
 from rlinf_lightning.flow.trace import Span
 from rlinf_lightning.flow.wiring import Port
+from rlinf_lightning.flow.workflow import Workflow
 
 
 class SyncEdges:
-    """The sync-edge half of a worker; the state it reads is set up by ``Worker.__init__``."""
+    """The sync-edge half of a worker. ``Worker.__init__`` sets up the state it shares with the
+    rest of the worker (declared here) and its own: per sync edge into a hosted stage, the version
+    it holds (``versions``), versions read but not applied (``_backlog``) and, on a lagged edge,
+    the state applied last (``_applied``); broadcasts waiting for the end of the turns."""
+
+    name: str
+    replica: int
+    iteration: int
+    workflow: Workflow
+    stages: dict[str, Stage]
+    ctx: StageContext
+    ports: dict[str, Port]
+    port_sets: list[dict[str, Port]]
+    spans: list[Span]
+    slot_turns: list[Any]
+    sync_meet: dict[str, Any]
+    versions: dict[str, int]
+    _backlog: dict[str, dict[int, Any]]
+    _applied: dict[str, Any]
+    _pending_sync: dict[str, tuple[str, Any]]
+    _broadcasts: list[tuple[Port, Any]]
+    _sync_groups: dict[str, Any]
 
     def _send_sync(self, name: str) -> None:
         """Hand ``name``'s sync state (version :attr:`iteration`) to its targets: the object itself

@@ -116,7 +116,7 @@ class Runtime(ABC):
                 own_process=True,
                 timeout_s=self.timeout_s,
                 **ctx,
-            ),  # fmt: skip
+            ),
             "timeout_s": self.timeout_s,
             "slot_turns": self.slot_turns.get(g.worker_name(replica)),
         }

@@ -154,7 +154,8 @@ class ProcessRuntime(Runtime):
         self._setup()
 
     def _start(self, meet: dict[str, Rendezvous], sync_meet: dict[str, Rendezvous]) -> None:
-        environ, plan = dict(os.environ), self.plan  # the driver's environment now: every worker's
+        plan = self.plan
+        environ = dict(os.environ)  # the driver's now: every worker starts with it
         for g, r in plan.workers:
             name, slots = g.worker_name(r), g.replica_slots(r)
             build = {

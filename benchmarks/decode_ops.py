@@ -104,12 +104,37 @@ def graph_rows_as_eager(
     if engine.graphs is None:
         return None
     captured = [c.token_ids[:first] for cs in ours(engine, prompts, group, tokens)() for c in cs]
+    if engine.graphs.failed:  # it decoded eagerly: nothing to compare
+        return None
     graphs, engine.graphs = engine.graphs, None
     try:
         eager = [c.token_ids[:first] for cs in ours(engine, prompts, group, tokens)() for c in cs]
     finally:
         engine.graphs = graphs
     return round(sum(a == b for a, b in zip(captured, eager)) / len(eager), 3)
+
+
+def offload_cycle(engine, prompts: list[list[int]], group: int, tokens: int, first: int = 8) -> dict:
+    """Our rollout before and after an offload and onload (what ``collocated_offload`` does between
+    turns): ``rows_same_after_offload``, the share of rows whose first ``first`` tokens (same seed)
+    are the same (a graph captured again on the onloaded weights' new addresses that decodes wrong
+    gives ~0); ``offload_freed_gib``, the device memory the offload gave back (the weights, the
+    static cache and the graph's pool; ``null`` on a CPU, where it goes to a spill file); and
+    ``graph_captures`` meanwhile (1 with a graph: the step captured again after the onload)."""
+    run = ours(engine, prompts, group, tokens)
+    before = [c.token_ids[:first] for cs in run() for c in cs]
+    captures = engine.graphs.captures if engine.graphs is not None else None
+    cuda = engine.device.startswith("cuda")
+    held = torch.cuda.memory_allocated(engine.device) if cuda else 0
+    engine.offload()
+    freed = held - torch.cuda.memory_allocated(engine.device) if cuda else None
+    engine.onload()
+    after = [c.token_ids[:first] for cs in run() for c in cs]
+    return {
+        "rows_same_after_offload": round(sum(a == b for a, b in zip(before, after)) / len(before), 3),
+        "offload_freed_gib": None if freed is None else round(freed / 2**30, 3),
+        "graph_captures": None if captures is None else engine.graphs.captures - captures,
+    }
 
 
 def rollout_over_generate(engine, rows: int, group: int, vocab: int, tokens: int, repeats: int) -> dict:
@@ -124,9 +149,7 @@ def rollout_over_generate(engine, rows: int, group: int, vocab: int, tokens: int
             torch.cuda.synchronize(engine.device)
         return time.perf_counter() - t0
 
-    from rlinf_lightning.engines.static_decode import cudagraph_skips
-
-    skips = cudagraph_skips()
+    captures = engine.graphs.captures if engine.graphs is not None else None
     prompts = _prompts(rows, group, vocab, length=32)
     runs = {
         "ours": ours(engine, prompts, group, tokens),
@@ -143,7 +166,9 @@ def rollout_over_generate(engine, rows: int, group: int, vocab: int, tokens: int
         "generate_s": round(seconds["generate"], 3),
         "rollout_over_generate": round(seconds["generate"] / seconds["ours"], 3),
         "graph_rows_as_eager": graph_rows_as_eager(engine, prompts, group, tokens),
-        "cudagraph_skips": cudagraph_skips() - skips,
+        # graphs captured meanwhile: the run's cache shape once (in the warm-up) at most, none again
+        "graph_captures": None if captures is None else engine.graphs.captures - captures,
+        "offload_cycle": offload_cycle(engine, prompts, group, tokens),
     }
     print(f"ours vs generate: {row}", flush=True)
     return row

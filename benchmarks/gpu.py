@@ -40,8 +40,11 @@ rollout engine, ``RLTrainer.fit``), not a re-implementation:
 - ``generate``: our ``hf`` engine beside plain ``model.generate`` on the same model, device, dtype
   and sizes: ``rollout_over_generate`` = generate's seconds over ours, and ``graph_rows_as_eager``,
   the share of rows whose first 8 tokens the CUDA-graph step samples as the eager one does (a
-  check that the graph decodes right; ``null`` without one), and ``cudagraph_skips``, the graphs
-  torch chose not to capture meanwhile (0 where the step replays one) (``decode_ops.py``).
+  check that the graph decodes right; ``null`` without one or where its capture failed), and
+  ``graph_captures``, the graphs captured meanwhile (1: the run's cache shape, captured in the
+  warm-up and replayed since; ``null`` without a graph); ``offload_cycle``: the same rollout
+  before and after an offload and onload, the share of rows sampled the same, the memory the
+  offload freed and the graphs captured again (``decode_ops.py``).
 - ``decode_ops``: aten ops dispatched per decode step, ours and ``generate``'s, at ``--ops-rows``
   (eager: the CUDA-graph path replays one graph a step) (``decode_ops.py``).
 

@@ -136,9 +136,9 @@ class HFRolloutEngine(RolloutEngine):
 
     No per-row or per-token host work: the noise of every row comes from one counter-based draw
     (``engines.sampling``), and finished rows are checked every ``STOP_CHECK_EVERY`` tokens. On
-    CUDA the decode step runs on a static KV cache and is captured as a CUDA graph
-    (``torch.compile(mode="reduce-overhead")`` of our own step function); where that fails the
-    engine warns once and decodes eagerly. Elsewhere (CPU) it decodes eagerly on the dynamic cache.
+    CUDA the decode step runs on a static KV cache, compiled and captured as a CUDA graph
+    (``engines.static_decode``; an offload drops it); where that fails the engine warns once and
+    decodes eagerly. Elsewhere (CPU) it decodes eagerly on the dynamic cache.
 
     Args:
         cuda_graph: on CUDA, capture the decode step as a CUDA graph (``False``: always eager).
@@ -161,9 +161,9 @@ class HFRolloutEngine(RolloutEngine):
         self._offloader.onload(self.model)
 
     def offload(self) -> None:
+        if self.graphs is not None:  # first: the offload's empty_cache then frees their memory too
+            self.graphs.release()  # its static cache and CUDA graph hold device memory
         self._offloader.offload(self.model)
-        if self.graphs is not None:
-            self.graphs.release()  # its static cache and captured graphs hold device memory
 
     @torch.no_grad()
     def generate(self, prompt_ids, groups, n, params, seed, eos_token_id):

@@ -1,20 +1,29 @@
-"""The decode step on a static KV cache, captured as a CUDA graph (gpt-fast's recipe).
+"""The decode step on a static KV cache, captured as a CUDA graph.
 
 On a GPU a small model's decode is bound by kernel launches (measured on an H200: plain
 ``generate`` spends ~19 ms per step launching a few thousand kernels). A static cache gives every
-step the same shapes, so the step, our own function around the model, compiles once with
-``torch.compile(mode="reduce-overhead")`` and each later token replays one CUDA graph. The logits a
-replay returns live in the graph's memory until the next replay; the loop samples from them before
-it steps again, so nothing reads an overwritten output (what broke transformers' own static cache
-under reduce-overhead: it handed graph outputs back to the caller across replays).
+step the same shapes and addresses, so the step, our own function around the model compiled once
+by Inductor (gpt-fast's fusion), is captured as one ``torch.cuda.CUDAGraph`` and each token
+replays it: the step's inputs are copied into static buffers the graph reads, and the logits it
+writes live in the graph's memory until the next replay; the loop samples from them before it
+steps again, so nothing reads an overwritten output (what broke transformers' own static cache
+under ``torch.compile(mode="reduce-overhead")``: it handed graph outputs back across replays).
+
+We own the graph rather than leave it to ``reduce-overhead``'s cudagraph trees for its lifetime:
+an offload frees the weights, so the onloaded ones have new addresses the old graph does not
+read. :meth:`StaticDecoder.release` drops the cache and the graph (its memory pool with them) and
+the next rollout captures one on the new addresses. Cudagraph trees instead keep every recording
+(one more per onload, each checked on every step) and, in torch 2.11, stop capturing a step after
+128 such re-recordings.
 
 Shapes: the cache length (the prompt, the new tokens and ``WARMUP_STEPS``) is rounded up to
 ``CACHE_BUCKET`` tokens, so rollouts whose prompts differ by a few tokens replay the same graph; the
-rows of a micro-batch are fixed by the plan.
+rows of a micro-batch are fixed by the plan. A new shape drops the old graph and captures its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 
@@ -22,51 +31,43 @@ import torch
 
 #: the static cache's length is a multiple of this many tokens (fewer distinct graphs)
 CACHE_BUCKET = 64
-#: steps run to compile, warm up and record a new shape's graph (cudagraph trees record on the
-#: second call and replay from the third); the cache has room for them past the decode's tokens
+#: steps run on a new shape before its capture (compiling, and warming cuBLAS and the allocator
+#: up on a side stream, as a capture needs); the cache has room for them past the decode's tokens
 WARMUP_STEPS = 3
 
 
-def cudagraph_skips() -> int:
-    """How many times torch chose not to capture a compiled function as a CUDA graph in this
-    process (a CPU tensor in it, an input mutated outside the graph, too many re-recordings; each
-    skip logs its reason under ``TORCH_LOGS=perf_hints``). The step then still runs, compiled but
-    launch-bound: only this counter tells."""
-    from torch._dynamo.utils import counters
-
-    return counters["inductor"]["cudagraph_skips"]
-
-
 class StaticDecoder:
-    """Prefill and a captured decode step on a ``transformers`` static cache.
+    """Prefill and a decode step on a ``transformers`` static cache, captured on CUDA.
 
     Args:
         model: a causal LM (eval mode, no gradients).
-        compile: capture the step (``torch.compile(mode="reduce-overhead")``); ``False`` runs the
-            same static-cache step eagerly (what the CPU tests check against the dynamic cache).
+        compile: compile the step with Inductor (``torch.compile``); ``False`` runs the same
+            static-cache step eagerly (what the CPU tests check against the dynamic cache). On CUDA
+            either is captured as a CUDA graph; elsewhere it runs as it is.
     """
 
     def __init__(self, model: torch.nn.Module, compile: bool = True) -> None:
         self.model = model
-        self.compile = compile
         self.failed = False
-        self.skipped = 0  # CUDA-graph skips (:func:`cudagraph_skips`) while recording a step
+        self.captures = 0  # CUDA graphs captured (one per new cache shape and after each release)
         self.prefill_logits: torch.Tensor | None = None
-        self._cache = None
-        self._shape: tuple[int, int] | None = None
-        captured = torch.compile(self._eager_step, mode="reduce-overhead", dynamic=False)
-        self._step = captured if compile else None
+        self._step = torch.compile(self._eager_step, dynamic=False) if compile else self._eager_step
+        self.release()
 
     def release(self) -> None:
-        """Drop the cache (device memory) while the engine is offloaded; the next rollout makes one."""
+        """Drop the cache and the graph (device memory) while the engine is offloaded; the next
+        rollout makes and captures new ones on the weights' new addresses."""
         self._cache, self._shape, self.prefill_logits = None, None, None
+        self._inputs: tuple[torch.Tensor, ...] | None = None  # the static step inputs a graph reads
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._logits: torch.Tensor | None = None  # the graph's output, rewritten by each replay
 
     def prepare(
         self, ids: torch.Tensor, full_mask: torch.Tensor, pos: torch.Tensor
     ) -> Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor] | None:
-        """Prefill ``ids`` into the static cache and warm the captured step; the step function
-        ``(token, t, position_ids) -> logits`` of decode step ``t``, or ``None`` (with one warning)
-        where the static path fails, so the caller decodes eagerly instead."""
+        """Prefill ``ids`` into the static cache (capturing the step for a new shape); the step
+        function ``(token, t, position_ids) -> logits`` of decode step ``t``, or ``None`` (with one
+        warning) where the static path fails, so the caller decodes eagerly instead."""
         if self.failed:
             return None
         try:
@@ -90,47 +91,55 @@ class StaticDecoder:
         mask[:, : full_mask.shape[1]] = full_mask
         cache_position = torch.arange(width, device=ids.device)
         if self._shape != (rows, length):
+            self.release()
             self._cache = StaticCache(config=self.model.config, max_cache_len=length)
             self._shape = (rows, length)
-            if self._step is not None:
-                skips = cudagraph_skips()
-                self._record(ids, mask, pos, cache_position)
-                self._check_captured(ids.device, cudagraph_skips() - skips)
+            # token, position ids, cache position, mask: the buffers every step reads
+            self._inputs = (ids[:, -1].contiguous(), pos[:, -1:] + 1, cache_position[-1:] + 1, mask)
+            self._record(ids, pos, cache_position)
+        token, position_ids, step_position, static_mask = self._inputs
+        static_mask.copy_(mask)
         self._cache.reset()
-        self.prefill_logits = self._prefill(ids, mask, pos, cache_position)
-        step = self._step or self._eager_step
+        self.prefill_logits = self._prefill(ids, static_mask, pos, cache_position)
 
-        def decode(token: torch.Tensor, t: int, position_ids: torch.Tensor) -> torch.Tensor:
-            if self._step is not None:
-                torch.compiler.cudagraph_mark_step_begin()
-            return step(token, position_ids, cache_position[-1:] + 1 + t, mask)
+        def decode(next_token: torch.Tensor, t: int, next_position_ids: torch.Tensor) -> torch.Tensor:
+            token.copy_(next_token)
+            position_ids.copy_(next_position_ids)
+            step_position.fill_(width + t)
+            if self._graph is None:
+                return self._step(*self._inputs)
+            self._graph.replay()
+            return self._logits
 
         return decode
 
-    def _record(self, ids, mask, pos, cache_position) -> None:
-        """Compile, warm up and record the step of a new cache shape. The cache is allocated by an
-        eager prefill first (its tensors then have static addresses, which a graph needs); the
+    def _record(self, ids, pos, cache_position) -> None:
+        """Warm up the step of a new cache shape and, on CUDA, capture it. The cache is allocated
+        by an eager prefill first (its tensors then have the static addresses a graph needs); the
         warm-up steps write past the prompt, so the caller resets the cache and prefills again
         (whether a cache writes at ``cache_position`` or after its own count of written tokens, as
-        transformers 5.19's ``StaticLayer`` does, the decode then starts right after the prompt)."""
+        transformers 5.19's ``StaticLayer`` does, the decode then starts right after the prompt).
+        A capture only records kernels, so it writes nothing."""
+        token, position_ids, step_position, mask = self._inputs
         self._prefill(ids, mask, pos, cache_position)
-        token = ids[:, -1].contiguous()  # as the sampled tokens are (a strided one compiles apart)
-        for i in range(WARMUP_STEPS):
-            torch.compiler.cudagraph_mark_step_begin()
-            self._step(token, pos[:, -1:] + 1 + i, cache_position[-1:] + 1 + i, mask)
-
-    def _check_captured(self, device: torch.device, skips: int) -> None:
-        """Warn once where torch skipped the graph of a step it recorded on a GPU (after an offload
-        a recording is a re-recording: torch 2.11 stops capturing a step after 128 of them)."""
-        if device.type != "cuda" or not skips:
+        cuda = ids.device.type == "cuda"
+        stream = torch.cuda.Stream(ids.device) if cuda else None
+        if cuda:
+            stream.wait_stream(torch.cuda.current_stream(ids.device))
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            for i in range(WARMUP_STEPS):
+                position_ids.copy_(pos[:, -1:] + 1 + i)
+                step_position.fill_(ids.shape[1] + i)
+                self._step(*self._inputs)
+        if not cuda:
             return
-        if not self.skipped:
-            warnings.warn(
-                "rollout engine 'hf': torch did not capture the decode step as a CUDA graph; it runs "
-                "compiled without one, bound by kernel launches (TORCH_LOGS=perf_hints says why)",
-                stacklevel=4,
-            )
-        self.skipped += skips
+        torch.cuda.current_stream(ids.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread of this worker (a weight receiver) may use CUDA meanwhile
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            logits = self._step(*self._inputs)
+        self._graph, self._logits = graph, logits
+        self.captures += 1
 
     def _prefill(self, ids, mask, pos, cache_position) -> torch.Tensor:
         """The prompts through the model into the static cache: the last position's logits."""

@@ -24,6 +24,8 @@ rows of a micro-batch are fixed by the plan. A new shape drops the old graph and
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 import warnings
 from collections.abc import Callable
 
@@ -34,6 +36,8 @@ CACHE_BUCKET = 64
 #: steps run on a new shape before its capture (compiling, and warming cuBLAS and the allocator
 #: up on a side stream, as a capture needs); the cache has room for them past the decode's tokens
 WARMUP_STEPS = 3
+
+log = logging.getLogger(__name__)
 
 
 class StaticDecoder:
@@ -120,7 +124,10 @@ class StaticDecoder:
         (whether a cache writes at ``cache_position`` or after its own count of written tokens, as
         transformers 5.19's ``StaticLayer`` does, the decode then starts right after the prompt).
         A capture only records kernels, so it writes nothing."""
-        token, position_ids, step_position, mask = self._inputs
+        from torch._dynamo.utils import counters
+
+        _, position_ids, step_position, mask = self._inputs
+        start, graphs = time.perf_counter(), counters["stats"]["unique_graphs"]
         self._prefill(ids, mask, pos, cache_position)
         cuda = ids.device.type == "cuda"
         stream = torch.cuda.Stream(ids.device) if cuda else None
@@ -131,15 +138,21 @@ class StaticDecoder:
                 position_ids.copy_(pos[:, -1:] + 1 + i)
                 step_position.fill_(ids.shape[1] + i)
                 self._step(*self._inputs)
-        if not cuda:
-            return
-        torch.cuda.current_stream(ids.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread of this worker (a weight receiver) may use CUDA meanwhile
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            logits = self._step(*self._inputs)
-        self._graph, self._logits = graph, logits
-        self.captures += 1
+        if cuda:
+            torch.cuda.current_stream(ids.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread of this worker (a weight receiver) may use CUDA meanwhile
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                logits = self._step(*self._inputs)
+            self._graph, self._logits = graph, logits
+            self.captures += 1
+        log.info(
+            "rollout engine 'hf': decode step for %d rows x %d cache tokens %s%s in %.1f s",
+            *self._shape,
+            "compiled, " if counters["stats"]["unique_graphs"] > graphs else "",
+            "warmed up and captured as a CUDA graph" if cuda else "warmed up",
+            time.perf_counter() - start,
+        )
 
     def _prefill(self, ids, mask, pos, cache_position) -> torch.Tensor:
         """The prompts through the model into the static cache: the last position's logits."""

@@ -133,3 +133,24 @@ def test_the_static_cache_step_decodes_what_the_dynamic_cache_does(engine, compi
     # one compiled step per shape (6 rows, then 2): no graph break, none again after a release
     assert counters["stats"]["unique_graphs"] - graphs == (2 if compile else 0)
     assert decoder.captures == 0 and not decoder.failed  # a CUDA graph only on CUDA
+
+
+def test_weights_moved_without_a_release_make_the_static_step_record_again(engine, caplog):
+    """A graph reads the weights where they were when it was captured: a parameter given a new
+    tensor (an offload that skipped ``release``, a swapped weight) must make the next rollout record
+    the step again, not replay onto freed memory; an unchanged one replays."""
+    params = SamplingParams(temperature=0.9, max_new_tokens=6)
+    ids = [[5, 6, 7], [8, 9]]
+    want = engine.generate(ids, [0, 1], 2, params, 7, -1)
+    engine.graphs = StaticDecoder(engine.model, compile=False)
+    weight = engine.model.get_input_embeddings().weight
+    try:
+        with caplog.at_level("INFO", logger="rlinf_lightning.engines.static_decode"):
+            engine.generate(ids, [0, 1], 2, params, 7, -1)
+            engine.generate(ids, [0, 1], 2, params, 7, -1)  # the same shape and weights: replayed
+            assert len(caplog.records) == 1
+            weight.data = weight.data.clone()  # the same values at a new address
+            _same_completions(engine.generate(ids, [0, 1], 2, params, 7, -1), want)
+            assert len(caplog.records) == 2 and "decode step for 4 rows" in caplog.records[-1].message
+    finally:
+        engine.graphs = None

@@ -12,7 +12,8 @@ under ``torch.compile(mode="reduce-overhead")``: it handed graph outputs back ac
 We own the graph rather than leave it to ``reduce-overhead``'s cudagraph trees for its lifetime:
 an offload frees the weights, so the onloaded ones have new addresses the old graph does not
 read. :meth:`StaticDecoder.release` drops the cache and the graph (its memory pool with them) and
-the next rollout captures one on the new addresses. Cudagraph trees instead keep every recording
+the next rollout captures one on the new addresses (as it does wherever it finds the weights
+moved: a graph never replays onto freed memory). Cudagraph trees instead keep every recording
 (one more per onload, each checked on every step) and, in torch 2.11, stop capturing a step after
 128 such re-recordings.
 
@@ -62,9 +63,16 @@ class StaticDecoder:
         """Drop the cache and the graph (device memory) while the engine is offloaded; the next
         rollout makes and captures new ones on the weights' new addresses."""
         self._cache, self._shape, self.prefill_logits = None, None, None
+        self._addresses: tuple[int, ...] = ()  # the weights' addresses the graph was captured on
         self._inputs: tuple[torch.Tensor, ...] | None = None  # the static step inputs a graph reads
         self._graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None  # the graph's output, rewritten by each replay
+
+    def weight_addresses(self) -> tuple[int, ...]:
+        """Where the model's parameters and buffers live: a graph reads them there, so weights
+        moved by anything but an in-place copy (an offload without :meth:`release`, a swapped
+        tensor) make the next rollout capture again rather than replay onto freed memory."""
+        return tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
 
     def prepare(
         self, ids: torch.Tensor, full_mask: torch.Tensor, pos: torch.Tensor
@@ -94,13 +102,14 @@ class StaticDecoder:
         mask = full_mask.new_zeros(rows, length)
         mask[:, : full_mask.shape[1]] = full_mask
         cache_position = torch.arange(width, device=ids.device)
-        if self._shape != (rows, length):
+        if self._shape != (rows, length) or self._addresses != self.weight_addresses():
             self.release()
             self._cache = StaticCache(config=self.model.config, max_cache_len=length)
             self._shape = (rows, length)
             # token, position ids, cache position, mask: the buffers every step reads
             self._inputs = (ids[:, -1].contiguous(), pos[:, -1:] + 1, cache_position[-1:] + 1, mask)
             self._record(ids, pos, cache_position)
+            self._addresses = self.weight_addresses()
         token, position_ids, step_position, static_mask = self._inputs
         static_mask.copy_(mask)
         self._cache.reset()

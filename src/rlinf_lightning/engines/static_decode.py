@@ -150,8 +150,13 @@ class StaticDecoder:
         if cuda:
             torch.cuda.current_stream(ids.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread of this worker (a weight receiver) may use CUDA meanwhile
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            # on the warm-up's stream of the engine's device (the default capture stream would be
+            # the current device's); thread_local: another thread of this worker (a weight
+            # receiver) may use CUDA meanwhile
+            with (
+                torch.cuda.device(ids.device),
+                torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"),
+            ):
                 logits = self._step(*self._inputs)
             self._graph, self._logits = graph, logits
             self.captures += 1

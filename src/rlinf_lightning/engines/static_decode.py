@@ -54,7 +54,7 @@ class StaticDecoder:
     def __init__(self, model: torch.nn.Module, compile: bool = True) -> None:
         self.model = model
         self.failed = False
-        self.captures = 0  # CUDA graphs captured (one per new cache shape and after each release)
+        self.captures = 0  # CUDA graphs captured: one per new cache shape, again where weights moved
         self.prefill_logits: torch.Tensor | None = None
         self._step = torch.compile(self._eager_step, dynamic=False) if compile else self._eager_step
         self.release()

@@ -120,7 +120,9 @@ def test_the_static_cache_step_decodes_what_the_dynamic_cache_does(engine, compi
     engine.graphs = decoder = StaticDecoder(engine.model, compile=compile)
     graphs = counters["stats"]["unique_graphs"]
     try:
-        with warnings.catch_warnings():
+        # recompile_limit 1: Dynamo would run a second shape's step as eager Python; the decoder
+        # raises the limit for its step
+        with warnings.catch_warnings(), torch._dynamo.config.patch(recompile_limit=1):
             warnings.simplefilter("error")  # a failed capture falls back to eager with a warning
             got = []
             for ids, seed, p in rollouts:

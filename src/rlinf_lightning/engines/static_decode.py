@@ -37,6 +37,10 @@ CACHE_BUCKET = 64
 #: steps run on a new shape before its capture (compiling, and warming cuBLAS and the allocator
 #: up on a side stream, as a capture needs); the cache has room for them past the decode's tokens
 WARMUP_STEPS = 3
+#: cache shapes the step may compile for in one process: a long run meets a few length buckets
+#: times a few row counts, past Dynamo's default of 8 per function, after which it would run a
+#: new shape's step as eager Python
+MAX_SHAPES = 64
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +146,11 @@ class StaticDecoder:
         stream = torch.cuda.Stream(ids.device) if cuda else None
         if cuda:
             stream.wait_stream(torch.cuda.current_stream(ids.device))
-        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+        limit = max(torch._dynamo.config.recompile_limit, MAX_SHAPES)
+        with (
+            torch.cuda.stream(stream) if cuda else contextlib.nullcontext(),
+            torch._dynamo.config.patch(recompile_limit=limit),  # the first step compiles
+        ):
             for i in range(WARMUP_STEPS):
                 position_ids.copy_(pos[:, -1:] + 1 + i)
                 step_position.fill_(ids.shape[1] + i)

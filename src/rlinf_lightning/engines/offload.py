@@ -62,7 +62,11 @@ class Offloader:
             f.flush()
         else:
             for _, t, set_ in items:
-                set_(t.detach().to("cpu", non_blocking=True).pin_memory())
+                # straight into pinned memory (`.to("cpu").pin_memory()` would copy twice); the
+                # device block freed here is reused only by work queued after the copy
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                set_(host.copy_(t.detach(), non_blocking=True))
+            torch.cuda.synchronize(self.device)  # the host copies are complete before use
             torch.cuda.empty_cache()
         self.offloaded = True
 

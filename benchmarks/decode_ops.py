@@ -92,6 +92,16 @@ def decode_ops(engine, rows: list[int], group: int, vocab: int, short: int = 8, 
     return result
 
 
+def first_tokens(run, first: int) -> list[list[int]]:
+    """Each row's first ``first`` token ids from one call of ``run`` (an :func:`ours` callable)."""
+    return [c.token_ids[:first] for cs in run() for c in cs]
+
+
+def share_same(a: list[list[int]], b: list[list[int]]) -> float:
+    """The share of rows whose tokens are the same in ``a`` and ``b``."""
+    return round(sum(x == y for x, y in zip(a, b)) / len(b), 3)
+
+
 def graph_rows_as_eager(
     engine, prompts: list[list[int]], group: int, tokens: int, first: int = 8
 ) -> float | None:
@@ -103,15 +113,16 @@ def graph_rows_as_eager(
     not compiled again for another."""
     if engine.graphs is None:
         return None
-    captured = [c.token_ids[:first] for cs in ours(engine, prompts, group, tokens)() for c in cs]
+    run = ours(engine, prompts, group, tokens)
+    captured = first_tokens(run, first)
     if engine.graphs.failed:  # it decoded eagerly: nothing to compare
         return None
     graphs, engine.graphs = engine.graphs, None
     try:
-        eager = [c.token_ids[:first] for cs in ours(engine, prompts, group, tokens)() for c in cs]
+        eager = first_tokens(run, first)
     finally:
         engine.graphs = graphs
-    return round(sum(a == b for a, b in zip(captured, eager)) / len(eager), 3)
+    return share_same(captured, eager)
 
 
 def offload_cycle(engine, prompts: list[list[int]], group: int, tokens: int, first: int = 8) -> dict:
@@ -122,16 +133,16 @@ def offload_cycle(engine, prompts: list[list[int]], group: int, tokens: int, fir
     static cache and the graph's pool; ``null`` on a CPU, where it goes to a spill file); and
     ``graph_captures`` meanwhile (1 with a graph: the step captured again after the onload)."""
     run = ours(engine, prompts, group, tokens)
-    before = [c.token_ids[:first] for cs in run() for c in cs]
+    before = first_tokens(run, first)
     captures = engine.graphs.captures if engine.graphs is not None else None
     cuda = engine.device.startswith("cuda")
     held = torch.cuda.memory_allocated(engine.device) if cuda else 0
     engine.offload()
     freed = held - torch.cuda.memory_allocated(engine.device) if cuda else None
     engine.onload()
-    after = [c.token_ids[:first] for cs in run() for c in cs]
+    after = first_tokens(run, first)
     return {
-        "rows_same_after_offload": round(sum(a == b for a, b in zip(before, after)) / len(before), 3),
+        "rows_same_after_offload": share_same(before, after),
         "offload_freed_gib": None if freed is None else round(freed / 2**30, 3),
         "graph_captures": None if captures is None else engine.graphs.captures - captures,
     }

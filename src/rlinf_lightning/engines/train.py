@@ -113,12 +113,12 @@ def compile_seconds() -> float:
     """Seconds ``torch.compile`` has spent in this process so far: Dynamo's frame compiles (the
     forward graphs, lowered by Inductor inside them) plus the backward graphs compiled lazily at
     the first backward (``torch._dynamo.utils.compilation_time_metrics``; torch has no public
-    counter of this)."""
+    counter of this). Only these two outermost timers: a graph with dynamic shapes (a micro-batch's
+    second shape) has its backward compiled inside the frame's compile, not lazily, so adding
+    Inductor's own ``bw_compiler`` timer would count that backward twice."""
     from torch._dynamo.utils import compilation_time_metrics as spent
 
-    return sum(spent.get("_compile.compile_inner", [])) + sum(
-        spent.get("compile_fx.<locals>.bw_compiler", [])
-    )
+    return sum(spent.get("_compile.compile_inner", [])) + sum(spent.get("backward._backward_impl", []))
 
 
 def split_optimizers(configured: Any) -> tuple[torch.optim.Optimizer, Any]:

@@ -21,12 +21,15 @@
 #    also written to $OUT/gpu_check.json (at most 7 files come back: the device tool takes 8).
 #
 # On a lent machine:  run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600)
-# Parts: $GPU_CHECK_PARTS (default below). Extra arguments go to every benchmarks/gpu.py call.
+# Parts: $GPU_CHECK_PARTS (default below: the issue's GPU bars first, then what explains them; the
+# `compile` part, last, uses whatever time is left). Extra arguments go to every benchmarks/gpu.py
+# call; the `actor` part also prints its step's top kernels (--profile) into its log, so that one
+# run says where the actor's time goes.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-PARTS="${GPU_CHECK_PARTS:-defaults decode_ops generate chunked actor}"
+PARTS="${GPU_CHECK_PARTS:-defaults generate actor chunked decode_ops compile}"
 PART_TIMEOUT="${PART_TIMEOUT:-240}"
 LOGS="${OUT:-$(mktemp -d)}"
 PYTHON="${PYTHON:-python3}"  # the GPU image's python3 holds its torch
@@ -59,7 +62,9 @@ for part in $PARTS; do
         continue
     fi
     echo "== $part (timeout ${limit}s)" >&2
-    timeout "$limit" "$PYTHON" benchmarks/gpu.py --sections "$part" "$@" > "$LOGS/gpu_$part.log" 2>&1
+    extra=()
+    [ "$part" = actor ] && extra=(--profile)
+    timeout "$limit" "$PYTHON" benchmarks/gpu.py --sections "$part" "${extra[@]}" "$@" > "$LOGS/gpu_$part.log" 2>&1
     rc=$?
     tail -n 3 "$LOGS/gpu_$part.log" | cut -c1-400 >&2
     [ "$rc" -eq 0 ] || echo "$part: exit $rc" >&2

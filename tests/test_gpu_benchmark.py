@@ -43,14 +43,16 @@ def test_every_section_runs_on_the_cpu_with_a_tiny_model():
 def test_the_gpu_check_script_runs_every_new_section_on_the_cpu(tmp_path):
     """``scripts/gpu_check.sh``, what a session with a GPU runs, here at a tiny size on the CPU: the
     defaults (a budget chosen, its peak predicted), chunked against whole logits, our engine beside
-    ``generate`` and the decode op counts, each part under its own timeout, merged into one line.
+    ``generate`` and the decode op counts, the actor's MFU with its step's top kernels (profiled),
+    each part under its own timeout, merged into one line.
     The defaults part chooses the inference stage's and the critic's budgets too. The op counts are
     the issue's bar at a tiny size: ours <= ``generate``'s per decode step at the larger batch, and
     growing with the rows no more than it does (the per-row noise draws grew with the rows)."""
     import os
 
     env = {**os.environ, "OUT": str(tmp_path), "PART_TIMEOUT": "500", "GPU_CHECK_TOTAL_S": "1150",
-           "GPU_CHECK_PARTS": "defaults chunked generate decode_ops", "PYTHON": sys.executable}  # fmt: skip
+           "GPU_CHECK_PARTS": "defaults chunked generate decode_ops actor",
+           "PYTHON": sys.executable}  # fmt: skip
     out = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", "--shape", "tiny",
          "--sequences", "16", "--group", "4", "--new-tokens", "8", "--max-tokens", "256", "--steps", "2",
@@ -73,8 +75,10 @@ def test_the_gpu_check_script_runs_every_new_section_on_the_cpu(tmp_path):
     ops = r["decode_ops"]
     assert ops["ours_le_generate"] and ops["growth_le_generate"], ops
     assert ops["ops_per_step"]["64"]["ours"] > 100, ops  # it counted a model's forward
+    assert r["actor"]["mfu"] > 0
     logs = {p.name for p in tmp_path.iterdir()}
     assert logs >= {"gpu_defaults.log", "gpu_decode_ops.log", "gpu_check.json"}
+    assert "Self CPU time total" in (tmp_path / "gpu_actor.log").read_text()  # its step's top kernels
 
 
 @pytest.mark.slow

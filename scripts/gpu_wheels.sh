@@ -12,7 +12,11 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 DEST="${1:-.whl}"
-PYTHON="${PYTHON:-python3}"
+# the project's venv (the versions to pin are its), not whatever python3 the shell finds first
+if [ -z "${PYTHON:-}" ]; then
+    PYTHON=python3
+    [ -x .venv/bin/python ] && PYTHON=.venv/bin/python
+fi
 WHEELS="${GPU_WHEELS:-tensordict pyvers orjson jsonargparse docstring-parser typeshed-client math-verify
 latex2sympy2_extended antlr4-python3-runtime datasets dill multiprocess gymnasium farama-notifications}"
 

@@ -92,3 +92,24 @@ def test_the_151936_vocabulary_at_the_defaults_fits_its_prediction_and_chunking_
     r = run(*vocab, "--sequences", "64", "--new-tokens", "64", "--max-tokens", "4096", "--logit-chunk", "256",
             "--sections", "chunked")  # fmt: skip
     assert r["chunked"]["peak_whole_over_chunked"] >= 2.0, r["chunked"]
+
+
+def test_gpu_wheels_pins_the_venvs_versions_whatever_python3_the_shell_finds(tmp_path):
+    """``scripts/gpu_wheels.sh`` run from a plain shell (no venv active: ``python3`` on the PATH is
+    another interpreter) downloads the wheel of the version the project's venv holds. It asked
+    ``python3`` before, which here skipped packages it lacked and asked the index for versions it
+    had (orjson 3.8.3) that the index does not serve."""
+    import importlib.metadata
+    import os
+
+    venv_bin = str(Path(sys.executable).parent)
+    path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if d != venv_bin)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV")}
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_wheels.sh"), str(tmp_path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        env={**env, "PATH": path, "GPU_WHEELS": "pyvers"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    version = importlib.metadata.version("pyvers")
+    assert [p.name for p in tmp_path.glob("*.whl")] == [f"pyvers-{version}-py3-none-any.whl"]

@@ -11,7 +11,9 @@
 #    datasets, dill, multiprocess, gymnasium, farama-notifications) from $RLINF_WHEELS, else the
 #    first of .whl/ (the device tool's convention: `bash scripts/gpu_wheels.sh` fills it here, with
 #    network, and the run names it in `carry`), shared/wheels, wheels/ that holds wheels, into a
-#    target directory put first on PYTHONPATH; nothing is downloaded there.
+#    target directory put first on PYTHONPATH; nothing is downloaded there. Then checks once that
+#    what every part imports does: where something does not (the wheels were not carried), it prints
+#    one line naming it and the fix, and exits 2 before any part runs.
 # 2. Runs benchmarks/gpu.py one part at a time, each under `timeout`: $PART_TIMEOUT seconds, or what
 #    is left of $GPU_CHECK_TOTAL_S (default 540, inside the device tool's 600 s a command) if less,
 #    so one part that hangs or runs out of memory leaves the others' figures, and the whole script
@@ -50,8 +52,31 @@ for dir in "${RLINF_WHEELS:-}" .whl shared/wheels wheels; do
 done
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 
-timeout 60 "$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
-    torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' >&2
+# what every part imports, checked once (and torch's version and device said): without the wheels
+# each part would fail alike, and the device time is better spent on one line that says what to do
+missing="$(timeout 120 "$PYTHON" - <<'PY'
+import importlib
+import sys
+
+for name in ("torch", "transformers", "tensordict", "jsonargparse", "math_verify", "rlinf_lightning.tasks"):
+    try:
+        importlib.import_module(name)
+    except ImportError as err:
+        sys.exit(print(err.name or name))
+import torch
+
+cuda = torch.cuda.is_available()
+print("torch", torch.__version__, "cuda", cuda, torch.cuda.get_device_name(0) if cuda else "", file=sys.stderr)
+PY
+)" || missing="${missing:-the import check (it timed out or crashed)}"
+if [ -n "$missing" ]; then
+    why="$PYTHON cannot import $missing: run 'bash scripts/gpu_wheels.sh' where the package index is"
+    why="$why reachable, then run(command=\"bash scripts/gpu_check.sh\", carry=[\".whl\"])"
+    echo "gpu_check: $why" >&2
+    "$PYTHON" -c 'import json, sys; print(json.dumps({"error": sys.argv[1]}))' "$why" 2>/dev/null \
+        || echo '{"error": "see stderr"}'
+    exit 2
+fi
 
 for part in $PARTS; do
     left=$((TOTAL - (SECONDS - START) - 10))  # 10 s for the merge below

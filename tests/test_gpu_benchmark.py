@@ -113,3 +113,21 @@ def test_gpu_wheels_pins_the_venvs_versions_whatever_python3_the_shell_finds(tmp
     assert out.returncode == 0, out.stderr[-2000:]
     version = importlib.metadata.version("pyvers")
     assert [p.name for p in tmp_path.glob("*.whl")] == [f"pyvers-{version}-py3-none-any.whl"]
+
+
+def test_gpu_check_without_its_packages_says_what_to_do_in_one_line(tmp_path):
+    """Without the wheels (an interpreter with nothing installed) ``gpu_check.sh`` runs no part:
+    one line names what does not import and the fix, the JSON line carries it, and it exits 2."""
+    import os
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": str(tmp_path / "bare" / "bin" / "python")}
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True, cwd=ROOT,
+        timeout=300, env=env,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]  # (after a wheel install's output, where .whl/ exists)
+    assert "cannot import torch" in last and "gpu_wheels.sh" in last
+    assert "cannot import torch" in json.loads(out.stdout.strip().splitlines()[-1])["error"]
+    assert not list(tmp_path.glob("gpu_*.log"))  # no part ran

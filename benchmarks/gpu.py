@@ -47,6 +47,10 @@ rollout engine, ``RLTrainer.fit``), not a re-implementation:
   offload freed and the graphs captured again (``decode_ops.py``).
 - ``decode_ops``: aten ops dispatched per decode step, ours and ``generate``'s, at ``--ops-rows``
   (eager: the CUDA-graph path replays one graph a step) (``decode_ops.py``).
+- ``bound``: the eager actor step's floor on a GPU of ``--bound-tflops`` and ``--bound-tbs`` (an
+  H200 by default) per token budget, from every op it dispatches on fake tensors, and so the
+  highest MFU the ``actor`` section can measure there; needs no GPU (``--device cpu``)
+  (``actor_bound.py``).
 
 The last line is one JSON object with every figure.
 """
@@ -62,6 +66,7 @@ import time
 from pathlib import Path
 
 import torch
+from actor_bound import bench_bound
 from actor_speed import bench_actor, bench_compile, bench_fsdp
 from gpu_common import SHAPES, build_model, load_meta, rollout_batch, sync
 
@@ -69,7 +74,7 @@ from rlinf_lightning.rewards import Reward
 
 SECTIONS = (
     "peak", "actor", "rollout", "sync", "iteration", "fsdp", "compile", "defaults", "chunked", "generate",
-    "decode_ops",
+    "decode_ops", "bound",
 )  # fmt: skip
 
 
@@ -207,6 +212,9 @@ def main() -> None:
     )
     ap.add_argument("--logit-chunk", type=int, default=1024, help="chunked section: tokens per lm-head chunk")
     ap.add_argument("--ops-rows", default="32,256", help="decode_ops section: batch sizes")
+    bound = "bound section: the GPU's"
+    ap.add_argument("--bound-tflops", type=float, default=790.0, help=f"{bound} bf16 matmul peak (H200)")
+    ap.add_argument("--bound-tbs", type=float, default=4.8, help=f"{bound} memory bandwidth in TB/s (H200)")
     args = ap.parse_args()
     args.max_tokens = sorted(int(x) for x in args.max_tokens.split(","))
     if args.device == "cuda":
@@ -262,6 +270,8 @@ def main() -> None:
                     result["compile"] = bench_compile(model, args, peak)
                 elif name in ("defaults", "chunked"):
                     result[name] = bench_memory(name, model, args, peak)
+                elif name == "bound":
+                    result["bound"] = bench_bound(model, args)
                 elif name in ("generate", "decode_ops"):
                     result[name] = bench_decode(name, model, args, engine)
             except Exception as exc:  # one section's failure is a finding; the others still run

@@ -31,13 +31,16 @@ def test_without_cuda_it_skips_in_one_line():
 def test_every_section_runs_on_the_cpu_with_a_tiny_model():
     small = ["--device", "cpu", "--shape", "tiny", "--sequences", "8", "--group", "4", "--new-tokens", "8"]
     r = run(*small, "--max-tokens", "128,256", "--steps", "2", "--repeats", "1", "--fsdp-samples", "4",
-            "--sections", "actor,rollout,sync,iteration,fsdp")  # fmt: skip
+            "--sections", "actor,rollout,sync,iteration,fsdp,bound")  # fmt: skip
     assert not [k for k, v in r.items() if isinstance(v, dict) and "error" in v], r
     assert set(r["actor"]["budgets"]) == {"128", "256"} and 0 < r["actor"]["mfu"] < 1
     assert r["rollout"]["tokens_per_s"] > 0 and 0 < r["sync"]["share_of_iteration"] < 1
     assert r["iteration"]["stages_s"]["actor"] > 0  # the timing reward gives every group signal
     # on one CPU rank FSDP runs the same autocast as the single engine: the same updates
     assert r["fsdp"]["loss_rel_diff"] < 1e-6 and r["fsdp"]["update_cosine"] > 0.9999
+    # the eager step's floor on an H200 from its ops on fake tensors: a ceiling on the MFU measured
+    bound = r["bound"]["budgets"]["128"]
+    assert bound["micro_batches"] > 1 and bound["kernels"] > 100 and 0 < r["bound"]["mfu_ceiling"] <= 1
 
 
 def test_the_gpu_check_script_runs_every_new_section_on_the_cpu(tmp_path):

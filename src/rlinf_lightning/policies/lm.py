@@ -43,10 +43,10 @@ def response_logprobs(
     GPU (each chunk's backward writes a zero-filled gradient of the whole logits tensor), and
     saves no memory in training, since autograd keeps the log-softmax for the backward either
     way. The logged entropy is computed ``ENTROPY_CHUNK_ROWS`` rows at a time, so its temporaries
-    stay the size of a chunk. Under bf16 autocast the logits are bf16: the log-softmax reads them
-    and computes and writes in float32 without a float32 copy of its input first, and a
-    temperature of 1 divides nothing (on a GPU each was a full pass over the step's largest
-    tensor, and another in the backward: ``docs/gpu.md``)."""
+    stay the size of a chunk. Under bf16 autocast the logits are bf16 and the log-softmax writes
+    float32 (its ``dtype`` converts them first: PyTorch fuses that conversion into the kernel for
+    float16 only), and a temperature of 1 divides nothing (on a GPU each extra pass is one over the
+    step's largest tensor, and another in the backward: ``docs/gpu.md``)."""
     logits = logits[:, -response_len - 1 : -1]
     if temperature != 1.0:
         logits = logits.float() / temperature

@@ -42,7 +42,7 @@ class RLModule(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self._logged: dict[str, tuple[float, int]] = {}
+        self._logged: dict[str, tuple[float | torch.Tensor, int]] = {}
 
     def lora_train_modules(self) -> list[str]:
         """Modules of ``self.model`` trained in full beside LoRA adapters when ``lora.train_modules``
@@ -125,13 +125,15 @@ class RLModule(torch.nn.Module):
     def log(self, name: str, value: float | torch.Tensor) -> None:
         """Record a scalar; the trainer sends it to the loggers with the iteration's metrics as
         ``actor/<name>``. Logged several times in an iteration (once per micro-batch), the mean is
-        reported, as Lightning's ``self.log(..., on_epoch=True)`` does."""
-        value = float(value.detach() if isinstance(value, torch.Tensor) else value)
+        reported, as Lightning's ``self.log(..., on_epoch=True)`` does. A tensor stays one (on its
+        device) until :meth:`pop_logged`: reading it here would wait for the device to finish the
+        forward before the host could queue the backward, once per micro-batch."""
+        value = value.detach().float() if isinstance(value, torch.Tensor) else float(value)
         total, calls = self._logged.get(name, (0.0, 0))
         self._logged[name] = (total + value, calls + 1)
 
     def pop_logged(self) -> dict[str, float]:
-        out = {name: total / calls for name, (total, calls) in self._logged.items()}
+        out = {name: float(total) / calls for name, (total, calls) in self._logged.items()}
         self._logged = {}
         return out
 

@@ -190,3 +190,20 @@ def test_a_bf16_training_forward_on_cpu_takes_the_math_attention_kernel_with_the
 
     math, flash_grad = grad(False), grad(True)
     assert torch.nn.functional.cosine_similarity(math, flash_grad, dim=0) > 0.999
+
+
+def test_under_bf16_autocast_the_rotary_embedding_rotates_in_bf16(assets):
+    """Float32 master weights make the residual stream float32, and ``transformers`` casts cos and
+    sin to it: the query/key rotation ran in float32 before autocast cast it to bf16 for attention.
+    Under autocast they are now bf16 (the rollout's bf16 model rotates alike); in float32, float32;
+    and a bf16-mixed step still tracks the float32 one (the test above)."""
+    policy = LMPolicy(str(assets["sft"]))
+    policy.configure_model()
+    rotary = policy.model.model.rotary_emb
+    x, pos = torch.zeros(1, 5, policy.model.config.hidden_size), torch.arange(5)[None]
+    assert {t.dtype for t in rotary(x, pos)} == {torch.float32}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert {t.dtype for t in rotary(x, pos)} == {torch.bfloat16}
+        batch = _batch(str(assets["sft"]))
+        logp = policy.forward_logprobs(batch, 1.0)
+    assert logp.dtype == torch.float32

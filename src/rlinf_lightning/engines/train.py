@@ -79,12 +79,10 @@ class TrainEngine:
         """Release what ``setup`` acquired; safe to call twice."""
 
     def compile(self) -> None:
-        """Run the model's forward (and with it, through AOTAutograd, its backward) under
-        ``torch.compile``. The bound ``forward`` is replaced, not the module, so parameter names
-        (checkpoints, weight sync) stay as they are; the compile itself happens at the first
+        """Run the policy's training forward (and with it, through AOTAutograd, its backward) under
+        ``torch.compile`` (:meth:`RLModule.compile_model`); the compile itself happens at the first
         micro-batch of each new shape and is reported per step as ``compile_s``."""
-        model = self.policy.model
-        model.forward = torch.compile(model.forward)
+        self.policy.compile_model()
         self._compile_mark = compile_seconds()
 
     def onload(self) -> None:

@@ -25,6 +25,8 @@ and of the entropy where it is asked for with its gradient.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 #: tokens whose logits exist at once (1,024 x 151,936: 0.3 GB in bf16, and 0.6 GB for the float32
@@ -40,54 +42,50 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 class ChunkedHeadLogprobs(torch.autograd.Function):
     """``(hidden [N, H], weight [V, H], bias [V] | None, targets [N])`` -> log-prob of each target
-    and the entropy of each token's distribution under ``softmax((hidden @ W.T + b) / temperature)``."""
+    and the entropy of each token's distribution under ``softmax((hidden @ W.T + b) / temperature)``;
+    ``compiled``: each chunk's math under ``torch.compile`` (see :func:`chunked_logprobs`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, dtype, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, dtype, with_entropy, compiled):
         logp = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         entropy = torch.zeros_like(logp)
+        forward_chunk, _ = _chunk_functions(compiled)
         with torch.autocast(hidden.device.type, enabled=False):
             w, b = _cast(weight, bias, dtype)  # once, not per chunk (float32 master weights: a bf16 copy)
             for s in range(0, hidden.shape[0], chunk):
-                log_probs = _log_softmax(_logits(hidden[s : s + chunk], w, b), temperature)
-                logp[s : s + chunk] = log_probs.gather(-1, targets[s : s + chunk, None]).squeeze(-1)
+                rows = slice(s, s + chunk)
+                lp, ent = forward_chunk(hidden[rows], w, b, targets[rows], temperature, with_entropy)
+                logp[rows] = lp
                 if with_entropy:
-                    entropy[s : s + chunk] = -_rowwise_dot(log_probs.exp(), log_probs)
+                    entropy[rows] = ent
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
+        ctx.temperature, ctx.chunk, ctx.dtype, ctx.compiled = temperature, chunk, dtype, compiled
         ctx.set_materialize_grads(False)  # an entropy only logged gets no gradient: skip its terms
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets = ctx.saved_tensors
-        n, t = hidden.shape[0], ctx.temperature
         if grad_logp is None:
-            grad_logp = hidden.new_zeros(n, dtype=torch.float32)
+            grad_logp = hidden.new_zeros(hidden.shape[0], dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if ctx.needs_input_grad[2] else None
+        _, logit_grad = _chunk_functions(ctx.compiled)
         with torch.autocast(hidden.device.type, enabled=False):
             w, b = _cast(weight, bias, ctx.dtype)
-            for s in range(0, n, ctx.chunk):
-                h, rows = hidden[s : s + ctx.chunk], slice(s, s + ctx.chunk)
-                z = _logits(h, w, b)
-                # d logp_t / dz = (onehot(t) - p) / T;  d H / dz = -p (log p + H) / T
-                if grad_entropy is None:
-                    probs = torch.softmax(z if t == 1.0 else z.float().div_(t), -1, dtype=torch.float32)
-                    scale = grad_logp[rows, None] / -t
-                else:
-                    log_probs = _log_softmax(z, t)
-                    probs = log_probs.exp()
-                    ent = -_rowwise_dot(probs, log_probs)[:, None]
-                    scale = log_probs.add_(ent).mul_(grad_entropy[rows, None] / -t)
-                    scale.sub_(grad_logp[rows, None] / t)
-                idx = targets[rows, None]
-                # the target's entry, p_t * scale_t + grad / T, rounded once to the matmul's dtype
-                scale_t = scale.gather(-1, idx) if scale.shape[-1] > 1 else scale
-                at_target = probs.gather(-1, idx) * scale_t + grad_logp[rows, None] / t
-                g = torch.mul(probs, scale, out=probs.new_empty(probs.shape, dtype=ctx.dtype))
-                g.scatter_(-1, idx, at_target.to(g.dtype))
+            for s in range(0, hidden.shape[0], ctx.chunk):
+                rows = slice(s, s + ctx.chunk)
+                h = hidden[rows]
+                g = logit_grad(
+                    h,
+                    w,
+                    b,
+                    targets[rows],
+                    grad_logp[rows],
+                    None if grad_entropy is None else grad_entropy[rows],
+                    ctx.temperature,
+                )
                 if grad_hidden is not None:
                     grad_hidden[rows] = (g @ w).to(hidden.dtype)
                 if grad_weight is not None:
@@ -96,7 +94,68 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                     grad_bias += g.sum(0, dtype=torch.float32)
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def forward_chunk(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chunk's log-probs at ``targets`` and (``with_entropy``) entropies, float32."""
+    log_probs = _log_softmax(_logits(h, w, b), temperature)
+    logp = log_probs.gather(-1, targets[:, None]).squeeze(-1)
+    return logp, -_rowwise_dot(log_probs.exp(), log_probs) if with_entropy else None
+
+
+def logit_grad(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    targets: torch.Tensor,
+    grad_logp: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """The gradient of the loss with respect to a chunk's logits, in ``w``'s dtype (the matmuls'):
+    ``d logp_t / dz = (onehot(t) - p) / T`` and ``d H / dz = -p (log p + H) / T``, so it is ``p``
+    times a scale (per row, or per entry with the entropy's gradient) plus ``grad_logp / T`` at
+    the target, whose entry is computed in float32 and rounded once."""
+    t, z = temperature, _logits(h, w, b)
+    if grad_entropy is None:
+        probs = torch.softmax(z if t == 1.0 else z.float().div_(t), -1, dtype=torch.float32)
+        scale = grad_logp[:, None] / -t
+    else:
+        log_probs = _log_softmax(z, t)
+        probs = log_probs.exp()
+        ent = -_rowwise_dot(probs, log_probs)[:, None]
+        scale = log_probs.add_(ent).mul_(grad_entropy[:, None] / -t)
+        scale.sub_(grad_logp[:, None] / t)
+    idx = targets[:, None]
+    scale_t = scale.gather(-1, idx) if scale.shape[-1] > 1 else scale
+    at_target = probs.gather(-1, idx) * scale_t + grad_logp[:, None] / t
+    if torch.compiler.is_compiling():  # Inductor fuses the product and its cast
+        g = (probs * scale).to(w.dtype)
+    else:  # eager: the product written once, in the matmul's dtype
+        g = torch.mul(probs, scale, out=probs.new_empty(probs.shape, dtype=w.dtype))
+    return g.scatter_(-1, idx, at_target.to(g.dtype))
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn)
+
+
+def _chunk_functions(compiled: bool):
+    """``(forward_chunk, logit_grad)``, eager or compiled once per process: a micro-batch's chunks
+    are ``chunk`` rows but its last, so the first shape compiles static and the second once more
+    with the rows dynamic (torch's automatic dynamic shapes), whatever the sizes after."""
+    if not compiled:
+        return forward_chunk, logit_grad
+    return _compiled(forward_chunk), _compiled(logit_grad)
 
 
 def _cast(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
@@ -117,7 +176,10 @@ def _log_softmax(z: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def _rowwise_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``(a * b).sum(-1)`` as one batched product: each input read once, no product tensor written."""
+    """``(a * b).sum(-1)``; in eager as one batched product (each input read once, no product
+    tensor written), compiled as written (Inductor fuses it into one reduction)."""
+    if torch.compiler.is_compiling():
+        return (a * b).sum(-1)
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(a.shape[0])
 
 
@@ -128,10 +190,13 @@ def chunked_logprobs(
     temperature: float,
     chunk: int = LOGIT_CHUNK_TOKENS,
     entropy: bool = True,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of ``targets`` ``[B, R]`` after ``hidden`` ``[B, R, H]`` through ``head``, and each
     position's entropy (differentiable; detach it for the log; ``None`` unless ``entropy``), both
-    ``[B, R]`` float32."""
+    ``[B, R]`` float32. ``compiled``: each chunk's softmax, gather, entropy and logit gradient
+    under ``torch.compile`` (``trainer.compile``), which fuses their passes over the logits into
+    one or two reads of them (the head's matmuls stay cuBLAS's)."""
     b, r, _ = hidden.shape
     logp, ent = ChunkedHeadLogprobs.apply(
         hidden.reshape(b * r, -1),
@@ -142,5 +207,6 @@ def chunked_logprobs(
         chunk,
         _compute_dtype(hidden, head.weight),
         entropy,
+        compiled,
     )
     return logp.view(b, r), ent.view(b, r) if entropy else None

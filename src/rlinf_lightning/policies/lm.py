@@ -108,6 +108,7 @@ class LMPolicy(RLModule):
         self.gradient_checkpointing = gradient_checkpointing
         self.logit_chunk_tokens = logit_chunk_tokens
         self.model: torch.nn.Module | None = None
+        self.compiled_head = False  # set by compile_model
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -118,6 +119,13 @@ class LMPolicy(RLModule):
         rotate_in_autocast_dtype(self.model)
         if self.gradient_checkpointing:  # None (the budget decides) turns it on later, if at all
             enable_gradient_checkpointing(self.model)
+
+    def compile_model(self) -> None:
+        """The model's forward and the chunked head's per-chunk math under ``torch.compile``
+        (``policies.chunked_head``): with the model's element-wise work fused, the head's passes
+        over each chunk's logits would be the eager part left."""
+        super().compile_model()
+        self.compiled_head = True
 
     def meta_model(self) -> None:
         """The architecture from config.json alone (no weights read)."""
@@ -183,7 +191,13 @@ class LMPolicy(RLModule):
             del out
             targets = ids[:, -response.shape[-1] :]
             logp, entropy = chunked_logprobs(
-                hidden, head, targets, temperature, self.logit_chunk_tokens, entropy=want is not None
+                hidden,
+                head,
+                targets,
+                temperature,
+                self.logit_chunk_tokens,
+                entropy=want is not None,
+                compiled=self.compiled_head,
             )
             entropy = entropy.detach() if want == "value" else entropy
         else:

@@ -84,6 +84,12 @@ class RLModule(torch.nn.Module):
         """Build or load the network on the hosting worker."""
 
     @abstractmethod
+    def compile_model(self) -> None:
+        """``trainer.compile``: the model's forward under ``torch.compile``. The bound ``forward``
+        is replaced, not the module, so parameter names (checkpoints, weight sync) stay as they
+        are. A policy with more compute outside the model's forward compiles that too."""
+        self.model.forward = torch.compile(self.model.forward)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """Return the optimizer for the parameters this module trains."""
 

@@ -173,9 +173,11 @@ def clipped_value_loss(
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(pi || ref): ``exp(ref - logp) - (ref - logp) - 1`` (>= 0)."""
-    d = ref_logprobs - logprobs
-    return torch.exp(d) - d - 1.0
+    """Schulman's k3 estimator of KL(pi || ref): ``exp(d) - d - 1`` with ``d = ref - logp`` (>= 0),
+    computed as ``expm1(d) - d`` in float64: in float32, ``exp(d) - 1`` cancels, and a ``d`` at
+    rounding level (two computations of the same log-prob, 1e-7 apart) gave -6e-8 a token."""
+    d = (ref_logprobs - logprobs).double()
+    return (torch.expm1(d) - d).to(torch.promote_types(logprobs.dtype, ref_logprobs.dtype))
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:

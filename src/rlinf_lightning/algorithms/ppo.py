@@ -38,6 +38,7 @@ from rlinf_lightning.algorithms.losses import (
     OFF_POLICY_CORRECTIONS,
     clipped_value_loss,
     correct,
+    kl_k3,
     ppo_clip_per_token,
 )
 from rlinf_lightning.algorithms.policy_gradient import PolicyGradient, kl_target_problems
@@ -207,14 +208,13 @@ class PPO(Algorithm):
         pg = pg.flatten(1).mean(-1) if pg.dim() > 1 else pg
         v_loss = clipped_value_loss(values, old_values, returns, self.value_clip)
         per_sample = pg + self.vf_coef * v_loss - self.ent_coef * entropy
-        log_ratio = (logprobs - ratio_of).detach()
         metrics = {
             **corrected,
             "pg_loss": pg.detach().mean(),
             "value_loss": v_loss.detach().mean(),
             "entropy": entropy.detach().mean(),
             "clip_frac": clipped.mean(),
-            "approx_kl": ((log_ratio.exp() - 1) - log_ratio).mean(),
+            "approx_kl": kl_k3(ratio_of, logprobs.detach()).mean(),  # CleanRL's (ratio - 1) - log ratio
         }
         return per_sample.sum(), torch.tensor(float(len(per_sample))), metrics
 

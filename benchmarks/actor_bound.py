@@ -12,20 +12,23 @@ reports MFU) over the floor over ``P`` is the highest MFU the eager step can rea
 launch gaps, matmuls below the peak and unfused passes that miss the bandwidth only add time.
 
 What it stands in for: CPU autocast's op lists for CUDA's (both run matmuls and attention in bf16;
-the model's RMSNorm and rotary embedding cast explicitly), and the CPU flash-attention kernel's I/O
-for the GPU's flash or memory-efficient kernel (equal inputs and outputs). The micro-batch's copy
-to the device and the host's work are not counted.
+the rotary embedding casts explicitly), the CPU flash-attention kernel's I/O for the GPU's flash or
+memory-efficient kernel (equal inputs and outputs), and for ``rms_norm``, which a CPU runs as five
+ops, CUDA's fused kernels (:class:`CudaRMSNorm`). The micro-batch's copy to the device and the
+host's work are not counted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
 from gpu_common import rollout_batch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
@@ -120,6 +123,69 @@ class OpFloor(TorchDispatchMode):
         return out
 
 
+@torch.library.custom_op("rlinf_bound::rms_norm", mutates_args=())
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA's fused forward (aten ``_fused_rms_norm``): the output and each row's scale."""
+    raise NotImplementedError("an op for fake tensors: its cost is what the bound needs")
+
+
+@torch.library.custom_op("rlinf_bound::rms_norm_grad_input", mutates_args=())
+def _rms_norm_grad_input(
+    grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """CUDA's backward kernel for the input's gradient."""
+    raise NotImplementedError("an op for fake tensors: its cost is what the bound needs")
+
+
+@torch.library.custom_op("rlinf_bound::rms_norm_grad_weight", mutates_args=())
+def _rms_norm_grad_weight(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """CUDA's second backward kernel, the weight's gradient (it reads the gradient and input again)."""
+    raise NotImplementedError("an op for fake tensors: its cost is what the bound needs")
+
+
+@_rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x), x.new_empty(*x.shape[:-1], 1)
+
+
+@_rms_norm_grad_input.register_fake
+def _(grad, x, rstd, weight):
+    return torch.empty_like(x)
+
+
+@_rms_norm_grad_weight.register_fake
+def _(grad, x, rstd):
+    return x.new_empty(x.shape[-1])
+
+
+def _rms_norm_setup(ctx, inputs, output) -> None:
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.set_materialize_grads(False)  # the scale gets no gradient: no zeros written for it
+
+
+def _rms_norm_backward(ctx, grad, _grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    return _rms_norm_grad_input(grad, x, rstd, weight), _rms_norm_grad_weight(grad, x, rstd), None
+
+
+_rms_norm.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+class CudaRMSNorm(TorchFunctionMode):
+    """``torch.nn.functional.rms_norm`` (``policies.train_math``'s fused norms) as CUDA runs it: one
+    kernel forward, two backward, each reading its inputs once."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.rms_norm:
+            call = inspect.signature(func).bind(*args, **kwargs)
+            x, weight, eps = (call.arguments.get(k) for k in ("input", "weight", "eps"))
+            if weight is not None and eps is not None:
+                return _rms_norm(x, weight, eps)[0]
+        return func(*args, **kwargs)
+
+
 def step_floor(model: Path, micro_batches: list, peak: float, bandwidth: float) -> OpFloor:
     """One GRPO step of the library's loss over ``micro_batches`` on fake tensors, timed by
     :class:`OpFloor` (the engine's own ``accumulate``/``step`` read losses and norms on the host,
@@ -140,7 +206,7 @@ def step_floor(model: Path, micro_batches: list, peak: float, bandwidth: float) 
         optimizer, _ = split_optimizers(policy.configure_optimizers())
         loss = PolicyLoss(GRPO(), temperature=1.0)
         floor = OpFloor(peak, bandwidth)
-        with floor:
+        with floor, CudaRMSNorm():
             count = 0
             for mb in micro_batches:
                 with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16-mixed

@@ -10,7 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from actor_bound import OpFloor  # noqa: E402
+from actor_bound import CudaRMSNorm, OpFloor  # noqa: E402
 
 from rlinf_lightning.policies.chunked_head import chunked_logprobs  # noqa: E402
 
@@ -52,3 +52,21 @@ def test_the_chunked_heads_step_moves_few_bytes_per_logit():
             logp.sum().backward()
     per_logit = (floor.moved["matmul"] + floor.moved["other"]) / (n * vocab)
     assert per_logit < 90, per_logit
+
+
+def test_rms_norm_costs_what_cudas_fused_kernels_move():
+    """On a CPU ``rms_norm`` is five ops forward and about ten backward; the bound counts CUDA's:
+    one forward kernel (the input and weight read, the output and each row's scale written) and two
+    backward (the input's gradient; the weight's, which reads the gradient and input again)."""
+    rows, width = 64, 32
+    with FakeTensorMode():
+        x = torch.empty(rows, width, requires_grad=True)
+        weight = torch.nn.Parameter(torch.empty(width))
+        with OpFloor(PEAK, BANDWIDTH) as floor, CudaRMSNorm():
+            y = torch.nn.functional.rms_norm(x, (width,), weight, 1e-6)
+            y.backward(torch.empty_like(y))
+    vector, scale, row = width * 4, rows * 4, rows * width * 4
+    forward = row + vector + row + scale
+    backward = (row + row + scale + vector + row) + (row + row + scale + vector)
+    assert floor.kernels == 3
+    assert floor.moved["other"] == forward + backward

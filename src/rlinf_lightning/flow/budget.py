@@ -6,7 +6,9 @@ the logits. Counted from first principles for a ``transformers`` decoder layer (
 layout: RMSNorm, q/k/v/o projections with RoPE, SDPA, SwiGLU MLP), with the residual stream in the
 weights' dtype (``r`` bytes) and the matmuls in the compute dtype (``c``: 2 under bf16 autocast):
 
-* each RMSNorm keeps its input and its normalised output: ``2 r h``, twice a layer;
+* each RMSNorm keeps its input and its normalised output: ``2 r h``, twice a layer (on CUDA, where
+  ``policies.train_math`` runs it as one fused kernel, its input and a scale a row: the count
+  below overestimates there by ``r h`` a norm);
 * the projections keep their (autocast-cast) inputs: ``3 c h`` for q/k/v, ``c h`` for o, ``2 c h``
   for gate/up (``r h`` shared when nothing is cast);
 * attention (flash / memory-efficient SDPA) keeps q, k and v (k and v repeated to every head) and

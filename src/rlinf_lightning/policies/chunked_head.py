@@ -126,7 +126,7 @@ def logit_grad(
     the target, whose entry is computed in float32 and rounded once."""
     t, z = temperature, _logits(h, w, b)
     if grad_entropy is None:
-        probs = torch.softmax(z if t == 1.0 else z.float().div_(t), -1, dtype=torch.float32)
+        probs = torch.softmax(_over_temperature(z, t), -1, dtype=torch.float32)
         scale = grad_logp[:, None] / -t
     else:
         log_probs = _log_softmax(z, t)
@@ -168,11 +168,15 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return hidden @ weight.T if bias is None else torch.addmm(bias, hidden, weight.T)
 
 
+def _over_temperature(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``z / temperature`` in float32; ``z`` itself at temperature 1 (the softmaxes read it in its
+    own dtype then, with no divided copy written)."""
+    return z if temperature == 1.0 else z.float().div_(temperature)
+
+
 def _log_softmax(z: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Float32 log-softmax of ``z / temperature``, reading ``z`` in its own dtype at temperature 1."""
-    if temperature != 1.0:
-        z = z.float().div_(temperature)
-    return torch.log_softmax(z, -1, dtype=torch.float32)
+    """Float32 log-softmax of ``z / temperature``."""
+    return torch.log_softmax(_over_temperature(z, temperature), -1, dtype=torch.float32)
 
 
 def _rowwise_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from tensordict import TensorDict
 from rlinf_lightning.policies.chunked_head import LOGIT_CHUNK_TOKENS, chunked_logprobs
 from rlinf_lightning.policies.lora import LoRA, lora_problems
 from rlinf_lightning.policies.module import DTYPES, RLModule, anneal_problems, annealed
+from rlinf_lightning.policies.train_math import adapt_for_training
 
 if TYPE_CHECKING:
     from rlinf_lightning.policies.model_dir import CausalLMShape
@@ -116,7 +117,7 @@ class LMPolicy(RLModule):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, self.dtype))
-        rotate_in_autocast_dtype(self.model)
+        adapt_for_training(self.model)
         if self.gradient_checkpointing:  # None (the budget decides) turns it on later, if at all
             enable_gradient_checkpointing(self.model)
 
@@ -132,7 +133,7 @@ class LMPolicy(RLModule):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path))
-        rotate_in_autocast_dtype(self.model)
+        adapt_for_training(self.model)
 
     def configure_optimizers(self) -> torch.optim.Optimizer | dict:
         assert self.model is not None, "configure_model() first"
@@ -285,27 +286,3 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     no input that requires grad, so it works with a frozen base under LoRA). Active in training
     mode only: rollouts and the reference model run as before."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def rotate_in_autocast_dtype(model: torch.nn.Module) -> None:
-    """Under autocast, each rotary embedding's cos and sin in the autocast dtype. ``transformers``
-    casts them to the hidden states' dtype, which float32 master weights make float32 under
-    ``bf16-mixed``, so the query and key rotation, the repeated key/value heads and their backward
-    ran in float32, and autocast then cast the rotated query and key to bf16 for attention: the
-    float32 work was rounded away. In bf16 they rotate as a bf16 model (the rollout engine's)
-    rotates them. Computed on fake tensors for the Qwen2.5-0.5B step on an H200
-    (``benchmarks/actor_bound.py``): 29 ms off the eager step's 656 ms floor. Outside autocast
-    (float32, or bf16 weights) nothing changes."""
-
-    def cast(module: torch.nn.Module, args: tuple, out: object) -> object:
-        if not isinstance(out, tuple) or not out or not isinstance(out[0], torch.Tensor):
-            return None
-        kind = out[0].device.type
-        if not torch.is_autocast_enabled(kind):
-            return None
-        dtype = torch.get_autocast_dtype(kind)
-        return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in out)
-
-    for module in model.modules():
-        if type(module).__name__.endswith("RotaryEmbedding"):
-            module.register_forward_hook(cast)

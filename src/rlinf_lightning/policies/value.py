@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.policies.lm import enable_gradient_checkpointing, rotate_in_autocast_dtype
+from rlinf_lightning.policies.lm import enable_gradient_checkpointing
 from rlinf_lightning.policies.module import DTYPES, RLModule
+from rlinf_lightning.policies.train_math import adapt_for_training
 
 
 class ValueNetwork(torch.nn.Module):
@@ -85,7 +86,7 @@ class ValueModel(RLModule):
         from transformers import AutoModel
 
         backbone = AutoModel.from_pretrained(self.model_path, dtype=getattr(torch, self.dtype))
-        rotate_in_autocast_dtype(backbone)
+        adapt_for_training(backbone)
         if self.gradient_checkpointing:  # None (the budget decides) turns it on later, if at all
             enable_gradient_checkpointing(backbone)
         self.model = ValueNetwork(backbone, backbone.config.hidden_size)
@@ -94,7 +95,7 @@ class ValueModel(RLModule):
         from transformers import AutoConfig, AutoModel
 
         backbone = AutoModel.from_config(AutoConfig.from_pretrained(self.model_path))
-        rotate_in_autocast_dtype(backbone)
+        adapt_for_training(backbone)
         self.model = ValueNetwork(backbone, backbone.config.hidden_size)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -64,3 +64,39 @@ def test_compile_seconds_count_a_dynamic_shapes_backward_once():
             f(torch.randn(rows, 8), w).backward()
         wall, spent = time.perf_counter() - start, compile_seconds() - spent
     assert 0.5 * wall < spent <= wall
+
+
+@pytest.mark.slow
+def test_a_deep_decoders_layers_share_one_compiled_graph(tmp_path):
+    """``compile_model`` compiles each of 6 decoder layers, not the whole forward: over three
+    micro-batch shapes the layers run two graphs (the first shape's and one with dynamic shapes),
+    not one a layer, with eager's log-probs and gradients (float32)."""
+    from tensordict import TensorDict
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+    from rlinf_lightning.assets import TinyModelConfig, build_tiny_qwen2
+    from rlinf_lightning.policies.module import repeated_blocks
+
+    path = str(build_tiny_qwen2(tmp_path / "deep", TinyModelConfig(num_hidden_layers=6)))
+    eager, compiled = LMPolicy(path), LMPolicy(path)
+    for policy in (eager, compiled):
+        policy.configure_model()
+    assert repeated_blocks(compiled.model) == list(compiled.model.model.layers)
+    compiled.compile_model()
+    gen = torch.Generator().manual_seed(0)
+    for rows, length in ((3, 20), (4, 28), (2, 24)):
+        ids = torch.randint(0, compiled.model.config.vocab_size, (rows, length), generator=gen)
+        response = torch.ones(rows, length // 2)
+        batch = TensorDict(
+            {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": response}
+        )
+        out = {}
+        for name, policy in (("eager", eager), ("compiled", compiled)):
+            policy.model.zero_grad(set_to_none=True)
+            logp = policy.forward_logprobs(batch, 1.0)
+            logp.sum().backward()
+            out[name] = [logp.detach()] + [p.grad for p in policy.model.parameters()]
+        for a, b in zip(out["eager"], out["compiled"], strict=True):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    cached = torch._dynamo.eval_frame._debug_get_cache_entry_list(Qwen2DecoderLayer.forward.__code__)
+    assert len(cached) == 2

@@ -9,8 +9,9 @@ one, whichever replica got which micro-batch.
 - ``ddp``: every rank holds the full model; gradients are summed at ``step`` over the group
   (``StageContext.all_reduce``: shared memory between CPU replicas of one machine, else the
   group's process group, gloo or NCCL). Checkpoints are the full state (every rank holds it).
-- ``fsdp``: ``torch.distributed.fsdp.fully_shard`` on each decoder layer and the root, so each rank
-  holds 1/N of parameters, gradients and optimizer state (bf16 compute on GPU). Its forward and
+- ``fsdp``: ``torch.distributed.fsdp.fully_shard`` on each repeated block (a decoder's layers:
+  ``policies.module.repeated_blocks``) and the root, so each rank holds 1/N of parameters,
+  gradients and optimizer state (bf16 compute on GPU). Its forward and
   backward passes are collectives, so every rank must run the same number of them: micro-batches
   are kept until ``step``, where the ranks agree on the largest count and a rank with fewer runs
   zero-weighted passes over a template row. Needs one process per replica (``processes`` or
@@ -43,14 +44,7 @@ from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.malloc import set_mmap_threshold
 from rlinf_lightning.policies.lora import attach_lora, lora_of
-from rlinf_lightning.policies.module import RLModule
-
-
-def _decoder_layers(policy: RLModule) -> list[torch.nn.Module]:
-    model = getattr(policy, "model", policy)
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    return list(layers) if layers is not None else []
+from rlinf_lightning.policies.module import RLModule, repeated_blocks
 
 
 @TRAIN_ENGINES.register("ddp")
@@ -152,7 +146,7 @@ class FSDPTrainEngine(DDPTrainEngine):
             if cuda and precision == "bf16-mixed"
             else {}
         )
-        for layer in _decoder_layers(policy):
+        for layer in repeated_blocks(policy.model):
             fully_shard(layer, **kw)
         fully_shard(policy.model, **kw)  # the root: forward_logprobs calls the model's forward
         policy.to(ctx.device)  # what lies outside the sharded model

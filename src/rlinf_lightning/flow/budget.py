@@ -34,12 +34,11 @@ The two other stages that run the model over whole micro-batches, from the same 
 * the inference stage (:func:`inference_cost`: reference log-probs, a forward under ``no_grad``)
   keeps no activations for a backward. What lives is the layer running (at most what it would
   save, above), the hidden states the chunked head reads (every layer's output:
-  ``output_hidden_states``, ``(layers + 1) r h``) and the key/value cache a ``transformers``
-  forward fills (``2 layers kv c``), then the logits: whole, the forward's ``c V`` and the float32
-  log-softmax of the response with its input's copy (``8 V R``); chunked, one chunk's logits and
-  log-softmax, a constant. Measured on a CPU (float32, hidden 256, 4 layers, the 151,936
-  vocabulary, 64 rows of up to 128 tokens): 1.24 GiB chunked (predicted 1.38), 9.23 GiB whole
-  (predicted 9.39).
+  ``output_hidden_states``, ``(layers + 1) r h``; the forward fills no key/value cache), then the
+  logits: whole, the forward's ``c V`` and the float32 log-softmax of the response with its
+  input's copy (``8 V R``); chunked, one chunk's logits and log-softmax, a constant. Measured on a
+  CPU (float32, hidden 256, 4 layers, the 151,936 vocabulary, 64 rows of up to 128 tokens, the
+  stage's call alone): 1.47 GiB chunked (predicted 1.51), 9.48 GiB whole (predicted 9.52).
 
 Each stage then takes its budget the one way :func:`fit_tokens` says.
 """
@@ -74,7 +73,6 @@ class LayerShape:
     intermediate: int
     layers: int
     vocab: int
-    kv_width: int = 0  # key/value heads x head size (the cache a forward fills); 0: not counted
 
     @classmethod
     def from_dir(cls, model_path: str | Path) -> LayerShape | None:
@@ -85,9 +83,8 @@ class LayerShape:
         cfg = json.loads(path.read_text())
         cfg = cfg.get("text_config", cfg)
         try:
-            h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-            kv = cfg.get("num_key_value_heads", heads) * (cfg.get("head_dim") or h // heads)
-            return cls(h, cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"], kv)
+            keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+            return cls(*(cfg[k] for k in keys))
         except KeyError:
             return None
 
@@ -182,9 +179,9 @@ def inference_cost(
     response_fraction: float = 1.0,
 ) -> StepCost:
     """A forward without gradients (the inference stage's reference log-probs) in the weights'
-    dtype (``dtype`` bytes: no autocast): the layer running, every layer's output, the key/value
-    cache and the logits (module docstring)."""
-    per_token: float = layer_bytes(shape, dtype, dtype) + 2 * shape.layers * dtype * shape.kv_width
+    dtype (``dtype`` bytes: no autocast): the layer running, every layer's output and the logits
+    (module docstring)."""
+    per_token: float = layer_bytes(shape, dtype, dtype)
     fixed = 0.0
     if logit_chunk:  # every layer's output (``output_hidden_states``), the head's input and result
         per_token += (shape.layers + 2) * dtype * shape.hidden + 4

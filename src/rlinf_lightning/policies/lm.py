@@ -122,8 +122,8 @@ class LMPolicy(RLModule):
             enable_gradient_checkpointing(self.model)
 
     def compile_model(self) -> None:
-        """The model's forward and the chunked head's per-chunk math under ``torch.compile``
-        (``policies.chunked_head``): with the model's element-wise work fused, the head's passes
+        """The decoder's layers and the chunked head's per-chunk math under ``torch.compile``
+        (``policies.chunked_head``): with the layers' element-wise work fused, the head's passes
         over each chunk's logits would be the eager part left."""
         super().compile_model()
         self.compiled_head = True
@@ -174,7 +174,8 @@ class LMPolicy(RLModule):
         ``entropy``: the mean per-token entropy of the sampling distribution over the response
         (exact, from the log-softmax the log-probs come from), which RL dashboards watch for
         collapse. ``with_entropy``: also return the per-token entropy with its gradient (for an
-        entropy bonus)."""
+        entropy bonus). No key/value cache: nothing decodes after this forward, and without one
+        a no-grad forward frees each layer's keys and values as it goes."""
         ids, mask, response = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         want = "grad" if with_entropy else "value" if torch.is_grad_enabled() else None
@@ -187,6 +188,7 @@ class LMPolicy(RLModule):
                     position_ids=pos,
                     output_hidden_states=True,
                     logits_to_keep=1,
+                    use_cache=False,
                 )
             hidden = out.hidden_states[-1][:, -response.shape[-1] - 1 : -1]
             del out
@@ -203,7 +205,8 @@ class LMPolicy(RLModule):
             entropy = entropy.detach() if want == "value" else entropy
         else:
             with self.training_attention(ids):
-                logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+                logits = out.logits
             logp, entropy = response_logprobs(logits, ids, response.shape[-1], temperature, want)
         if entropy is not None:
             self.log("entropy", (entropy.detach() * response).sum() / response.sum().clamp_min(1.0))

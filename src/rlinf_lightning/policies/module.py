@@ -85,10 +85,16 @@ class RLModule(torch.nn.Module):
 
     @abstractmethod
     def compile_model(self) -> None:
-        """``trainer.compile``: the model's forward under ``torch.compile``. The bound ``forward``
-        is replaced, not the module, so parameter names (checkpoints, weight sync) stay as they
-        are. A policy with more compute outside the model's forward compiles that too."""
-        self.model.forward = torch.compile(self.model.forward)
+        """``trainer.compile``: each of the model's repeated blocks (:func:`repeated_blocks`: a
+        decoder's layers) under ``torch.compile``, or its whole forward where it has none. Blocks
+        of one type run one compiled graph (a shape's, then one with dynamic shapes): Dynamo
+        traces one layer where the whole forward traced them all, and a deep model's compile is
+        that much shorter (a 24-layer decoder on a CPU: 27 s against 256 s), as torchtitan
+        compiles each transformer block. The bound ``forward`` is replaced, not the module, so
+        parameter names (checkpoints, weight sync) stay as they are. A policy with more compute
+        outside the model's forward compiles that too."""
+        for module in repeated_blocks(self.model) or [self.model]:
+            module.forward = torch.compile(module.forward)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """Return the optimizer for the parameters this module trains."""
@@ -202,3 +208,23 @@ def _flatten(items: Any):
             yield item
         else:
             yield from _flatten(item)
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of every ``nn.ModuleList`` of two or more modules of one type that is not inside
+    another such list, where together they hold at least half of ``model``'s parameters (a
+    decoder's layers, a vision tower's and a language model's); else none."""
+    blocks: list[torch.nn.Module] = []
+    within: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix) for prefix in within):
+            continue
+        if (
+            isinstance(module, torch.nn.ModuleList)
+            and len(module) >= 2
+            and len({type(m) for m in module}) == 1
+        ):
+            blocks.extend(module)
+            within.append(f"{name}.")
+    held = sum(p.numel() for block in blocks for p in block.parameters())
+    return blocks if held and 2 * held >= sum(p.numel() for p in model.parameters()) else []

@@ -117,7 +117,8 @@ class ValueModel(RLModule):
         of the position before it (where the policy's logits for that token come from)."""
         ids, mask, response = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
-        hidden = self.model.backbone(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+        hidden = self.model.backbone(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+        hidden = hidden.last_hidden_state
         r = response.shape[-1]
         return self.model.head(hidden[:, -r - 1 : -1]).squeeze(-1).float()
 

@@ -100,3 +100,18 @@ def test_a_deep_decoders_layers_share_one_compiled_graph(tmp_path):
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
     cached = torch._dynamo.eval_frame._debug_get_cache_entry_list(Qwen2DecoderLayer.forward.__code__)
     assert len(cached) == 2
+
+
+def test_the_actor_and_the_critic_compile_their_layers(assets):
+    """``compile_model`` wraps each decoder layer's forward (compiling at its first call), not the
+    model's: the actor's, and the critic's, whose forward calls its backbone directly (so compiling
+    the value network's own forward compiled nothing)."""
+    from rlinf_lightning.policies import ValueModel
+
+    for policy, layers in ((LMPolicy(str(assets["sft"])), "model.model.layers"),
+                           (ValueModel(str(assets["sft"])), "model.backbone.layers")):  # fmt: skip
+        policy.configure_model()
+        policy.compile_model()
+        blocks = policy.get_submodule(layers)
+        assert len(blocks) >= 2 and all("forward" in vars(block) for block in blocks)
+        assert "forward" not in vars(policy.model)

@@ -11,7 +11,7 @@ from tensordict import TensorDict
 
 from rlinf_lightning.policies.chunked_head import LOGIT_CHUNK_TOKENS, chunked_logprobs
 from rlinf_lightning.policies.lora import LoRA, lora_problems
-from rlinf_lightning.policies.module import DTYPES, RLModule, anneal_problems, annealed
+from rlinf_lightning.policies.module import DTYPES, RLModule, anneal_problems, annealed, compile_blocks
 from rlinf_lightning.policies.train_math import adapt_for_training
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ class LMPolicy(RLModule):
         """The decoder's layers and the chunked head's per-chunk math under ``torch.compile``
         (``policies.chunked_head``): with the layers' element-wise work fused, the head's passes
         over each chunk's logits would be the eager part left."""
-        super().compile_model()
+        compile_blocks(self.model)
         self.compiled_head = True
 
     def meta_model(self) -> None:

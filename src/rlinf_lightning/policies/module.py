@@ -85,16 +85,11 @@ class RLModule(torch.nn.Module):
 
     @abstractmethod
     def compile_model(self) -> None:
-        """``trainer.compile``: each of the model's repeated blocks (:func:`repeated_blocks`: a
-        decoder's layers) under ``torch.compile``, or its whole forward where it has none. Blocks
-        of one type run one compiled graph (a shape's, then one with dynamic shapes): Dynamo
-        traces one layer where the whole forward traced them all, and a deep model's compile is
-        that much shorter (a 24-layer decoder on a CPU: 27 s against 256 s), as torchtitan
-        compiles each transformer block. The bound ``forward`` is replaced, not the module, so
-        parameter names (checkpoints, weight sync) stay as they are. A policy with more compute
-        outside the model's forward compiles that too."""
-        for module in repeated_blocks(self.model) or [self.model]:
-            module.forward = torch.compile(module.forward)
+        """``trainer.compile``: the model's forward under ``torch.compile``. The bound ``forward``
+        is replaced, not the module, so parameter names (checkpoints, weight sync) stay as they
+        are. A policy with more compute outside the model's forward compiles that too; one whose
+        forwards pass no key/value cache compiles its blocks instead (:func:`compile_blocks`)."""
+        self.model.forward = torch.compile(self.model.forward)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """Return the optimizer for the parameters this module trains."""
@@ -208,6 +203,18 @@ def _flatten(items: Any):
             yield item
         else:
             yield from _flatten(item)
+
+
+def compile_blocks(model: torch.nn.Module) -> None:
+    """Each of ``model``'s repeated blocks (:func:`repeated_blocks`: a decoder's layers) under
+    ``torch.compile``, or its whole forward where it has none, as torchtitan compiles each
+    transformer block. Blocks of one type run one compiled graph per shape (the first, then one
+    with dynamic shapes): Dynamo traces one layer where the whole forward traced them all (a
+    24-layer decoder on a CPU: 27 s of compiling against 256 s). Only for forwards that pass no
+    key/value cache: a layer reads its own cache entry, and each layer would compile its own graph
+    (up to Dynamo's recompile limit, eager after)."""
+    for module in repeated_blocks(model) or [model]:
+        module.forward = torch.compile(module.forward)
 
 
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.policies.lm import enable_gradient_checkpointing
-from rlinf_lightning.policies.module import DTYPES, RLModule
+from rlinf_lightning.policies.module import DTYPES, RLModule, compile_blocks
 from rlinf_lightning.policies.train_math import adapt_for_training
 
 
@@ -90,6 +90,10 @@ class ValueModel(RLModule):
         if self.gradient_checkpointing:  # None (the budget decides) turns it on later, if at all
             enable_gradient_checkpointing(backbone)
         self.model = ValueNetwork(backbone, backbone.config.hidden_size)
+
+    def compile_model(self) -> None:
+        """The backbone's layers under ``torch.compile`` (its forwards pass no key/value cache)."""
+        compile_blocks(self.model)
 
     def meta_model(self) -> None:
         from transformers import AutoConfig, AutoModel

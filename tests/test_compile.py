@@ -104,8 +104,8 @@ def test_a_deep_decoders_layers_share_one_compiled_graph(tmp_path):
 
 def test_the_actor_and_the_critic_compile_their_layers(assets):
     """``compile_model`` wraps each decoder layer's forward (compiling at its first call), not the
-    model's: the actor's, and the critic's, whose forward calls its backbone directly (so compiling
-    the value network's own forward compiled nothing)."""
+    model's: the actor's, and the critic's (whose value network had no forward of its own until
+    FSDP2 needed one, so the whole-forward compile compiled nothing of it)."""
     from rlinf_lightning.policies import ValueModel
 
     for policy, layers in ((LMPolicy(str(assets["sft"])), "model.model.layers"),

@@ -179,3 +179,36 @@ def test_fit_with_fsdp_checkpoints_shards_and_resumes_on_another_replica_count(a
     # none). A lost or wrong state (Adam's moments, the data stream) moves most weights instead.
     diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
     assert float(diff.max()) <= 2 * 1e-3 and float((diff > 1e-5).float().mean()) < 0.01
+
+
+def test_a_critic_trains_on_fsdp_as_on_the_single_engine(assets):
+    """The value model's forward is its network's own call, so FSDP2's root (which gathers the
+    embedding, final norm and value head) sees it; calling the backbone past it met sharded
+    parameters ("mixed torch.Tensor and DTensor"). One rank: loss and grad norm of a step equal
+    the single engine's."""
+    from rlinf_lightning.engines.train import build_train_engine
+    from rlinf_lightning.flow.stage import StageContext
+    from rlinf_lightning.policies import ValueModel
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (4, 20), generator=gen)
+    batch = TensorDict(
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": torch.ones(4, 8),
+         "returns": torch.randn(4, 8, generator=gen)}, batch_size=[4],
+    )  # fmt: skip
+
+    def loss(policy, mb):
+        return (policy.forward_values(mb) - mb["returns"]).square().sum(), mb["returns"].numel(), {}
+
+    steps = {}
+    for name in ("single", "fsdp"):
+        engine = build_train_engine(name, 1, {})
+        engine.setup(ValueModel(str(assets["sft"])), StageContext(), "32-true")
+        try:
+            engine.accumulate(batch, loss)
+            steps[name] = engine.step().compute()
+        finally:
+            engine.shutdown()
+    assert steps["single"]["grad_norm"] > 0
+    for key in ("loss", "grad_norm"):
+        assert steps["fsdp"][key] == pytest.approx(steps["single"][key], rel=1e-5), key

@@ -27,6 +27,16 @@ class ValueNetwork(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
+    def forward(self, input_ids, attention_mask, position_ids, response_len: int) -> torch.Tensor:
+        """``[B, response_len, 1]``: the value of each response token's state, read from the hidden
+        state of the position before it. One call of the network itself, so that what wraps it
+        (FSDP2's root, which gathers the embedding, final norm and head) sees the forward; a fresh
+        tensor, not a view (an FSDP2 root's output must not be)."""
+        out = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
+        return self.head(out.last_hidden_state[:, -response_len - 1 : -1])
+
 
 class ValueModel(RLModule):
     """The critic of token-level PPO (``task.critic`` of a ``MathTask``).
@@ -92,7 +102,7 @@ class ValueModel(RLModule):
         self.model = ValueNetwork(backbone, backbone.config.hidden_size)
 
     def compile_model(self) -> None:
-        """The backbone's layers under ``torch.compile`` (its forwards pass no key/value cache)."""
+        """The backbone's layers under ``torch.compile`` (its forward passes no key/value cache)."""
         compile_blocks(self.model)
 
     def meta_model(self) -> None:
@@ -121,10 +131,7 @@ class ValueModel(RLModule):
         of the position before it (where the policy's logits for that token come from)."""
         ids, mask, response = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
-        hidden = self.model.backbone(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
-        hidden = hidden.last_hidden_state
-        r = response.shape[-1]
-        return self.model.head(hidden[:, -r - 1 : -1]).squeeze(-1).float()
+        return self.model(ids, mask, pos, response.shape[-1]).squeeze(-1).float()
 
     def validate_config(self) -> list[tuple[str, str]]:
         """(key, problem) pairs found without loading anything."""

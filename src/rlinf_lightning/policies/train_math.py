@@ -5,7 +5,8 @@ Under ``bf16-mixed`` the weights are float32 masters, so the residual stream, th
 ``transformers`` writes it) the rotary embedding run in float32 between the bf16 matmuls. Each
 element-wise op is a kernel that reads and writes whole activations: on a GPU the step's
 element-wise traffic is as long as its matmuls (``benchmarks/actor_bound.py``). What changes here
-keeps each computed value (to float32 rounding), and where it cannot, the module is left alone.
+keeps what is computed up to rounding (the norms': float32's; the rotation's: bf16's, to which
+autocast rounded its result anyway), and where it cannot, the module is left alone.
 :func:`adapt_for_training` applies both to a freshly loaded model.
 """
 
@@ -54,7 +55,8 @@ def fuse_rms_norms(model: torch.nn.Module) -> int:
     input and weight are float32 (the residual stream over float32 master weights); returns how
     many. ``transformers`` writes the norm as five element-wise ops, whose autograd keeps the
     normalised output too and runs about ten in the backward; on CUDA, ``rms_norm`` is one fused
-    kernel each way (torch >= 2.9) that reads the input once and keeps only it and one scale a row.
+    kernel forward and fused ones backward (torch >= 2.9: aten's two, for the input's and the
+    weight's gradients), and keeps only the input and one scale a row.
     On a CPU ``rms_norm`` is those same five ops, with equal results to the bit. Another dtype
     (bf16 weights: the rollout engine's, FSDP2's mixed precision) keeps the module's own math:
     ``transformers`` rounds the normalised input to bf16 before the weight multiplies it, the fused

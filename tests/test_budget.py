@@ -10,6 +10,7 @@ from rlinf_lightning.algorithms import GRPO
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.flow.budget import USEFUL_TOKENS, LayerShape, actor_cost
 from rlinf_lightning.policies import LMPolicy
+from rlinf_lightning.policies.chunked_head import LogitMap
 from rlinf_lightning.workflows.reasoning.actor import ActorStage
 
 GIB = 2**30
@@ -74,3 +75,21 @@ def test_a_configured_budget_is_kept_and_its_peak_counted(qwen_dir):
     parts = actor.memory("cuda:0", 1, 256)
     assert "32,768 tokens (task.train_max_tokens_per_micro_batch)" in parts[-1].what
     assert sum(p.nbytes for p in parts) > H200_BYTES * 0.75  # whole logits at 32k tokens: most of an H200
+
+
+@pytest.mark.parametrize(
+    ("extra", "mapped"),
+    [({}, False), ({"logits_scaling": 1.0}, False), ({"final_logit_softcapping": 30.0}, True),
+     ({"logits_scaling": 8.0}, True), ({"logit_scale": 0.0625}, True)],
+)  # fmt: skip
+def test_a_model_that_maps_its_logits_costs_its_chunks_more(tmp_path, extra, mapped):
+    """Gemma 2's soft cap, Granite's and Cohere's scales: each chunk also holds the mapped logits
+    and the map's derivative in float32 (``policies.chunked_head``), 8 bytes a token a vocabulary
+    entry; a scale of 1 maps nothing. Read from config.json, as the actor stage reads it."""
+    import json
+
+    keys = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "vocab_size": 151936}
+    (tmp_path / "config.json").write_text(json.dumps({**keys, **extra}))
+    assert LogitMap.from_dir(tmp_path).identity is not mapped
+    costs = [actor_cost(QWEN_05B, 0.0, logit_chunk=1024, mapped_logits=m).fixed for m in (False, mapped)]
+    assert costs[1] - costs[0] == (8 * 151936 * 1024 if mapped else 0)

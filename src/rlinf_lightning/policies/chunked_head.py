@@ -19,19 +19,102 @@ A temperature other than 1 divides a float32 copy of the logits in the softmaxes
 gradient's multiplier.
 
 The matmuls run in the autocast dtype where autocast is on (as ``lm_head`` would), the softmax in
-float32; the gradients are those of ``log_softmax(hidden @ W.T / temperature)`` at the targets,
-and of the entropy where it is asked for with its gradient.
+float32; the gradients are those of ``log_softmax(logit_map(hidden @ W.T) / temperature)`` at the
+targets, and of the entropy where it is asked for with its gradient. ``logit_map`` is what the model
+does to ``lm_head``'s output before its softmax (:class:`LogitMap`: Gemma 2 caps its logits,
+Granite and Cohere scale them), and :func:`head_mismatch` checks on the loaded weights that the
+chunks compute the model's own logits.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import torch
 
 #: tokens whose logits exist at once (1,024 x 151,936: 0.3 GB in bf16, and 0.6 GB for the float32
 #: probabilities)
 LOGIT_CHUNK_TOKENS = 1024
+
+
+class LogitMap(NamedTuple):
+    """What a causal LM does to its ``lm_head``'s output before the softmax, as its config says:
+    multiply by ``scale`` (Cohere's ``logit_scale``; Granite divides by ``logits_scaling``), then cap
+    softly at ``softcap``: ``softcap * tanh(z / softcap)`` (Gemma 2's ``final_logit_softcapping``).
+    The Llama / Qwen layout does neither. Applied in float32, and differentiated through its output
+    (``d/dz softcap tanh(z / softcap) = 1 - (capped / softcap)^2``)."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, config: Any) -> LogitMap:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        scale = getattr(text, "logit_scale", None)
+        scaling = getattr(text, "logits_scaling", None)
+        softcap = getattr(text, "final_logit_softcapping", None) or getattr(text, "logits_soft_cap", None)
+        return cls(
+            scale=(1.0 if scale is None else float(scale)) / (1.0 if scaling is None else float(scaling)),
+            softcap=None if softcap is None else float(softcap),
+        )
+
+    @classmethod
+    def from_dir(cls, model_path: str | Path) -> LogitMap:
+        """From ``model_path/config.json`` (its text config for a multimodal one) without loading
+        anything; the identity without one."""
+        path = Path(model_path) / "config.json"
+        if not path.is_file():
+            return cls()
+        config = json.loads(path.read_text())
+        return cls.of(SimpleNamespace(**config.get("text_config", config)))
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        """``z`` mapped, in float32; ``z`` itself where the map is the identity."""
+        if self.identity:
+            return z
+        z = z.float() * self.scale
+        return z if self.softcap is None else torch.tanh(z / self.softcap) * self.softcap
+
+    def derivative(self, mapped: torch.Tensor) -> torch.Tensor | float:
+        """``d map(z) / dz`` from the mapped values."""
+        if self.softcap is None:
+            return self.scale
+        return (1.0 - (mapped / self.softcap).square()) * self.scale
+
+
+def head_mismatch(model: torch.nn.Module, logit_map: LogitMap, tokens: int = 8) -> str | None:
+    """Why :func:`chunked_logprobs` would not compute ``model``'s own logits, or ``None``: on a probe
+    of ``tokens`` tokens, ``logit_map(lm_head(last hidden state))`` against the model's logits,
+    within a few roundings of the model's dtype. A model that transforms its logits in a way its
+    config does not say (or whose last hidden state is not the head's input) fails it."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        return f"{type(model).__name__}'s output embeddings are a {type(head).__name__}, not an nn.Linear"
+    training = model.training
+    model.eval()  # no dropout, no random numbers drawn
+    try:
+        with torch.no_grad():
+            ids = torch.arange(tokens, device=head.weight.device)[None] % head.weight.shape[0]
+            out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+            theirs = out.logits.float()
+            mine = logit_map(_logits(out.hidden_states[-1], head.weight, head.bias)).float()
+    finally:
+        model.train(training)
+    error, size = (mine - theirs).abs().max().item(), max(1.0, theirs.abs().max().item())
+    if error <= 4 * torch.finfo(out.logits.dtype).eps * size:
+        return None
+    return (
+        f"{type(model).__name__}'s logits are not {logit_map} of its lm_head's output "
+        f"(they differ by up to {error:.3g} on a probe, the logits' largest being {size:.3g})"
+    )
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -46,7 +129,9 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     ``compiled``: each chunk's math under ``torch.compile`` (see :func:`chunked_logprobs`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, dtype, with_entropy, compiled):
+    def forward(
+        ctx, hidden, weight, bias, targets, logit_map, temperature, chunk, dtype, with_entropy, compiled
+    ):
         logp = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         entropy = torch.zeros_like(logp)
         forward_chunk, _ = _chunk_functions(compiled)
@@ -54,12 +139,15 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
             w, b = _cast(weight, bias, dtype)  # once, not per chunk (float32 master weights: a bf16 copy)
             for s in range(0, hidden.shape[0], chunk):
                 rows = slice(s, s + chunk)
-                lp, ent = forward_chunk(hidden[rows], w, b, targets[rows], temperature, with_entropy)
+                lp, ent = forward_chunk(
+                    hidden[rows], w, b, targets[rows], logit_map, temperature, with_entropy
+                )
                 logp[rows] = lp
                 if with_entropy:
                     entropy[rows] = ent
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.temperature, ctx.chunk, ctx.dtype, ctx.compiled = temperature, chunk, dtype, compiled
+        ctx.logit_map, ctx.temperature, ctx.chunk, ctx.dtype = logit_map, temperature, chunk, dtype
+        ctx.compiled = compiled
         ctx.set_materialize_grads(False)  # an entropy only logged gets no gradient: skip its terms
         return logp, entropy
 
@@ -84,6 +172,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                     targets[rows],
                     grad_logp[rows],
                     None if grad_entropy is None else grad_entropy[rows],
+                    ctx.logit_map,
                     ctx.temperature,
                 )
                 if grad_hidden is not None:
@@ -94,7 +183,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                     grad_bias += g.sum(0, dtype=torch.float32)
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def forward_chunk(
@@ -102,11 +191,12 @@ def forward_chunk(
     w: torch.Tensor,
     b: torch.Tensor | None,
     targets: torch.Tensor,
+    logit_map: LogitMap,
     temperature: float,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A chunk's log-probs at ``targets`` and (``with_entropy``) entropies, float32."""
-    log_probs = _log_softmax(_logits(h, w, b), temperature)
+    log_probs = _log_softmax(logit_map(_logits(h, w, b)), temperature)
     logp = log_probs.gather(-1, targets[:, None]).squeeze(-1)
     return logp, -_rowwise_dot(log_probs.exp(), log_probs) if with_entropy else None
 
@@ -118,13 +208,15 @@ def logit_grad(
     targets: torch.Tensor,
     grad_logp: torch.Tensor,
     grad_entropy: torch.Tensor | None,
+    logit_map: LogitMap,
     temperature: float,
 ) -> torch.Tensor:
     """The gradient of the loss with respect to a chunk's logits, in ``w``'s dtype (the matmuls'):
     ``d logp_t / dz = (onehot(t) - p) / T`` and ``d H / dz = -p (log p + H) / T``, so it is ``p``
     times a scale (per row, or per entry with the entropy's gradient) plus ``grad_logp / T`` at
-    the target, whose entry is computed in float32 and rounded once."""
-    t, z = temperature, _logits(h, w, b)
+    the target, whose entry is computed in float32 and rounded once; times the logit map's
+    derivative (in float32) where the model maps its logits."""
+    t, z = temperature, logit_map(_logits(h, w, b))
     if grad_entropy is None:
         probs = torch.softmax(_over_temperature(z, t), -1, dtype=torch.float32)
         scale = grad_logp[:, None] / -t
@@ -137,6 +229,9 @@ def logit_grad(
     idx = targets[:, None]
     scale_t = scale.gather(-1, idx) if scale.shape[-1] > 1 else scale
     at_target = probs.gather(-1, idx) * scale_t + grad_logp[:, None] / t
+    if not logit_map.identity:
+        g = (probs * scale).scatter_(-1, idx, at_target)
+        return g.mul_(logit_map.derivative(z)).to(w.dtype)
     if torch.compiler.is_compiling():  # Inductor fuses the product and its cast
         g = (probs * scale).to(w.dtype)
     else:  # eager: the product written once, in the matmul's dtype
@@ -169,9 +264,10 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _over_temperature(z: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``z / temperature`` in float32; ``z`` itself at temperature 1 (the softmaxes read it in its
-    own dtype then, with no divided copy written)."""
-    return z if temperature == 1.0 else z.float().div_(temperature)
+    """``z / temperature`` in float32 (a new tensor: ``z`` is read again for a logit map's
+    derivative); ``z`` itself at temperature 1 (the softmaxes read it in its own dtype then, with no
+    divided copy written)."""
+    return z if temperature == 1.0 else z.to(torch.float32, copy=True).div_(temperature)
 
 
 def _log_softmax(z: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -195,8 +291,10 @@ def chunked_logprobs(
     chunk: int = LOGIT_CHUNK_TOKENS,
     entropy: bool = True,
     compiled: bool = False,
+    logit_map: LogitMap | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of ``targets`` ``[B, R]`` after ``hidden`` ``[B, R, H]`` through ``head``, and each
+    """Log-prob of ``targets`` ``[B, R]`` after ``hidden`` ``[B, R, H]`` through ``head`` (and
+    ``logit_map``), and each
     position's entropy (differentiable; detach it for the log; ``None`` unless ``entropy``), both
     ``[B, R]`` float32. ``compiled``: each chunk's softmax, gather, entropy and logit gradient
     under ``torch.compile`` (``trainer.compile``), which fuses their passes over the logits into
@@ -207,6 +305,7 @@ def chunked_logprobs(
         head.weight,
         head.bias,
         targets.reshape(-1),
+        LogitMap() if logit_map is None else logit_map,
         temperature,
         chunk,
         _compute_dtype(hidden, head.weight),

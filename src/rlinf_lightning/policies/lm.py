@@ -9,7 +9,12 @@ from typing import TYPE_CHECKING
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.policies.chunked_head import LOGIT_CHUNK_TOKENS, chunked_logprobs
+from rlinf_lightning.policies.chunked_head import (
+    LOGIT_CHUNK_TOKENS,
+    LogitMap,
+    chunked_logprobs,
+    head_mismatch,
+)
 from rlinf_lightning.policies.lora import LoRA, lora_problems
 from rlinf_lightning.policies.module import DTYPES, RLModule, anneal_problems, annealed, compile_blocks
 from rlinf_lightning.policies.train_math import adapt_for_training
@@ -81,7 +86,10 @@ class LMPolicy(RLModule):
             from its token budget (``flow.budget``), off where no budget is computed.
         logit_chunk_tokens: the response log-probs go through the lm head this many tokens at a
             time, the logits recomputed in the backward (``policies.chunked_head``), so the whole
-            micro-batch's logits never exist; ``None``: whole logits (one log-softmax).
+            micro-batch's logits never exist; ``None``: whole logits (one log-softmax). Loading
+            checks that the chunks compute the model's own logits (with the scale or soft cap its
+            config gives them), and refuses a model whose logits they would not. An lm head with
+            LoRA adapters takes the whole logits.
     """
 
     def __init__(
@@ -118,6 +126,9 @@ class LMPolicy(RLModule):
 
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, self.dtype))
         adapt_for_training(self.model)
+        if self.logit_chunk_tokens and (problem := head_mismatch(self.model, LogitMap.of(self.model.config))):
+            fix = "set it to null (whole logits) for this model"
+            raise ValueError(f"policy.logit_chunk_tokens: {problem}; {fix}")
         if self.gradient_checkpointing:  # None (the budget decides) turns it on later, if at all
             enable_gradient_checkpointing(self.model)
 
@@ -180,7 +191,7 @@ class LMPolicy(RLModule):
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         want = "grad" if with_entropy else "value" if torch.is_grad_enabled() else None
         head = self.model.get_output_embeddings()
-        if self.logit_chunk_tokens and not _sharded(head.weight):
+        if self.logit_chunk_tokens and isinstance(head, torch.nn.Linear) and not _sharded(head.weight):
             with self.training_attention(ids):  # the decoder's last hidden states; logits of one token
                 out = self.model(
                     input_ids=ids,
@@ -201,6 +212,7 @@ class LMPolicy(RLModule):
                 self.logit_chunk_tokens,
                 entropy=want is not None,
                 compiled=self.compiled_head,
+                logit_map=LogitMap.of(self.model.config),
             )
             entropy = entropy.detach() if want == "value" else entropy
         else:

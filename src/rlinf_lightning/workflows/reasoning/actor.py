@@ -14,6 +14,7 @@ from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.flow.budget import LayerShape, StepCost, actor_cost
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, StageContext
+from rlinf_lightning.policies.chunked_head import LogitMap
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.workflows.mini_batches import mini_batch_steps
 from rlinf_lightning.workflows.padding import micro_batches
@@ -173,6 +174,7 @@ class ActorStage(TokenBudget, TrainStage):
             compute=compute,
             checkpointing=checkpointing,
             logit_chunk=getattr(self.policy, "logit_chunk_tokens", None),
+            mapped_logits=not LogitMap.from_dir(self.policy.model_path).identity,
             response_fraction=self.horizon / (prompt + self.horizon),
         )
 

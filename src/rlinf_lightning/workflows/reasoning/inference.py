@@ -12,6 +12,7 @@ from rlinf_lightning.engines.offload import Offloader
 from rlinf_lightning.flow.budget import LayerShape, StepCost, inference_cost
 from rlinf_lightning.flow.memory import dtype_bytes, weights_part
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
+from rlinf_lightning.policies.chunked_head import LogitMap
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.workflows.padding import token_budget_split
 from rlinf_lightning.workflows.token_budget import TokenBudget
@@ -69,6 +70,7 @@ class InferenceStage(TokenBudget, Stage):
             static,
             dtype=dtype_bytes(self.policy.dtype),  # the reference runs in its dtype, no autocast
             logit_chunk=getattr(self.policy, "logit_chunk_tokens", None),
+            mapped_logits=not LogitMap.from_dir(self.policy.model_path).identity,
             response_fraction=self.horizon / (prompt + self.horizon),
         )
 

@@ -70,3 +70,34 @@ def test_a_weight_sync_that_skips_a_parameter_raises(assets):
     sent = [(n, p) for n, p in HFRolloutEngine(str(assets["sft"])).model.named_parameters()]
     with pytest.raises(RuntimeError, match=r"left 1 rollout parameter.*layers.1.mlp.up_proj"):
         engine.update_weights([(n, p) for n, p in sent if n != "model.layers.1.mlp.up_proj.weight"])
+
+
+def test_completions_end_at_the_generation_configs_end_tokens_too(assets, tmp_path):
+    """``end_token_ids``: the tokenizer's end-of-sequence token, then those of the model's
+    ``generation_config.json`` (as ``generate`` and vLLM stop at them); the engine ends a greedy
+    completion at the first of them it samples."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from rlinf_lightning.engines.sampling import end_token_ids
+
+    model = shutil.copytree(assets["sft"], tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(model)
+    assert end_token_ids(tok) == [tok.eos_token_id]
+    engine = HFRolloutEngine(str(model))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    prompt = _prompts(tok, ["What is 33+44?="])
+    (full,) = engine.generate(prompt, [0], 1, greedy, 0, -1)[0]  # -1: never stop early
+    eos = tok.eos_token_id
+    stop_at = next(t for t in full.token_ids[1:] if t != eos)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [stop_at, eos]}))
+    tok = AutoTokenizer.from_pretrained(model)
+    assert end_token_ids(tok) == [eos, stop_at]
+    (cut,) = engine.generate(prompt, [0], 1, greedy, 0, end_token_ids(tok))[0]
+    end = next(i for i, t in enumerate(full.token_ids) if t in (eos, stop_at))
+    assert cut.token_ids == full.token_ids[: end + 1] and len(cut.token_ids) < len(full.token_ids)
+    tok.eos_token = None  # a tokenizer without one: the generation config's alone
+    assert end_token_ids(tok) == [stop_at, eos]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlinf_lightning.engines.rollout import RolloutEngine, SamplingParams
+from rlinf_lightning.engines.sampling import end_token_ids
 from rlinf_lightning.prompts import RAW, PromptFormat
 from rlinf_lightning.rewards import RewardInput, load_reward, score
 
@@ -30,7 +31,7 @@ def greedy_accuracy(
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
         ids = prompt_format.encode(tokenizer, chunk)
-        outs = engine.generate(ids, list(range(i, i + len(chunk))), 1, params, 0, tokenizer.eos_token_id)
+        outs = engine.generate(ids, list(range(i, i + len(chunk))), 1, params, 0, end_token_ids(tokenizer))
         texts = [tokenizer.decode(cs[0].token_ids, skip_special_tokens=True) for cs in outs]
         correct += float(score(judge, RewardInput(texts, answers[i : i + batch_size], chunk)).sum())
     return correct / max(1, len(prompts))

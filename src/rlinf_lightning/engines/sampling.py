@@ -13,7 +13,10 @@ float32 tensor (the probabilities, cumulated in place) exists per step.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -83,8 +86,20 @@ def sample_next(
     return token, logp
 
 
-def stop_token_ids(eos_token_id: int | Sequence[int]) -> list[int]:
+def stop_token_ids(eos_token_id: int | Sequence[int] | None) -> list[int]:
     """The token ids that end a completion: ``eos_token_id`` itself, or each of a list; negative ids
-    (``-1``: never stop early) are dropped."""
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    return [int(i) for i in ids if i >= 0]
+    (``-1``: never stop early) and ``None`` (a tokenizer without one) are dropped."""
+    ids = [eos_token_id] if isinstance(eos_token_id, int) or eos_token_id is None else list(eos_token_id)
+    return [int(i) for i in ids if i is not None and i >= 0]
+
+
+def end_token_ids(tokenizer: Any) -> list[int]:
+    """The ids a completion ends at: the tokenizer's end-of-sequence token, then those of the
+    ``generation_config.json`` in the directory it was loaded from (``model.generate`` and vLLM
+    stop at those too: Qwen2.5-Instruct's ``<|endoftext|>`` beside ``<|im_end|>``, Llama 3.1's
+    ``<|eom_id|>`` beside ``<|eot_id|>``)."""
+    ids = stop_token_ids(tokenizer.eos_token_id)
+    config = Path(getattr(tokenizer, "name_or_path", "") or ".") / "generation_config.json"
+    if config.is_file():
+        ids += [i for i in stop_token_ids(json.loads(config.read_text()).get("eos_token_id")) if i not in ids]
+    return ids

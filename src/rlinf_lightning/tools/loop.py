@@ -31,6 +31,7 @@ from functools import partial
 from typing import Any
 
 from rlinf_lightning.engines.rollout import Completion, RolloutEngine, SamplingParams
+from rlinf_lightning.engines.sampling import end_token_ids
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.prompts import PromptFormat
 from rlinf_lightning.seeds import row_seed
@@ -150,13 +151,12 @@ class TurnLoop:
             prompt_ids.append(ids)
             samples += [_Sample(env, ids, group, j) for j, env in enumerate(envs)]
         stops = list(getattr(samples[0].env, "stop", ())) if samples else []
-        stop_ids = [tokenizer.eos_token_id] + [
-            tokenizer(s, add_special_tokens=False)["input_ids"][-1] for s in stops
-        ]
+        ends = end_token_ids(tokenizer)
+        stop_ids = ends + [tokenizer(s, add_special_tokens=False)["input_ids"][-1] for s in stops]
         first = replace(params, max_new_tokens=min(params.max_new_tokens, self.max_tokens))
         outs = engine.generate(prompt_ids, groups, n, first, seed, stop_ids)
         firsts = (c for cs in outs for c in cs)
-        running = [s for s, c in zip(samples, firsts) if self._advance(s, c, tokenizer, stops, params)]
+        running = [s for s, c in zip(samples, firsts) if self._advance(s, c, tokenizer, stops, ends, params)]
         running = self._answer(running, tokenizer, metrics)
         while running:
             cap = max(self._cap(s, params) for s in running)
@@ -170,7 +170,9 @@ class TurnLoop:
             )
             for s in running:
                 s.steps += 1
-            running = [s for s, (c,) in zip(running, outs) if self._advance(s, c, tokenizer, stops, params)]
+            running = [
+                s for s, (c,) in zip(running, outs) if self._advance(s, c, tokenizer, stops, ends, params)
+            ]
             running = self._answer(running, tokenizer, metrics)
         self._count(samples, metrics)
         completions = [Completion(s.tokens, s.logprobs, s.mask) for s in samples]
@@ -188,6 +190,7 @@ class TurnLoop:
         new: Completion,
         tokenizer: Any,
         stops: list[str],
+        ends: list[int],
         params: SamplingParams,
     ) -> bool:
         """Append a step's tokens to ``s`` (cut to its own caps), marking a finished call as
@@ -198,7 +201,7 @@ class TurnLoop:
         s.logprobs += new.logprobs[:cap]
         s.mask += [1] * len(tokens)
         turn = tokenizer.decode(s.tokens[s.turn_start :], skip_special_tokens=True)
-        if tokens and tokens[-1] == tokenizer.eos_token_id:
+        if tokens and tokens[-1] in ends:
             return self._end(s, "answer")
         if any(turn.endswith(stop) for stop in stops):
             s.pending = turn

@@ -11,6 +11,7 @@ from tensordict import TensorDict
 
 from rlinf_lightning.engines.precision import resolve_rollout_dtype
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, Completion, SamplingParams
+from rlinf_lightning.engines.sampling import end_token_ids
 from rlinf_lightning.evaluation import EVAL_BATCH_SIZE, greedy_accuracy
 from rlinf_lightning.flow.memory import dtype_bytes, weights_part
 from rlinf_lightning.flow.metrics import Metrics
@@ -162,6 +163,7 @@ class RolloutStage(Stage):
 
     def setup(self, ctx: StageContext) -> None:
         self.tokenizer = self.policy.load_tokenizer()
+        self.end_ids = end_token_ids(self.tokenizer)
         self.engine = ROLLOUT_ENGINES.get(self.engine_name)(
             self.policy.model_path, device=ctx.device, dtype=self.dtype(ctx.device), **self.engine_options
         )
@@ -197,7 +199,7 @@ class RolloutStage(Stage):
             )
         prompt_ids = self.prompt_format.encode(self.tokenizer, prompts)
         completions = self.engine.generate(
-            prompt_ids, groups, n, params, self.seed, eos_token_id=self.tokenizer.eos_token_id
+            prompt_ids, groups, n, params, self.seed, eos_token_id=self.end_ids
         )
         return prompt_ids, completions
 
@@ -269,10 +271,9 @@ class RolloutStage(Stage):
         self.metrics.sum("tokens_total", tensors["attention_mask"].sum())  # prompts + responses
         self.metrics.sum("response_tokens_total", lengths.sum())
         # clipped: stopped by max_new_tokens rather than by the end-of-sequence token
-        eos = self.tokenizer.eos_token_id
         clipped = [  # with turns: any sample that did not end with an answer
             (self.turns is not None or len(c.token_ids) >= self.sampling.max_new_tokens)
-            and (not c.token_ids or c.token_ids[-1] != eos)
+            and (not c.token_ids or c.token_ids[-1] not in self.end_ids)
             for cs in completions
             for c in cs
         ]

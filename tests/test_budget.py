@@ -67,6 +67,19 @@ def test_a_small_device_turns_checkpointing_on_and_a_tiny_one_is_refused(qwen_di
     assert key == "task.train_max_tokens_per_micro_batch" and "not one sample of 320 tokens" in why
 
 
+def test_on_fsdp_the_budget_counts_whole_logits(qwen_dir):
+    """An FSDP2-sharded lm head is only gathered inside the model's forward, so the actor takes the
+    whole logits there (``LMPolicy.forward_logprobs``), and its budget counts them."""
+    costs = {}
+    for engine in ("single", "fsdp"):
+        train = TrainSpec(engine, {}, "bf16-mixed")
+        policy = LMPolicy(str(qwen_dir))
+        actor = ActorStage(policy, GRPO(), train, 1.0, None, None, 256, 32, max_prompt_tokens=64)
+        costs[engine] = actor.budget_cost("cuda:0", 0.0, False)
+    assert costs["fsdp"].per_token > costs["single"].per_token + 4 * QWEN_05B.vocab  # the logits a token
+    assert costs["fsdp"].fixed == 0 < costs["single"].fixed  # no chunk
+
+
 def test_a_configured_budget_is_kept_and_its_peak_counted(qwen_dir):
     policy = LMPolicy(str(qwen_dir), logit_chunk_tokens=None)
     actor = ActorStage(policy, GRPO(), TrainSpec("single", {}, "bf16-mixed"), 1.0, None, 32768, 256, 32,

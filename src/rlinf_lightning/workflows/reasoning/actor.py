@@ -167,13 +167,15 @@ class ActorStage(TokenBudget, TrainStage):
             return None
         residual, compute = self.step_dtype_bytes(device)
         prompt = self.max_prompt_tokens or 0
+        # an FSDP2-sharded lm head takes the whole logits (``LMPolicy.forward_logprobs``)
+        chunk = None if self.train_engine == "fsdp" else getattr(self.policy, "logit_chunk_tokens", None)
         return actor_cost(
             shape,
             static,
             residual=residual,
             compute=compute,
             checkpointing=checkpointing,
-            logit_chunk=getattr(self.policy, "logit_chunk_tokens", None),
+            logit_chunk=chunk,
             mapped_logits=not LogitMap.from_dir(self.policy.model_path).identity,
             response_fraction=self.horizon / (prompt + self.horizon),
         )

@@ -53,6 +53,7 @@ class LogitMap(NamedTuple):
 
     @classmethod
     def of(cls, config: Any) -> LogitMap:
+        """From a ``transformers`` config (its text config for a multimodal one)."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         scale = getattr(text, "logit_scale", None)
         scaling = getattr(text, "logits_scaling", None)
@@ -293,12 +294,12 @@ def chunked_logprobs(
     compiled: bool = False,
     logit_map: LogitMap | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of ``targets`` ``[B, R]`` after ``hidden`` ``[B, R, H]`` through ``head`` (and
-    ``logit_map``), and each
-    position's entropy (differentiable; detach it for the log; ``None`` unless ``entropy``), both
-    ``[B, R]`` float32. ``compiled``: each chunk's softmax, gather, entropy and logit gradient
-    under ``torch.compile`` (``trainer.compile``), which fuses their passes over the logits into
-    one or two reads of them (the head's matmuls stay cuBLAS's)."""
+    """Log-prob of ``targets`` ``[B, R]`` after ``hidden`` ``[B, R, H]`` through ``head`` (then
+    ``logit_map``: the identity unless given), and each position's entropy (differentiable; detach
+    it for the log; ``None`` unless ``entropy``), both ``[B, R]`` float32. ``compiled``: each
+    chunk's softmax, gather, entropy and logit gradient under ``torch.compile``
+    (``trainer.compile``), which fuses their passes over the logits into one or two reads of them
+    (the head's matmuls stay cuBLAS's)."""
     b, r, _ = hidden.shape
     logp, ent = ChunkedHeadLogprobs.apply(
         hidden.reshape(b * r, -1),

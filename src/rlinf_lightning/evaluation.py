@@ -27,11 +27,11 @@ def greedy_accuracy(
     judge = load_reward(reward)
     judge.setup()
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    correct = 0.0
+    correct, ends = 0.0, end_token_ids(tokenizer)
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
         ids = prompt_format.encode(tokenizer, chunk)
-        outs = engine.generate(ids, list(range(i, i + len(chunk))), 1, params, 0, end_token_ids(tokenizer))
+        outs = engine.generate(ids, list(range(i, i + len(chunk))), 1, params, 0, ends)
         texts = [tokenizer.decode(cs[0].token_ids, skip_special_tokens=True) for cs in outs]
         correct += float(score(judge, RewardInput(texts, answers[i : i + batch_size], chunk)).sum())
     return correct / max(1, len(prompts))

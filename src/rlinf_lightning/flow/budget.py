@@ -24,7 +24,7 @@ float32 log-softmax of the response tokens (``R``) is kept; its backward holds t
 the incoming and the outgoing gradients at once: ``12 V R`` bytes, the step's peak on a large
 vocabulary. Chunked: ``16 V`` bytes a token of one chunk, whatever the budget; ``24 V`` where the
 model scales or caps its logits (Gemma 2, Granite, Cohere: the mapped logits and the map's
-derivative in float32; measured on a CPU under bf16 autocast: 15.0 and 23.0 V).
+derivative in float32; measured on a CPU under bf16 autocast: 15.0 and 21.0 V).
 
 Checked, not fitted, against the unchunked actor on an H200 (Qwen2.5-0.5B shape, bf16 autocast,
 AdamW; ``tests/test_budget.py``): 61.8 GiB at 16,384 tokens and 111.5 GiB at 32,768.

@@ -216,8 +216,10 @@ def logit_grad(
     ``d logp_t / dz = (onehot(t) - p) / T`` and ``d H / dz = -p (log p + H) / T``, so it is ``p``
     times a scale (per row, or per entry with the entropy's gradient) plus ``grad_logp / T`` at
     the target, whose entry is computed in float32 and rounded once; times the logit map's
-    derivative (in float32) where the model maps its logits."""
+    derivative (in float32) where the model maps its logits, taken before the softmaxes may divide
+    the mapped logits by the temperature in place."""
     t, z = temperature, logit_map(_logits(h, w, b))
+    dz = None if logit_map.identity else logit_map.derivative(z)
     if grad_entropy is None:
         probs = torch.softmax(_over_temperature(z, t), -1, dtype=torch.float32)
         scale = grad_logp[:, None] / -t
@@ -230,9 +232,8 @@ def logit_grad(
     idx = targets[:, None]
     scale_t = scale.gather(-1, idx) if scale.shape[-1] > 1 else scale
     at_target = probs.gather(-1, idx) * scale_t + grad_logp[:, None] / t
-    if not logit_map.identity:
-        g = (probs * scale).scatter_(-1, idx, at_target)
-        return g.mul_(logit_map.derivative(z)).to(w.dtype)
+    if dz is not None:
+        return (probs * scale).scatter_(-1, idx, at_target).mul_(dz).to(w.dtype)
     if torch.compiler.is_compiling():  # Inductor fuses the product and its cast
         g = (probs * scale).to(w.dtype)
     else:  # eager: the product written once, in the matmul's dtype
@@ -265,10 +266,9 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _over_temperature(z: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``z / temperature`` in float32 (a new tensor: ``z`` is read again for a logit map's
-    derivative); ``z`` itself at temperature 1 (the softmaxes read it in its own dtype then, with no
-    divided copy written)."""
-    return z if temperature == 1.0 else z.to(torch.float32, copy=True).div_(temperature)
+    """``z / temperature`` in float32 (in place where ``z`` is float32 already); ``z`` itself at
+    temperature 1 (the softmaxes read it in its own dtype then, with no divided copy written)."""
+    return z if temperature == 1.0 else z.float().div_(temperature)
 
 
 def _log_softmax(z: torch.Tensor, temperature: float) -> torch.Tensor:

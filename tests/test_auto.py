@@ -76,26 +76,34 @@ class Generator(Sleeper):
 
 
 class SleepTask(Task):
-    """A two-stage workflow whose generator's per-call cost jumps at ``change_at`` (``gen``,
-    ``learn``: the stages' classes; ``step_s``: the learner's end of iteration)."""
+    """A two-stage workflow whose generator's per-call cost jumps to ``a_after`` at ``change_at``
+    (``gen``, ``learn``: the stages' classes; ``per_sample_s``: their costs per sample;
+    ``step_s``: the learner's end of iteration)."""
 
     input_keys = ("x",)
 
     def __init__(
-        self, change_at: int = 10_000, gen: type | None = None, learn: type | None = None, step_s: float = 0.0
+        self,
+        change_at: int = 10_000,
+        gen: type | None = None,
+        learn: type | None = None,
+        step_s: float = 0.0,
+        per_sample_s: tuple[float, float] = (0.001, 0.0006),
+        a_after: float = 0.03,
     ) -> None:
         self.change_at, self.gen, self.learn = change_at, gen or Generator, learn or Learner
-        self.step_s = step_s
+        self.step_s, self.per_sample_s, self.a_after = step_s, per_sample_s, a_after
 
     def batch_shape(self, run) -> BatchShape:
         return BatchShape(BATCH, UNIT, run.micro_batch_size)
 
     def build_workflow(self, policy, run) -> Workflow:
+        gen_b, learn_b = self.per_sample_s
         return (
             Workflow("sleepers")
             .chain(
-                self.gen("gen", a=0.0005, b=0.001, a_after=0.03, change_at=self.change_at),
-                self.learn("learn", a=0.0005, b=0.0006, end_s=self.step_s),
+                self.gen("gen", a=0.0005, b=gen_b, a_after=self.a_after, change_at=self.change_at),
+                self.learn("learn", a=0.0005, b=learn_b, end_s=self.step_s),
             )
             .sync("learn", "gen", "weights", staleness=run.max_staleness if run is not None else 0)
             .role("train", "learn")
@@ -142,11 +150,9 @@ def _trainer(
     return trainer, rec
 
 
-def _fit(
-    tmp_path, strategy, iterations: int, change_at: int = 10_000, max_staleness: int = 0
-) -> tuple[RLTrainer, Recorder]:
+def _fit(tmp_path, strategy, iterations: int, max_staleness: int = 0, **task) -> tuple[RLTrainer, Recorder]:
     trainer, rec = _trainer(tmp_path, strategy, iterations, max_staleness=max_staleness)
-    trainer.fit(_Policy(), SleepTask(change_at))
+    trainer.fit(_Policy(), SleepTask(**task))
     return trainer, rec
 
 
@@ -419,14 +425,20 @@ def test_a_plan_auto_never_ran_is_predicted_from_its_profile(tmp_path, max_stale
 
 
 def test_retuning_switches_granularity_within_three_iterations_of_a_cost_change(tmp_path):
-    """The generator's per-call cost jumps from 0.5 ms to 30 ms at iteration 8: small micro-batches
-    (short pipeline fill) were best; now few large ones are (the per-call cost dominates)."""
+    """The generator's per-call cost jumps from 0.5 ms to 50 ms at iteration 8: small micro-batches
+    (short pipeline fill) were best; now few large ones are (the per-call cost dominates).
+
+    Both stages cost 3 ms a sample, so that the choice survives the runtime's own cost per
+    message (about 5 ms on a loaded CI machine; at 1 ms a sample it made 32 best before the
+    change). With c the cost of a call beyond its samples, 16 beats 32 by 48 ms - 2c before the
+    change (c about 1-10 ms) and 32 beats 16 by 2c - 48 ms after it (c above 50 ms)."""
     change = 8
     strategy = {
         "class_path": "rlinf_lightning.strategies.AutoStrategy",
         "init_args": {"placements": ["split"], "retune_patience": 1},
     }
-    trainer, rec = _fit(tmp_path, strategy, iterations=change + 5, change_at=change)
+    task = {"change_at": change, "per_sample_s": (0.003, 0.003), "a_after": 0.05}
+    trainer, rec = _fit(tmp_path, strategy, iterations=change + 5, **task)
     mb = {int(r["iteration"]): int(r["auto/micro_batch"]) for r in rec.rows if "auto/micro_batch" in r}
     assert mb[change - 1] <= 16, mb
     switched = [it for it in range(change, change + 4) if mb[it] >= 32]

@@ -92,9 +92,10 @@ def test_the_policy_chunked_equals_whole_logits(tmp_path):
         torch.testing.assert_close(out[5][2][name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def _mapped_logits_model(path, family: str):
-    """A tiny causal LM of a family that maps its lm head's output before the softmax, with the map
-    strong enough that forgetting it changes the log-probs by far more than rounding."""
+def _tiny_lm(path, family: str):
+    """A tiny causal LM: of a family that maps its lm head's output before the softmax, with the
+    map strong enough that forgetting it changes the log-probs by far more than rounding, or
+    (``qwen2``) a Qwen2 whose head is not tied to its embedding."""
     import transformers
 
     kw = dict(
@@ -113,6 +114,7 @@ def _mapped_logits_model(path, family: str):
         "gemma2": lambda: transformers.Gemma2Config(final_logit_softcapping=0.5, **kw),
         "granite": lambda: transformers.GraniteConfig(logits_scaling=4.0, **kw),
         "cohere": lambda: transformers.CohereConfig(logit_scale=0.25, **kw),
+        "qwen2": lambda: transformers.Qwen2Config(tie_word_embeddings=False, **kw),
     }[family]()
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
@@ -131,7 +133,7 @@ def _batch() -> TensorDict:
 def test_models_that_cap_or_scale_their_logits_get_their_own_logprobs(tmp_path, family):
     """Gemma 2 soft-caps its logits, Granite divides them, Cohere multiplies them: the chunks apply
     the map the config gives (values and gradients equal the model's whole logits)."""
-    path = _mapped_logits_model(tmp_path / family, family)
+    path = _tiny_lm(tmp_path / family, family)
     out = {}
     for chunk in (None, 5):
         policy = LMPolicy(path, logit_chunk_tokens=chunk)
@@ -150,7 +152,7 @@ def test_models_that_cap_or_scale_their_logits_get_their_own_logprobs(tmp_path, 
 def test_loading_refuses_a_model_whose_logits_the_chunks_would_not_compute(tmp_path, monkeypatch):
     """A model that maps its logits in a way its config does not say (here: Granite's division,
     hidden from the map) fails the probe at load, naming the key and the fix."""
-    path = _mapped_logits_model(tmp_path / "granite", "granite")
+    path = _tiny_lm(tmp_path / "granite", "granite")
     monkeypatch.setattr(chunked_head.LogitMap, "of", classmethod(lambda cls, config: cls()))
     refusal = r"^policy\.logit_chunk_tokens: GraniteForCausalLM's logits .* set it to null"
     with pytest.raises(ValueError, match=refusal):
@@ -165,11 +167,11 @@ def test_the_probe_passes_the_models_own_map_and_fails_another(tmp_path):
     assert "differ by up to" in head_mismatch(policy.model, LogitMap(scale=1.5))
 
 
-@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")  # peft's, on the tied head
 def test_an_lm_head_with_lora_adapters_takes_the_whole_logits(tmp_path):
-    """The chunks read the head's weight, not its adapters: with ``lm_head`` among LoRA's targets,
-    the log-probs are the adapted model's and the head's adapters get gradients."""
-    policy = LMPolicy(str(build_tiny_qwen2(tmp_path / "tiny")), lora=LoRA(target_modules=["lm_head"]))
+    """The chunks read the head's weight, not its adapters: with ``lm_head`` among LoRA's targets
+    (an untied head: a tied one is refused), the log-probs are the adapted model's and the head's
+    adapters get gradients."""
+    policy = LMPolicy(_tiny_lm(tmp_path / "qwen2", "qwen2"), lora=LoRA(target_modules=["lm_head"]))
     policy.configure_model()
     attach_lora(policy)
     b_weight = next(p for n, p in policy.model.named_parameters() if "lm_head.lora_B" in n)

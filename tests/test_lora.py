@@ -180,6 +180,90 @@ def test_a_vla_trains_adapters_and_its_heads_and_the_rollout_acts_as_the_actor_a
     torch.testing.assert_close(got["value"], value, atol=1e-5, rtol=0)
 
 
+def _fused_projections_model(path, family: str) -> str:
+    """A tiny causal LM of a family whose projections are not named as Llama's (so LoRA's default
+    targets match few or none of its linears)."""
+    import transformers
+
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    config = {
+        "phi3": lambda: transformers.Phi3Config(num_key_value_heads=2, pad_token_id=0, **kw),
+        "gpt_neox": lambda: transformers.GPTNeoXConfig(**kw),
+    }[family]()
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("family", ["phi3", "gpt_neox"])
+def test_all_linear_adapts_every_linear_but_the_head_and_the_merge_is_the_adapted_model(tmp_path, family):
+    """Phi-3 fuses q/k/v (``qkv_proj``) and gate/up; GPT-NeoX names them ``query_key_value``,
+    ``dense_h_to_4h``: the default targets are refused naming ``all-linear``, which adapts every
+    ``nn.Linear`` but the lm head; the merged weights the rollout receives give the adapted
+    model's logits."""
+    from rlinf_lightning.policies.lora import attach_lora, merged_weights, sync_names
+
+    path = _fused_projections_model(tmp_path / family, family)
+    problems = dict(LMPolicy(path, lora=LoRA(rank=4)).validate_config())
+    assert "match no nn.Linear" in problems["lora.target_modules"]
+    assert "or [all-linear]" in problems["lora.target_modules"]
+
+    policy = LMPolicy(path, lora=LoRA(rank=4, alpha=8, target_modules=["all-linear"]))
+    assert "lora.target_modules" not in dict(policy.validate_config())
+    policy.configure_model()
+    model = policy.model
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    attach_lora(policy)
+    adapted = {
+        n.removesuffix(".lora_A.default") for n, _ in model.named_modules() if n.endswith(".lora_A.default")
+    }
+    head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
+    assert adapted == linears - {head} and len(adapted) == 8  # 4 linears x 2 layers
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        n for n, _ in model.named_parameters() if ".lora_" in n
+    }
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+        ids = torch.randint(1, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+        want = model(ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(path)
+        assert not torch.allclose(plain(ids).logits, want, atol=1e-3)  # the adapters change the model
+        params = dict(model.named_parameters())
+        merged = dict(merged_weights(((n, params[n]) for n in sorted(sync_names(model))), 2.0))
+        missing, unexpected = plain.load_state_dict(merged, strict=False)
+        assert not unexpected and set(merged) == {f"{n}.weight" for n in adapted}
+        torch.testing.assert_close(plain(ids).logits, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")  # peft's, on the tied head
+def test_a_tied_head_is_refused_as_a_target_and_left_out_of_all_linear(assets):
+    """The tiny Qwen2's lm head holds its embedding's weight: an adapter there could not be
+    merged into the rollout's weights (the merge would change the embedding too), so naming it is
+    refused before anything loads, and ``all-linear`` leaves it out."""
+    from rlinf_lightning.policies.lora import attach_lora
+
+    policy = LMPolicy(str(assets["sft"]), lora=LoRA(target_modules=["q_proj", "lm_head"]))
+    problem = dict(policy.validate_config())["lora.target_modules"]
+    assert problem.startswith("['lm_head'] share their weight with another module (tied embeddings)")
+    policy.configure_model()
+    with pytest.raises(ValueError, match=r"policy.lora.target_modules: \['lm_head'\] share their weight"):
+        attach_lora(policy)
+
+    policy = LMPolicy(str(assets["sft"]), lora=LoRA(target_modules=["all-linear"]))
+    policy.configure_model()
+    attach_lora(policy)
+    adapted = {
+        n.removesuffix(".lora_A.default")
+        for n, _ in policy.model.named_modules()
+        if n.endswith(".lora_A.default")
+    }
+    layers = policy.model.config.num_hidden_layers
+    assert len(adapted) == 7 * layers and not any("lm_head" in n for n in adapted)
+
+
 def test_bad_lora_settings_are_named_before_any_worker_starts(assets, tmp_path):
     import subprocess
 

@@ -35,6 +35,10 @@ from torch import nn
 
 #: the projections of a Llama/Qwen2-style decoder layer: LoRA's usual targets ("all linear")
 DECODER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: the target (peft's spelling) for every ``nn.Linear`` but the output layer and the fully trained
+#: modules: the same targets on families whose projections are named otherwise (Phi-3's fused
+#: ``qkv_proj``, GPT-NeoX's ``query_key_value``)
+ALL_LINEAR = "all-linear"
 #: peft's name of the one adapter a policy trains
 ADAPTER = "default"
 #: what peft makes of a wrapped ``nn.Linear``'s ``q_proj.weight``: ``q_proj.base_layer.weight``
@@ -53,8 +57,9 @@ class LoRA:
         dropout: dropout on the adapters' input while training (0 keeps rollout and training equal).
         target_modules: names (last component, e.g. ``q_proj``) of the ``nn.Linear`` modules that get
             adapters, or patterns over their full names (with ``*`` or ``.``: ``fnmatch``, e.g.
-            ``pi0.model.dit.*_proj`` for π0's action expert only); default: every projection of
-            the decoder layers.
+            ``pi0.model.dit.*_proj`` for π0's action expert only), or ``all-linear``: every
+            ``nn.Linear`` but the output layer (``get_output_embeddings()``) and the
+            ``train_modules``; default: the projections of a Llama/Qwen2-style decoder layer.
         train_modules: modules (dotted paths under ``policy.model``, e.g. ``value_head``) trained in
             full beside the adapters; ``None``: the policy's own choice (``TinyVLA``: its vision
             encoder, state projection and value head; ``LMPolicy``: none).
@@ -93,8 +98,8 @@ def lora_of(policy: Any) -> LoRA | None:
 
 def lora_problems(policy: Any) -> list[tuple[str, str]]:
     """``(key, problem)`` pairs of the policy's ``lora`` (under the policy's keys): its values, and
-    target modules that match no ``nn.Linear`` of the network (built on the meta device, nothing
-    loaded; skipped while the network cannot be built yet)."""
+    target modules that match no ``nn.Linear`` of the network or a tied one (built on the meta
+    device, nothing loaded; skipped while the network cannot be built yet)."""
     lora = lora_of(policy)
     if lora is None:
         return []
@@ -106,34 +111,74 @@ def lora_problems(policy: Any) -> list[tuple[str, str]]:
             probe.meta_model()
     except Exception:  # noqa: BLE001 (not buildable yet: the run reports why)
         return problems
-    if unknown := _unknown_targets(probe.model, lora):
-        problems.append(unknown)
+    if problem := _target_problem(probe.model, lora, _trained(probe, lora)):
+        problems.append(problem)
     return problems
 
 
-def _targets(model: nn.Module, lora: LoRA) -> tuple[list[str], list[str]]:
-    """``(what peft is given, targets matching no nn.Linear)``: a last-component name as it is, a
-    pattern (``*`` or ``.``) as the full names it matches."""
+def _trained(policy: Any, lora: LoRA) -> list[str]:
+    """The modules trained in full beside the adapters."""
+    return lora.train_modules if lora.train_modules is not None else policy.lora_train_modules()
+
+
+def _all_linear(model: nn.Module, linear: list[str], trained: list[str]) -> list[str]:
+    """``all-linear``'s targets: the linears that are not the output layer, not tied to another
+    module (:func:`_tied`) and not inside a trained module (which trains in full, so an adapter
+    there would be a second copy of its update)."""
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    prefixes = tuple(f"{t}." for t in trained)
+    tied = set(_tied(model, linear))
+    return [
+        n
+        for n in linear
+        if model.get_submodule(n) is not out and n not in tied and not f"{n}.".startswith(prefixes)
+    ]
+
+
+def _tied(model: nn.Module, names: list[str]) -> list[str]:
+    """The modules of ``names`` whose weight another module holds too (a head tied to the
+    embedding): the merged ``W + s B A`` sent to the rollout would change the other module there,
+    and ``named_parameters`` lists the shared base weight once, under the other name."""
+    holders: dict[int, set[int]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), set()).add(id(module))
+    return [n for n in names if len(holders[id(model.get_submodule(n).weight)]) > 1]
+
+
+def _targets(model: nn.Module, lora: LoRA, trained: list[str]) -> tuple[list[str], list[str]]:
+    """``(the full names of the nn.Linear modules that get adapters, targets matching none)``: a
+    last-component name, a pattern (``*`` or ``.``, over full names) or ``all-linear``."""
     linear = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    short = {name.rpartition(".")[2] for name in linear}
     resolved, unknown = [], []
     for target in lora.target_modules:
-        hits = (
-            [n for n in linear if fnmatch.fnmatchcase(n, target)] if "*" in target or "." in target else None
-        )
-        resolved += [target] if hits is None else hits
-        if not (hits if hits is not None else target in short):
+        if target == ALL_LINEAR:
+            hits = _all_linear(model, linear, trained)
+        elif "*" in target or "." in target:
+            hits = [n for n in linear if fnmatch.fnmatchcase(n, target)]
+        else:
+            hits = [n for n in linear if n.rpartition(".")[2] == target]
+        resolved += hits
+        if not hits:
             unknown.append(target)
-    return resolved, unknown
+    return list(dict.fromkeys(resolved)), unknown
 
 
-def _unknown_targets(model: nn.Module, lora: LoRA) -> tuple[str, str] | None:
-    names = {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    if unknown := sorted(_targets(model, lora)[1]):
+def _target_problem(model: nn.Module, lora: LoRA, trained: list[str]) -> tuple[str, str] | None:
+    """``(key, problem)`` for targets that match no ``nn.Linear`` or that match a tied one."""
+    targets, unknown = _targets(model, lora, trained)
+    if unknown:
+        names = {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
         return (
             "lora.target_modules",
-            f"{unknown} match no nn.Linear of {type(model).__name__} "
-            f"(its linear modules: {', '.join(sorted(names))})",
+            f"{sorted(unknown)} match no nn.Linear of {type(model).__name__} "
+            f"(its linear modules: {', '.join(sorted(names))}); name some of them, or [{ALL_LINEAR}]",
+        )
+    if tied := _tied(model, targets):
+        return (
+            "lora.target_modules",
+            f"{tied} share their weight with another module (tied embeddings), so their adapters "
+            f"cannot be merged into the rollout's weights; leave them out ({ALL_LINEAR} does)",
         )
     return None
 
@@ -141,22 +186,21 @@ def _unknown_targets(model: nn.Module, lora: LoRA) -> tuple[str, str] | None:
 def attach_lora(policy: Any) -> None:
     """Put the policy's adapters on ``policy.model`` (in place; ``A`` drawn under a fixed seed, so
     every replica starts alike), freeze the base and unfreeze its ``train_modules``; nothing when
-    the policy has no ``lora``. Raises naming the config key when a
-    target matches no module or a train module does not exist."""
+    the policy has no ``lora``. Raises naming the config key when a target matches no module or a
+    tied one, or a train module does not exist."""
     lora = lora_of(policy)
     if lora is None:
         return
     from peft import LoraConfig, inject_adapter_in_model
 
-    model = policy.model
-    if unknown := _unknown_targets(model, lora):
-        raise ValueError(f"policy.{unknown[0]}: {unknown[1]}")
-    targets = _targets(model, lora)[0]
+    model, trained = policy.model, _trained(policy, lora)
+    if problem := _target_problem(model, lora, trained):
+        raise ValueError(f"policy.{problem[0]}: {problem[1]}")
+    targets = _targets(model, lora, trained)[0]
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
     with torch.random.fork_rng(devices=[]):  # A's random start, the same on every replica and run
         torch.manual_seed(0)
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)  # freezes every other parameter
-    trained = lora.train_modules if lora.train_modules is not None else policy.lora_train_modules()
     for name in trained:
         try:
             module = model.get_submodule(name)
@@ -303,6 +347,7 @@ def save_adapters(policy: Any, trained: dict[str, torch.Tensor], path: str | Pat
     from safetensors.torch import save_file
 
     lora, net = lora_of(policy), _base_copy(policy)
+    targets = _targets(net.model, lora, _trained(net, lora))[0]  # full names, before peft wraps them
     net.lora = lora
     attach_lora(net)
     load_trainable_state(net.model, trained)
@@ -311,7 +356,7 @@ def save_adapters(policy: Any, trained: dict[str, torch.Tensor], path: str | Pat
     full = sorted({n.rpartition(".")[0] for n in trained if not is_adapter(n)})
     config = LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-        target_modules=_targets(net.model, lora)[0],
+        target_modules=targets,
         base_model_name_or_path=getattr(policy, "model_path", None),
         modules_to_save=full or None,
     )  # fmt: skip

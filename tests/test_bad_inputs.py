@@ -301,6 +301,41 @@ def test_bad_input_is_one_message_and_exit_2(tmp_path, assets, capsys, monkeypat
     assert not (tmp_path / "PWNED").exists()
 
 
+@pytest.mark.parametrize("family", ["gpt_neox", "qwen3_moe"])
+def test_weights_in_the_form_transformers_saves_pass_and_another_size_fails(tmp_path, assets, family):
+    """transformers 5 loads GPT-NeoX's ``embed_out`` as the module ``lm_head`` and fuses
+    Qwen3-MoE's per-expert projections into one tensor, and ``save_pretrained`` writes the
+    per-expert, ``embed_out`` form (as the hub's checkpoints hold it): such a directory passes,
+    and one whose config.json says another size is still refused."""
+    import transformers
+
+    from rlinf_lightning.policies.model_dir import check_causal_lm_dir
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(assets["sft"]))
+    kw = dict(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+    )
+    config = {
+        "gpt_neox": lambda: transformers.GPTNeoXConfig(**kw),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            num_key_value_heads=2,
+            head_dim=8,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            **kw,
+        ),
+    }[family]()
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    assert check_causal_lm_dir(tmp_path) == []
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["hidden_size"] = 64
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (problem,) = check_causal_lm_dir(tmp_path)
+    assert "the weights do not match config.json" in problem and "expected [" in problem, problem
+
+
 def test_an_unreadable_checkpoint_file_is_never_unpickled(tmp_path):
     """The loader refuses a checkpoint whose rng.pt carries code, and the code does not run."""
     from rlinf_lightning.checkpoint import load_checkpoint

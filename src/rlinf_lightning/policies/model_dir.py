@@ -5,6 +5,11 @@ config, fails late and obscurely (a reshape error deep in attention, after worke
 checks read only ``config.json``, the tokenizer files and the safetensors headers, and compare the
 weights' names and shapes with a model built from the config on the ``meta`` device (no memory);
 the same model gives the parameter count and attention shape a memory estimate needs.
+
+transformers 5 renames and merges some families' weights as it loads them (GPT-NeoX's ``embed_out``
+is the module ``lm_head``; Mixtral's and Qwen3-MoE's per-expert projections become one fused tensor)
+and reverts that as it saves, so a directory may hold either form: the weights match when they match
+the model's own names or what ``save_pretrained`` writes.
 """
 
 from __future__ import annotations
@@ -73,10 +78,14 @@ def _check_weights(path: Path) -> list[str]:
                 saved.update({k: list(sf.get_slice(k).get_shape()) for k in sf.keys()})
         except Exception as exc:  # noqa: BLE001 (a truncated or foreign file)
             return [f"{f}: not a readable safetensors file ({exc}); re-save the model"]
-    difference = shape_difference(config_shapes(path), saved)
-    if difference is None:
+    forms = [config_shapes(path)]
+    if (disk := saved_shapes(path)) != forms[0]:
+        forms.append(disk)
+    differences = [shape_difference(form, saved) for form in forms]
+    if None in differences:
         return []
-    return [f"{path}: the weights do not match config.json ({difference}); they were saved for another model"]
+    detail = differences[-1]  # against the form save_pretrained writes, as checkpoints are saved
+    return [f"{path}: the weights do not match config.json ({detail}); they were saved for another model"]
 
 
 @dataclass(frozen=True)
@@ -112,12 +121,45 @@ def _causal_lm_shape(path: str, mtime_ns: int, size: int) -> CausalLMShape:
 
 def config_shapes(path: str | Path) -> dict[str, list[int]]:
     """Parameter name -> shape of the causal LM that ``path``'s config.json describes, from a model
-    built on the ``meta`` device (no memory); a tied ``lm_head.weight`` is left out."""
-    config, model = _meta_causal_lm(path)
+    built on the ``meta`` device (no memory), under the model's own names; a tied parameter (the
+    head tied to the embedding) under its first name only."""
+    model = _meta_causal_lm(path)[1]
     if model is None:
         raise FileNotFoundError(f"{Path(path) / 'config.json'} does not exist")
-    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    return {k: list(v.shape) for k, v in model.state_dict().items() if k not in tied}
+    return {k: list(v.shape) for k, v in _untied_state(model).items()}
+
+
+def saved_shapes(path: str | Path) -> dict[str, list[int]]:
+    """:func:`config_shapes` as ``save_pretrained`` writes them: transformers' load-time renames and
+    merges reverted (the same as :func:`config_shapes` for most families, or where the installed
+    transformers has no such conversions)."""
+    key = _config_key(path)
+    if key is None:
+        raise FileNotFoundError(f"{Path(path) / 'config.json'} does not exist")
+    return _saved_shapes(*key)
+
+
+@lru_cache(maxsize=8)
+def _saved_shapes(path: str, mtime_ns: int, size: int) -> dict[str, list[int]]:
+    model = _build_meta_causal_lm(path, mtime_ns, size)[1]
+    state = _untied_state(model)
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers without weight conversions saves the model's own names
+        return {k: list(v.shape) for k, v in state.items()}
+    return {k: list(v.shape) for k, v in revert_weight_conversion(model, state).items()}
+
+
+def _untied_state(model: Any) -> dict[str, Any]:
+    """The model's ``state_dict`` without the later names of a parameter held under several (as
+    ``save_pretrained`` leaves out a tied head)."""
+    seen: set[int] = set()
+    later = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            later.add(name)
+        seen.add(id(p))
+    return {k: v for k, v in model.state_dict().items() if k not in later}
 
 
 def _meta_causal_lm(path: str | Path) -> tuple[Any, Any]:

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlinf_lightning.policies.model_dir import parameter_aliases
+
 #: the projections of a Llama/Qwen2-style decoder layer: LoRA's usual targets ("all linear")
 DECODER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: the target (peft's spelling) for every ``nn.Linear`` but the output layer and the fully trained
@@ -136,14 +138,11 @@ def _all_linear(model: nn.Module, linear: list[str], trained: list[str]) -> list
 
 
 def _tied(model: nn.Module, names: list[str]) -> list[str]:
-    """The modules of ``names`` whose weight another module holds too (a head tied to the
+    """The modules of ``names`` whose weight is held under another name too (a head tied to the
     embedding): the merged ``W + s B A`` sent to the rollout would change the other module there,
     and ``named_parameters`` lists the shared base weight once, under the other name."""
-    holders: dict[int, set[int]] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            holders.setdefault(id(p), set()).add(id(module))
-    return [n for n in names if len(holders[id(model.get_submodule(n).weight)]) > 1]
+    aliased = {name for group in parameter_aliases(model) for name in group}
+    return [n for n in names if f"{n}.weight" in aliased]
 
 
 def _targets(model: nn.Module, lora: LoRA, trained: list[str]) -> tuple[list[str], list[str]]:

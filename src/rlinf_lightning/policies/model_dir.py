@@ -153,13 +153,17 @@ def _saved_shapes(path: str, mtime_ns: int, size: int) -> dict[str, list[int]]:
 def _untied_state(model: Any) -> dict[str, Any]:
     """The model's ``state_dict`` without the later names of a parameter held under several (as
     ``save_pretrained`` leaves out a tied head)."""
-    seen: set[int] = set()
-    later = set()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            later.add(name)
-        seen.add(id(p))
+    later = {name for names in parameter_aliases(model) for name in names[1:]}
     return {k: v for k, v in model.state_dict().items() if k not in later}
+
+
+def parameter_aliases(model: Any) -> list[list[str]]:
+    """The names of each parameter held under several (a head tied to the embedding), in
+    registration order."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def _meta_causal_lm(path: str | Path) -> tuple[Any, Any]:

@@ -27,4 +27,4 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
-rlinf prepare
+rlinf prepare --model smollm2-135m-instruct  # tiny assets + SmolLM2-135M-Instruct (cached)

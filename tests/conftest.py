@@ -46,3 +46,13 @@ def qwen_dir(tmp_path) -> Path:
     }  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a transformers directory (a real BPE tokenizer, ChatML, tied head):
+    converted once by the set-up's `rlinf prepare --model smollm2-135m-instruct`, reused here."""
+    from rlinf_lightning.pretrained import prepare_pretrained
+
+    name = "smollm2-135m-instruct"
+    return prepare_pretrained(name, Path(__file__).parents[1] / "artifacts" / name)

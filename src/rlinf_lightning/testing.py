@@ -1,6 +1,7 @@
 """Fixture builders for tests and benchmarks: everything they train from, built in one place so
 they all start alike; and the fit check the simulator plugins' tests share (the library itself
-never imports this module); and an environment that makes any policy's samples multi-turn."""
+never imports this module); a checkpoint of one real update (``rlinf export``'s tests); and an
+environment that makes any policy's samples multi-turn."""
 
 from __future__ import annotations
 
@@ -64,6 +65,50 @@ def check_one_embodied_iteration(config: Path, run: Path, *overrides: str, chunk
         ]
     assert step["env/env_steps_total"] == 2 * 4 * chunk, step
     assert math.isfinite(step["actor/loss"]) and step["actor/grad_norm"] > 0, step
+
+
+def checkpoint_one_update(
+    model_dir: str | Path, assets: dict[str, Path], root: str | Path, lora: Any = None
+) -> Any:
+    """One actor update of ``LMPolicy(model_dir)`` (``lora``: its adapters) on a real rollout of two
+    prompts, checkpointed under ``root/checkpoints`` as the fit loop writes it (the actor's
+    ``state_dict``, the run's resolved configuration in ``state.json``; ``assets``' data for the
+    task); returns the actor stage, whose ``engine.policy`` holds the trained weights. The
+    advantages are fixed, +-1 in each group, so the update moves the weights whatever the rewards."""
+    import torch
+    from tensordict import TensorDict
+
+    from rlinf_lightning.algorithms import GRPO
+    from rlinf_lightning.checkpoint import save_checkpoint
+    from rlinf_lightning.engines import HFRolloutEngine, SamplingParams
+    from rlinf_lightning.engines.train import TrainSpec
+    from rlinf_lightning.flow.stage import StageContext
+    from rlinf_lightning.policies import LMPolicy
+    from rlinf_lightning.tasks import MathTask
+    from rlinf_lightning.trainer import RLTrainer
+    from rlinf_lightning.trainer.run_config import resolved_config
+    from rlinf_lightning.workflows.reasoning.actor import ActorStage
+    from rlinf_lightning.workflows.reasoning.rollout import pack_samples
+
+    policy = LMPolicy(str(model_dir), lr=1e-2, lora=lora)
+    tok = policy.load_tokenizer()
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in ("What is 1+2?=", "What is 33+44?=")]
+    outs = HFRolloutEngine(str(model_dir)).generate(
+        ids, [0, 1], 2, SamplingParams(1.0, max_new_tokens=4), 0, tok.eos_token_id
+    )
+    batch = TensorDict(pack_samples(ids, outs, tok.pad_token_id), batch_size=[4])
+    batch["advantage"] = torch.tensor([1.0, -1.0, -1.0, 1.0])
+    batch["policy_version"] = torch.zeros(4, dtype=torch.long)
+    actor = ActorStage(policy, GRPO(), TrainSpec("single"), 1.0, None)
+    actor.setup(StageContext())
+    actor.begin_iteration(1)
+    actor.process(batch)
+    actor.end_iteration()
+    trainer = RLTrainer(default_root_dir=str(root), logger=False, enable_progress_bar=False)
+    config = resolved_config(trainer, policy, MathTask(str(assets["train"]), str(assets["test"])))
+    state = {"eval_history": [], "seed": 0, "config": config}
+    save_checkpoint(Path(root) / "checkpoints", 1, actor.state_dict(), state)
+    return actor
 
 
 class DigitTurns(Environment):

@@ -180,3 +180,25 @@ def test_a_completion_without_log_probs_raises():
     for logprobs in (None, [{5: Logprob(-0.5)}], [{5: Logprob(-0.5)}, {7: Logprob(-1.0)}]):
         with pytest.raises(RuntimeError, match="log-probs for"):
             sampled_logprobs(CompletionOutput(0, "", [5, 6], None, logprobs))
+
+
+def test_vllm_loads_an_exported_lora_checkpoint_and_samples_as_the_exported_model(assets, tmp_path):
+    """``rlinf export`` of a LoRA run (adapters merged) is a directory vLLM starts from: its greedy
+    tokens equal the HF engine's on the same directory, its sampled log-probs the policy's.
+    (Last: a second engine in the process, as the engine-start test.)"""
+    from rlinf_lightning.cli import main
+    from rlinf_lightning.policies.lora import LoRA
+    from rlinf_lightning.testing import checkpoint_one_update
+
+    checkpoint_one_update(assets["sft"], assets, tmp_path / "run", LoRA(rank=4, alpha=8))
+    out = tmp_path / "exported"
+    assert main(["export", f"--ckpt_path={tmp_path / 'run'}", f"--output_dir={out}"]) == 0
+    policy = LMPolicy(str(out))
+    policy.configure_model()
+    tok = policy.load_tokenizer()
+    exported = ROLLOUT_ENGINES.get("vllm")(str(out))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    want = HFRolloutEngine(str(out)).generate(_ids(tok), [0, 1, 2, 3], 1, greedy, 0, tok.eos_token_id)
+    got = exported.generate(_ids(tok), [0, 1, 2, 3], 1, greedy, 0, tok.eos_token_id)
+    assert [c[0].token_ids for c in got] == [c[0].token_ids for c in want]
+    assert _max_logprob_gap(exported, policy, tok) < LOGPROB_TOLERANCE

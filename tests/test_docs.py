@@ -108,6 +108,7 @@ def test_every_key_is_in_the_reference(markdown):
         **component_expected(),
         "sft": subcommand_expected("sft"),
         "prepare": subcommand_expected("prepare"),
+        "export": subcommand_expected("export"),
         "rlinf": set(build_parser().get_defaults().keys()) - {"command"},
     }
     assert all(expected.values())

@@ -6,8 +6,8 @@ to the build from :func:`render_reference`, so the page is never a stale committ
 (dataclass values such as ``task.sampling`` expanded field by field), every built-in
 ``RLModule`` / ``Task`` class (the core package's and those of installed plugins) with its
 ``init_args``, the classes registered under ``trainer.strategy`` / ``launcher`` / ``algorithm`` /
-``train_engine`` with theirs, the registries' names, and the ``rlinf sft`` and ``rlinf prepare``
-keys. Types and defaults come from the signatures, descriptions from the docstrings (what
+``train_engine`` with theirs, the registries' names, and the ``rlinf sft``, ``rlinf prepare`` and
+``rlinf export`` keys. Types and defaults come from the signatures, descriptions from the docstrings (what
 ``--help`` prints). ``tests/test_docs.py`` checks that every key the parsers accept is on the page.
 """
 
@@ -306,7 +306,12 @@ def build_sections(parser: Any = None) -> list[Section]:
             parser_keys(parser),
         )
     )
-    for name, what in (("sft", "Supervised warm start"), ("prepare", "Build the tiny model and data")):
+    subcommands = (
+        ("sft", "Supervised warm start"),
+        ("prepare", "Build the tiny model and data"),
+        ("export", "Write a checkpoint as a model directory"),
+    )
+    for name, what in subcommands:
         out.append(
             Section(
                 name,

@@ -66,4 +66,4 @@ class PromptFormat:
 
 
 RAW = PromptFormat(chat_template=False)
-"""The problem text tokenized as it is (the supervised warm start's layout)."""
+"""The problem text tokenized as it is (what every format gives a tokenizer without a chat template)."""

@@ -24,12 +24,15 @@ from typing import Any
 import torch
 
 from rlinf_lightning.assets import is_model_dir
+from rlinf_lightning.prompts import PLACEHOLDER, PromptFormat
 from rlinf_lightning.tasks.data import Problem, expression_of, load_problems
 
 log = logging.getLogger(__name__)
 
 #: the settings of a warm start with tools only (a plain one's cache ignores them)
 TOOL_SETTINGS = ("tools", "max_turns", "max_new_tokens")
+#: the prompt's settings: its cache key is the layout they give (none where it is the raw text)
+PROMPT_SETTINGS = ("prompt_template", "chat_template", "system_prompt")
 
 
 def run_sft(
@@ -47,6 +50,9 @@ def run_sft(
     tools: list[str] | None = None,
     max_turns: int = 2,
     max_new_tokens: int = 16,
+    prompt_template: str = "{prompt}",
+    chat_template: bool = True,
+    system_prompt: str | None = None,
 ) -> dict:
     """Fine-tune ``base_model`` on prompt -> answer pairs (loss on the answer tokens) and save it.
 
@@ -71,11 +77,16 @@ def run_sft(
             e.g. ``[calculator]``), replies masked; evaluated with them (``docs/tools.md``).
         max_turns: with ``tools``, the turns per sample when evaluating.
         max_new_tokens: with ``tools``, the longest turn when evaluating.
+        prompt_template: the prompt around each problem, ``{prompt}`` marking the problem text;
+            as the task's key of the same name, so that RL starts on the layout SFT taught.
+        chat_template: wrap prompts in the tokenizer's chat template when it has one (chat
+            models; the answer then ends the assistant's turn); as the task's key.
+        system_prompt: the chat's system message (``None``: the chat template's default).
     """
     settings = {
         k: v
         for k, v in locals().items()
-        if k not in ("force", "num_threads") and (tools or k not in TOOL_SETTINGS)
+        if k not in ("force", "num_threads", *PROMPT_SETTINGS) and (tools or k not in TOOL_SETTINGS)
     }
     if _is_pi0(base_model):
         from rlinf_lightning.policies.pi0.sft import run_pi0_sft
@@ -88,9 +99,14 @@ def run_sft(
 
     from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
     from rlinf_lightning.evaluation import greedy_accuracy
-    from rlinf_lightning.prompts import RAW
     from rlinf_lightning.tools import ToolEnvironment, TurnLoop
 
+    prompt = PromptFormat(prompt_template, chat_template, system_prompt)
+    if problems := prompt.problems():
+        raise ValueError(f"prompt_template: {problems[0]}")
+    if is_model_dir(base_model):  # the layout, where it is not the raw text (older caches' layout)
+        layout = prompt.render(AutoTokenizer.from_pretrained(base_model), PLACEHOLDER)
+        settings.update({"prompt_layout": layout} if layout != PLACEHOLDER else {})
     train = load_problems(train_path)
     # the cache holds for the same problems, not only the same path: `rlinf prepare` rewrites data
     # split by an older rule in place
@@ -120,7 +136,7 @@ def run_sft(
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
         batch = [train[rng.randrange(len(train))] for _ in range(batch_size)]
-        rows = [_example(tok, p, env) for p in batch]
+        rows = [_example(tok, prompt, p, env) for p in batch]
         width = max(len(seq) for seq, _ in rows)
         ids = torch.full((batch_size, width), tok.pad_token_id)
         labels = torch.full((batch_size, width), -100)
@@ -144,11 +160,11 @@ def run_sft(
     prompts, golds = [p.prompt for p in test], [p.answer for p in test]
     result = {"settings": settings}
     if env is None:
-        acc = greedy_accuracy(engine, tok, prompts, golds)
+        acc = greedy_accuracy(engine, tok, prompts, golds, prompt_format=prompt)
     else:
         loop = TurnLoop(lambda: ToolEnvironment(list(tools)), max_turns, max_turns * max_new_tokens)
         acc, calling = loop.evaluate(
-            engine, tok, RAW, prompts, golds, "math_verify", SamplingParams(max_new_tokens=max_new_tokens)
+            engine, tok, prompt, prompts, golds, "math_verify", SamplingParams(max_new_tokens=max_new_tokens)
         )
         result["eval_calling_share"] = calling
     result.update(eval_accuracy=acc, train_s=time.perf_counter() - t0)
@@ -159,11 +175,12 @@ def run_sft(
     return result
 
 
-def _example(tok: Any, problem: Problem, env: Any) -> tuple[list[int], list[int]]:
-    """``(token ids, labels)`` of one problem: the prompt (label -100), then the answer and the end
-    of sequence; with a tool environment ``env``, first a call on the problem's expression and the
-    environment's reply to it (label -100: context, not imitated)."""
-    ids = tok(problem.prompt, add_special_tokens=False)["input_ids"]
+def _example(tok: Any, prompt: PromptFormat, problem: Problem, env: Any) -> tuple[list[int], list[int]]:
+    """``(token ids, labels)`` of one problem: the prompt as ``prompt`` lays it out (label -100),
+    then the answer and the end of sequence (of the assistant's turn, in a chat template); with a
+    tool environment ``env``, first a call on the problem's expression and the environment's
+    reply to it (label -100: context, not imitated)."""
+    ids = prompt.encode(tok, [problem.prompt])[0]
     labels = [-100] * len(ids)
     if env is not None:
         tag = next(iter(env.tools))

@@ -46,14 +46,13 @@ def warm_chat_model(chat_model, tmp_path_factory) -> Path:
     from rlinf_lightning.sft import run_sft
 
     task = yaml.safe_load((ROOT / "configs" / "math_grpo_qwen2.5_instruct.yaml").read_text())["task"]
-    fmt = PromptFormat(task["prompt_template"], system_prompt=task["system_prompt"])
-    tok = AutoTokenizer.from_pretrained(chat_model)
     root = tmp_path_factory.mktemp("warm_chat")
-    (root / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GSM8K))
-    data = root / "chat.jsonl"  # the rendered prompt is the problem: run_sft tokenizes it as it is
-    data.write_text("".join(json.dumps({"prompt": fmt.render(tok, p.prompt), "answer": p.answer}) + "\n"
-                            for p in load_problems(root / "gsm8k.jsonl")))  # fmt: skip
-    run_sft(str(chat_model), str(data), str(data), str(root / "model"), steps=80, batch_size=8, eval_size=8)
+    data = root / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in GSM8K))
+    run_sft(
+        str(chat_model), str(data), str(data), str(root / "model"), steps=80, batch_size=8, eval_size=8,
+        prompt_template=task["prompt_template"], system_prompt=task["system_prompt"],
+    )  # fmt: skip
     return root / "model"
 
 

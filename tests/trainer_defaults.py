@@ -5,7 +5,32 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from rlinf_lightning import Callback
+
+#: the plans on which the ``processes`` and ``ray`` launchers take code paths in-process workers do
+#: not: channels between worker processes and a weight sync between groups (``disaggregated``), and
+#: a data-parallel group whose replicas are processes taking turns on shared slots with other
+#: groups' workers (``overlapping``: ddp ranks, context switching). Ray's object-store channels and
+#: actors are the same whatever the plan, so one plan serves it (its ddp rendezvous across nodes:
+#: tests/test_ray_cluster.py).
+DIFFERING = {"inprocess": None, "processes": ("disaggregated", "overlapping"), "ray": ("disaggregated",)}
+
+
+def launcher_matrix(plans, launchers=("inprocess", "processes", "ray"), differing=None) -> list:
+    """``(plan, launcher)`` test parameters: every plan in process, and under another launcher the
+    plans where its code paths differ (``differing``, by launcher; :data:`DIFFERING` by default);
+    the rest of the matrix runs with ``-m slow`` (``bash scripts/test.sh --all``)."""
+    differing = {**DIFFERING, **(differing or {})}
+    return [
+        pytest.param(
+            plan, launcher, id=f"{plan}-{launcher}",
+            marks=() if differing[launcher] is None or plan in differing[launcher] else pytest.mark.slow,
+        )  # fmt: skip
+        for launcher in launchers
+        for plan in plans
+    ]
 
 
 class MetricsRecorder(Callback):

@@ -23,7 +23,7 @@ from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.policies import MLPActorCritic
 from rlinf_lightning.strategies import CollocatedStrategy, HybridStrategy
 from rlinf_lightning.tasks import EmbodiedTask
-from trainer_defaults import launcher_matrix
+from trainer_defaults import launcher_matrix, scaled
 
 ENV = "FetchReachDense-v4"
 DISCRETE_ENV = "CartPole-v1"
@@ -140,7 +140,7 @@ def _fit(root, strategy, launcher, devices=2, iterations=3, workload="ppo", micr
         logger=False,
         enable_progress_bar=False,
         callbacks=[steps],
-        timeout_s=120,
+        timeout_s=scaled(120),
     )
     summary = trainer.fit(policy, task)
     last = (root / "checkpoints" / "last").read_text()

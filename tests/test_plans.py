@@ -18,6 +18,7 @@ from trainer_defaults import (
     DIFFERING,
     MetricsRecorder,
     launcher_matrix,
+    scaled,
     tiny_task,
     tiny_trainer_kwargs,
     worker_processes,
@@ -123,7 +124,7 @@ def test_the_actor_ranks_are_the_actor_groups_replicas(assets, tmp_path, name):
     policy = LMPolicy(str(assets["sft"]), lr=1e-3)
     trainer = RLTrainer(**tiny_trainer_kwargs(tmp_path, devices=2, num_threads=1, strategy=PLANS[name]))
     workflow, plan = trainer.build_plan(policy, task)
-    runtime = LAUNCHERS.get("processes")().launch(workflow, plan, timeout_s=60)
+    runtime = LAUNCHERS.get("processes")().launch(workflow, plan, timeout_s=scaled(60))
     try:
         inputs = task.inputs(1, plan.micro_batch_size["__input__->rollout"], trainer.run_spec)
         runtime.run_iteration(1, inputs)
@@ -264,7 +265,7 @@ def test_a_loop_workflow_gives_the_same_results_under_every_plan(launcher):
             wf, Resources(devices=2, threads_per_slot=1), BatchShape(16, 4)
         )
         plan.validate(wf, 2)
-        runtime = LAUNCHERS.get(launcher)().launch(wf, plan, timeout_s=120)
+        runtime = LAUNCHERS.get(launcher)().launch(wf, plan, timeout_s=scaled(120))
         try:
             runtime.start_iteration(1, envs)
             for it in (2, 3, None):  # queued: iteration it starts before it - 1 is collected

@@ -119,10 +119,11 @@ def _toy(k: int, plan: str, launcher: str, iterations: int, sleep_s: float = 0.0
     return seen, before, after, spans
 
 
-# Ray starts a process per worker and per queue, about 50 s per case on this 2-core box under
-# load: the default run keeps the one case that lags (k = 2); the others run with `-m slow`
+# every bound in process; the spawning launchers (Ray: a process per worker and per queue, about
+# 50 s per case on this 2-core box under load) keep the one case that lags most (k = 2) in the
+# default run, the others run with `-m slow`
 BOUND_CASES = [
-    pytest.param(k, launcher, marks=pytest.mark.slow if launcher == "ray" and k < 2 else ())
+    pytest.param(k, launcher, marks=pytest.mark.slow if launcher != "inprocess" and k < 2 else ())
     for k in (0, 1, 2)
     for launcher in LAUNCHER_NAMES
 ]

@@ -162,8 +162,8 @@ def test_the_out_of_memory_line_of_each_reasoning_stage_names_its_own_budget(ass
     from trainer_defaults import tiny_task, tiny_trainer_kwargs
 
     trainer = RLTrainer(**tiny_trainer_kwargs(tmp_path))
-    trainer.validate(LMPolicy(str(assets["sft"])), tiny_task(assets, train_micro_batch_size=8))
-    workflow, plan = trainer.plan_connector.workflow, trainer.plan
+    task = tiny_task(assets, train_micro_batch_size=8)
+    workflow, plan = trainer.validate(LMPolicy(str(assets["sft"])), task)
 
     def line(stage: str) -> str:
         why = f"stage {stage!r} ran out of memory"

@@ -9,6 +9,7 @@ samples, exactly as the uninterrupted run does."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -29,9 +30,11 @@ from rlinf_lightning.checkpoint import (
     set_rng_state,
 )
 from rlinf_lightning.errors import CheckpointError, ConfigError, RunError
+from rlinf_lightning.flow.memory import apply_budgets, with_budgets
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.trace import write_chrome_trace
 from rlinf_lightning.flow.worker import StageError
+from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.policies.lora import checkpoint_mismatch
 from rlinf_lightning.strategies import Replan, RunInfo
@@ -54,11 +57,12 @@ RUN_NAMESPACES = ("async/",)
 class FitLoop:
     """Drives the running workflow through ``trainer.max_iterations`` iterations."""
 
-    def __init__(self, trainer: RLTrainer, policy: Any, task: Any) -> None:
+    def __init__(
+        self, trainer: RLTrainer, policy: Any, task: Any, workflow: Workflow, plan: ExecutionPlan
+    ) -> None:
         self.trainer, self.policy, self.task = trainer, policy, task
-        self.connector = trainer.plan_connector
-        self.workflow, self.plan = self.connector.workflow, self.connector.plan
-        self.strategy = self.connector.strategy
+        self.workflow, self.plan = workflow, plan  # the plan the workers run; a re-plan replaces it
+        self.strategy = trainer.plan_connector.strategy
         self.train = self.workflow.roles["train"]
         self.run_spec = trainer.run_spec
         self.spans: list[Any] = []  # every stage call, kept for the trace
@@ -310,8 +314,11 @@ class FitLoop:
         """Run the next iterations under ``replan.plan``: the same groups take the new micro-batch
         sizes at once; other groups get new workers, which receive the training state (through a
         sharded checkpoint for a sharded engine) and the synced weights before they continue."""
+        plan, _ = with_budgets(self.workflow, replan.plan)  # the strategy's ranking checked it
+        replan = dataclasses.replace(replan, plan=plan)
         moved = self.plan.layout() != replan.plan.layout()
         if moved and self.runtime.adopt(replan.plan):
+            apply_budgets(self.workflow, replan.plan)
             log.info("the same workers run the new plan:\n%s", replan.plan.describe(self.workflow))
         elif moved:
             t0 = time.perf_counter()
@@ -328,13 +335,16 @@ class FitLoop:
             else:  # what the switch would have taken without the head start
                 log.info("new workers (started %.1f s ahead) running after %.1f s", ahead.launch_s, took)
                 self.strategy.on_relaunch(self._run_info(took - waited + ahead.launch_s))
-        self.plan = self.connector.plan = replan.plan
+        else:  # the same workers, other micro-batch sizes
+            apply_budgets(self.workflow, replan.plan)
+        self.plan = replan.plan
 
     def _launcher(self, plan: ExecutionPlan) -> Any:
         """``plan``'s own launcher (a strategy may choose it), else the trainer's."""
         return LAUNCHERS.resolve(plan.launcher or self.trainer.launcher)
 
     def _launch(self, plan: ExecutionPlan) -> Any:
+        apply_budgets(self.workflow, plan)  # what the workers start with
         return self._launcher(plan).launch(self.workflow, plan, timeout_s=self.trainer.timeout_s)
 
     def _run_info(self, launch_s: float) -> RunInfo:

@@ -11,15 +11,15 @@ from tensordict import TensorDict
 from rlinf_lightning.algorithms.losses import kl_penalty
 from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE, resolve_rollout_dtype
 from rlinf_lightning.engines.train import TrainSpec
-from rlinf_lightning.flow.budget import LayerShape, StepCost, actor_cost
+from rlinf_lightning.flow.budget import Budget, LayerShape, StepCost, actor_cost
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, StageContext
+from rlinf_lightning.flow.token_budget import TokenBudget
 from rlinf_lightning.policies.chunked_head import LogitMap
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.workflows.mini_batches import mini_batch_steps
 from rlinf_lightning.workflows.padding import micro_batches
 from rlinf_lightning.workflows.reasoning.advantage import adapted_kl_coef
-from rlinf_lightning.workflows.token_budget import TokenBudget
 from rlinf_lightning.workflows.training import TrainStage, policy_dtype
 
 #: the truncated-importance-sampling cap a bf16 rollout chosen by ``rollout_dtype: auto`` turns on
@@ -149,11 +149,13 @@ class ActorStage(TokenBudget, TrainStage):
         if algorithm.needs_reference:
             self.in_keys = (*self.in_keys, "ref_logprobs")
 
-    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
-        """The train engine's state (``TrainStage.memory``) and, under a token budget (configured or
-        chosen), what a step over a micro-batch of that many tokens adds at its peak: activations
-        and logits (``flow.budget.actor_cost``)."""
-        return self.with_working(device, self.budget_state(device, replicas, micro_batch))
+    def memory(
+        self, device: str, replicas: int, micro_batch: int, budget: Budget | None = None
+    ) -> list[MemoryPart] | None:
+        """The train engine's state (``TrainStage.memory``) and, under a token budget (configured,
+        or ``budget``: the plan's), what a step over a micro-batch of that many tokens adds at its
+        peak: activations and logits (``flow.budget.actor_cost``)."""
+        return self.with_working(device, self.budget_state(device, replicas, micro_batch), budget)
 
     def budget_configured(self) -> bool:
         return bool(self.train_micro_batch_size)

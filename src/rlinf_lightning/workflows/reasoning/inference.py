@@ -9,13 +9,13 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.engines.offload import Offloader
-from rlinf_lightning.flow.budget import LayerShape, StepCost, inference_cost
+from rlinf_lightning.flow.budget import Budget, LayerShape, StepCost, inference_cost
 from rlinf_lightning.flow.memory import dtype_bytes, weights_part
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
+from rlinf_lightning.flow.token_budget import TokenBudget
 from rlinf_lightning.policies.chunked_head import LogitMap
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.workflows.padding import token_budget_split
-from rlinf_lightning.workflows.token_budget import TokenBudget
 
 
 class InferenceStage(TokenBudget, Stage):
@@ -46,10 +46,13 @@ class InferenceStage(TokenBudget, Stage):
         self.policy, self.algorithm, self.temperature = policy, algorithm, temperature
         self.max_tokens, self.max_prompt_tokens, self.horizon = max_tokens, max_prompt_tokens, horizon
 
-    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
-        """The reference weights in the policy's dtype and, under a token budget (configured or
-        chosen), a forward's working memory at its peak (nothing when the algorithm has no KL term)."""
-        return self.with_working(device, self.budget_state(device, replicas, micro_batch))
+    def memory(
+        self, device: str, replicas: int, micro_batch: int, budget: Budget | None = None
+    ) -> list[MemoryPart] | None:
+        """The reference weights in the policy's dtype and, under a token budget (configured, or
+        ``budget``: the plan's), a forward's working memory at its peak (nothing when the algorithm
+        has no KL term)."""
+        return self.with_working(device, self.budget_state(device, replicas, micro_batch), budget)
 
     def budget_configured(self) -> bool:
         return not self.algorithm.needs_reference  # no reference: no forward to size

@@ -31,6 +31,7 @@ from tensordict import TensorDict
 
 from rlinf_lightning.algorithms.losses import aggregate, clipped_value_loss, masked_mean
 from rlinf_lightning.engines.train import TrainSpec, resolve_train_engine
+from rlinf_lightning.flow.batch import LOSS_MASK
 from rlinf_lightning.flow.budget import Budget, LayerShape, StepCost, critic_cost
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, StageContext
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from rlinf_lightning.workflows.reasoning.advantage import AdvantageStage
 
 #: what the critic keeps of each micro-batch for its update
-KEPT = ("input_ids", "attention_mask", "response_mask", "values", "returns", "group_id")
+KEPT = ("input_ids", "attention_mask", LOSS_MASK, "values", "returns", "group_id")
 
 
 class ValueLoss:
@@ -60,7 +61,7 @@ class ValueLoss:
             critic.forward_values(mb),
             mb["values"],
             mb["returns"],
-            mb["response_mask"],
+            mb[LOSS_MASK],
         )
         per_token = clipped_value_loss(values, old, returns, self.value_clip)
         loss_sum, count = aggregate(self.vf_coef * per_token, mask, "token-mean")
@@ -167,7 +168,7 @@ class CriticStage(TokenBudget, TrainStage):
         self.iteration, self.kept = iteration, []
 
     def process(self, batch: TensorDict) -> TensorDict:
-        mask = batch["response_mask"]
+        mask = batch[LOSS_MASK]
         batch["row"] = torch.arange(len(batch))
         values = torch.zeros(mask.shape, dtype=torch.float32)
         chunks = micro_batches(batch, self.micro_batch_size, self.max_tokens)

@@ -11,6 +11,7 @@ from tensordict import TensorDict
 from rlinf_lightning.algorithms.losses import kl_penalty
 from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE, resolve_rollout_dtype
 from rlinf_lightning.engines.train import TrainSpec
+from rlinf_lightning.flow.batch import LOSS_MASK
 from rlinf_lightning.flow.budget import Budget, LayerShape, StepCost, actor_cost
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, StageContext
@@ -57,7 +58,7 @@ class PolicyLoss:
             logp,
             old,
             mb["advantage"],
-            mb["response_mask"],
+            mb[LOSS_MASK],
             mb.get("ref_logprobs", None),
             rollout_logprobs=mb["rollout_logprobs"],
             proximal_logprobs=mb["old_logprobs"] if "old_logprobs" in mb.keys() else logp.detach(),
@@ -110,7 +111,7 @@ class ActorStage(TokenBudget, TrainStage):
     in_keys = (
         "input_ids",
         "attention_mask",
-        "response_mask",
+        LOSS_MASK,
         "rollout_logprobs",
         "advantage",
         "group_id",
@@ -220,7 +221,7 @@ class ActorStage(TokenBudget, TrainStage):
         if self.warming_up:  # only the critic trains (PPO's critic_warmup)
             return None
         if self.adaptive_kl:  # KL(rollout policy || reference) per token, what the controller steers
-            alg, mask = self.algorithm, batch["response_mask"]
+            alg, mask = self.algorithm, batch[LOSS_MASK]
             kl = kl_penalty(batch["rollout_logprobs"], batch["ref_logprobs"], alg.kl_estimator) * mask
             self.kl_seen += torch.tensor([float(kl.sum()), float(mask.sum())], dtype=torch.float64)
         if self.keeps_batch:
@@ -265,14 +266,14 @@ class ActorStage(TokenBudget, TrainStage):
         (the moments summed over the replicas)."""
         moments = torch.zeros(3, dtype=torch.float64)
         for b in self.buffer:
-            adv, mask = b["advantage"].double(), b["response_mask"].double()
+            adv, mask = b["advantage"].double(), b[LOSS_MASK].double()
             moments += torch.stack([(adv * mask).sum(), (adv**2 * mask).sum(), mask.sum()])
         self.ctx.all_reduce([moments])
         total, squares, count = moments.tolist()
         mean = total / max(count, 1.0)
         std = max((squares / max(count, 1.0) - mean**2) * count / max(count - 1.0, 1.0), 0.0) ** 0.5
         for b in self.buffer:
-            b["advantage"] = ((b["advantage"] - mean) / (std + 1e-8)) * b["response_mask"]
+            b["advantage"] = ((b["advantage"] - mean) / (std + 1e-8)) * b[LOSS_MASK]
 
     def _update_on_kept_batch(self, metrics: Metrics) -> None:
         if getattr(self.algorithm, "norm_adv", False):

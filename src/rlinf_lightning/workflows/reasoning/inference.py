@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.engines.offload import Offloader
+from rlinf_lightning.flow.batch import LOSS_MASK
 from rlinf_lightning.flow.budget import Budget, LayerShape, StepCost, inference_cost
 from rlinf_lightning.flow.memory import dtype_bytes, weights_part
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
@@ -28,7 +29,7 @@ class InferenceStage(TokenBudget, Stage):
 
     name = "inference"
     cost_hint = 0.3
-    in_keys = ("input_ids", "attention_mask", "response_mask")
+    in_keys = ("input_ids", "attention_mask", LOSS_MASK)
     out_keys = ("ref_logprobs",)
     budget_key = "task.inference_max_tokens_per_micro_batch"
     budget_fixes = "use a smaller model, policy.logit_chunk_tokens=1024 or more devices"
@@ -106,7 +107,7 @@ class InferenceStage(TokenBudget, Stage):
         if not self.max_tokens:  # the whole message at once
             batch["ref_logprobs"] = self.ref.forward_logprobs(batch.to(self.device), self.temperature).cpu()
             return batch
-        ref = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
+        ref = torch.zeros(batch[LOSS_MASK].shape, dtype=torch.float32)
         batch["row"] = torch.arange(len(batch))
         for chunk in token_budget_split(batch, self.max_tokens):
             lp = self.ref.forward_logprobs(chunk.to(self.device), self.temperature)

@@ -36,7 +36,6 @@ from rlinf_lightning.flow.trace import write_chrome_trace
 from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers import LAUNCHERS
-from rlinf_lightning.policies.lora import checkpoint_mismatch
 from rlinf_lightning.strategies import Replan, RunInfo
 from rlinf_lightning.trainer.ahead import AheadLaunch
 from rlinf_lightning.trainer.failures import RunLog, failure_line
@@ -135,14 +134,8 @@ class FitLoop:
         why = resume_mismatch(path, state.get("config"), self.config)
         if why and not self.trainer.allow_config_change:
             raise CheckpointError(why)
-        if why := checkpoint_mismatch(self.policy, train_state["lora"]):
+        if why := self.policy.checkpoint_problem(train_state):
             raise CheckpointError(f"{path}: {why}")
-        if (
-            not train_state["lora"]
-            and hasattr(self.policy, "check_state_dict")
-            and (why := self.policy.check_state_dict(train_state["model"]))
-        ):
-            raise CheckpointError(f"{path}: {why}; resume with the policy that wrote it")
         stage_states = load_stage_states(path)
         if unknown := sorted(set(stage_states) - set(self.workflow.stages)):
             raise CheckpointError(

@@ -14,7 +14,7 @@ PACKAGE = "rlinf_lightning"
 LAYERS = [
     {"errors", "registry", "judge", "prompts", "assets", "seeds", "console", "malloc"},
     {"flow"},
-    {"algorithms", "checkpoint", "envs", "loggers", "rewards", "policies"},
+    {"algorithms", "checkpoint", "envs", "loggers", "rewards", "policies", "pretrained"},
     {"engines"},
     {"evaluation", "tools"},
     {"workflows"},

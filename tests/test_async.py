@@ -22,8 +22,8 @@ from rlinf_lightning.strategies import STRATEGIES, CollocatedStrategy, Resources
 from trainer_defaults import MetricsRecorder, logged_metrics, scaled, tiny_task, tiny_trainer_kwargs
 
 LAUNCHER_NAMES = ["inprocess", "processes", "ray"]
-# ray's case with `-m slow` where the others cover the property and ray's own part (its workers
-# dying, raising) is covered by test_faults: the bound at k = 2 keeps ray in the default run
+# ray's case with `-m slow` where the others cover the property and ray's own part (a worker
+# raising) is covered by test_faults
 RAY_SLOW = ["inprocess", "processes", pytest.param("ray", marks=pytest.mark.slow)]
 
 

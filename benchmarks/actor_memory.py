@@ -2,7 +2,7 @@
 prediction (sections of ``gpu.py``).
 
 - ``defaults``: an ``ActorStage`` with no micro-batch size and no token budget, its budget chosen
-  as a plan's memory check chooses it (``fit_budget`` over the whole device: the only resident),
+  as a plan's memory check chooses it (``choose_budget`` over the whole device: the only resident),
   one GRPO step over ``--sequences`` rollout-shaped samples; the chosen budget, the predicted
   and the measured peak.
   Beside it the inference stage (reference log-probs: one forward under ``no_grad``) and the
@@ -76,15 +76,17 @@ def bench_defaults(model: Path, args, batch, device_bytes: int) -> dict:
 
     prompt = int(batch["attention_mask"].shape[-1] - batch["response_mask"].shape[-1])
     stage = _stage(model, args.device, None, 1024, prompt, args.new_tokens)
-    if problem := stage.fit_budget(args.device, device_bytes * DEVICE_FRACTION, 1, len(batch)):
-        return {"error": f"{problem[0]}: {problem[1]}"}
-    predicted = sum(p.nbytes for p in stage.memory(args.device, 1, len(batch)))
+    chosen = stage.choose_budget(args.device, device_bytes * DEVICE_FRACTION, 1, len(batch))
+    if isinstance(chosen, tuple):
+        return {"error": f"{chosen[0]}: {chosen[1]}"}
+    stage.apply_budget(chosen)
+    predicted = sum(p.nbytes for p in stage.memory(args.device, 1, len(batch), budget=chosen))
     with PeakMemory(args.device) as mem:
         stage.setup(StageContext(device=args.device, num_threads=torch.get_num_threads()))
         seconds = [timed_step(stage, batch, args.device)[0] for _ in range(args.steps)]
     row = {
-        "chosen_budget": stage.budget_chosen.tokens,
-        "checkpointing": stage.budget_chosen.checkpointing,
+        "chosen_budget": chosen.tokens,
+        "checkpointing": chosen.checkpointing,
         "cut": stage.max_tokens is not None,
         "predicted_peak_gib": round(predicted / GIB, 2),
         "peak_memory_gib": round(mem.peak / GIB, 2),
@@ -132,10 +134,12 @@ def other_stages(model: Path, args, batch, device_bytes: int) -> dict:
     data["returns"] = torch.randn(data["response_mask"].shape, generator=torch.Generator().manual_seed(0))
     out = {}
     for name, stage in stages.items():
-        if problem := stage.fit_budget(args.device, device_bytes * DEVICE_FRACTION, 1, len(batch)):
-            out[name] = {"error": f"{problem[0]}: {problem[1]}"}
+        chosen = stage.choose_budget(args.device, device_bytes * DEVICE_FRACTION, 1, len(batch))
+        if isinstance(chosen, tuple):
+            out[name] = {"error": f"{chosen[0]}: {chosen[1]}"}
             continue
-        predicted = sum(p.nbytes for p in stage.memory(args.device, 1, len(batch)))
+        stage.apply_budget(chosen)
+        predicted = sum(p.nbytes for p in stage.memory(args.device, 1, len(batch), budget=chosen))
         with PeakMemory(args.device) as mem:
             stage.setup(StageContext(device=args.device, num_threads=torch.get_num_threads()))
             if name == "inference":
@@ -145,7 +149,7 @@ def other_stages(model: Path, args, batch, device_bytes: int) -> dict:
                     stage.engine.accumulate(chunk, stage.loss)
                 stage.engine.step()
         out[name] = {
-            "chosen_budget": stage.budget_chosen.tokens,
+            "chosen_budget": chosen.tokens,
             "cut": stage.max_tokens is not None,
             "predicted_peak_gib": round(predicted / GIB, 2),
             "peak_memory_gib": round(mem.peak / GIB, 2),

@@ -179,7 +179,7 @@ def run_one(spec: dict) -> dict:
         "stage_s": {k: statistics.median(b.get(k, 0.0) for b in clock.busy[warm]) for k in sorted(stages)},
         "cores": cores,  # per stage: replicas x torch threads each (its busy seconds' core count)
         "wall_s": time.perf_counter() - t0,
-        "plan": trainer.plan.describe(trainer.plan_connector.workflow),
+        "plan": trainer.plan.describe(trainer.workflow),
         "placement": placement_of(trainer.plan),
     }
 

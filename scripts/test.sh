@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # README command 2: set up (idempotent), lint, build the documentation site, and run the default
-# (fast) test suite of the core package and of every first-party plugin. Extra arguments go to
-# pytest, e.g. `-m slow`.
+# (fast) test suite of the core package and of every first-party plugin. `--all` runs every test,
+# the `slow` ones too (the full launcher-and-plan matrix, the learning runs, the soak); other
+# arguments go to pytest, e.g. `-m slow` for the slow ones alone.
 # Each plugin's tests run in their own pytest process, as a user with only that plugin would run
 # them: simulators and engines patch and import process-wide state (vLLM walks sys.modules, and
 # trimesh, which ManiSkill imports, raises on attribute access), so one plugin's imports must
 # never decide whether another's tests pass. Every suite runs; the exit status is the first failure's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+args=()
+for arg in "$@"; do
+  # pyproject's addopts deselect `slow`; a later -m replaces it
+  if [ "$arg" = "--all" ]; then args+=(-m "slow or not slow"); else args+=("$arg"); fi
+done
 bash scripts/setup.sh
 source .venv/bin/activate
 ruff check .
@@ -19,7 +25,7 @@ for suite in tests plugins/*/tests; do
   [ -d "$suite" ] || continue
   echo "== $suite"
   rc=0
-  python -m pytest -q --durations=15 "$suite" "$@" || rc=$?
+  python -m pytest -q --durations=25 "$suite" ${args[@]+"${args[@]}"} || rc=$?
   # 5: no tests collected (e.g. `-m slow` where a plugin has none)
   if [ "$rc" != 0 ] && [ "$rc" != 5 ] && [ "$status" = 0 ]; then status=$rc; fi
 done

@@ -22,6 +22,7 @@ from rlinf_lightning.strategies.auto.profile import Profile, StageCost
 from rlinf_lightning.strategies.auto.search import candidates
 from rlinf_lightning.strategies.auto.simulate import simulate
 from rlinf_lightning.tasks.base import Task
+from trainer_defaults import scaled
 
 BATCH, UNIT = 64, 4
 
@@ -144,7 +145,7 @@ def _trainer(
         logger=False,
         enable_progress_bar=False,
         callbacks=[rec],
-        timeout_s=60,
+        timeout_s=scaled(60),
         max_staleness=max_staleness,
     )
     return trainer, rec
@@ -315,6 +316,10 @@ def test_profile_round_trips_through_json(tmp_path):
         Profile.load(tmp_path / "bad.json")
 
 
+# measured on the wall clock (sleeping stages), so a benchmark more than a test: `-m slow`. The
+# default run checks the prediction on a fake clock (the simulated schedules above and the
+# hand-timed iterations below) and that auto profiles and reports (test_one_granularity_...).
+@pytest.mark.slow
 def test_auto_profiles_predicts_within_15_percent_and_reports_it(tmp_path):
     trainer, rec = _fit(tmp_path, "auto", iterations=8)
     assert (tmp_path / "profile.json").is_file()
@@ -408,6 +413,8 @@ def test_a_short_run_never_starts_a_worker_process(tmp_path):
     assert trainer.plan.launcher == "inprocess"
 
 
+# the wall clock again (a plan measured against its prediction): `-m slow`, as the test above
+@pytest.mark.slow
 @pytest.mark.parametrize("max_staleness", [0, 1])
 def test_a_plan_auto_never_ran_is_predicted_from_its_profile(tmp_path, max_staleness):
     """Out of sample: auto profiles one worker; from the profile it saved, before it runs, the

@@ -37,14 +37,17 @@ def test_the_budget_for_a_141_gb_device_predicts_at_most_80_percent(qwen_dir):
     assert policy.parameter_count() == QWEN_05B_PARAMS
     actor = ActorStage(policy, GRPO(), TrainSpec("single", {}, "bf16-mixed"), 1.0, None, None, 256, 32,
                        max_prompt_tokens=64)  # fmt: skip
-    assert actor.fit_budget("cuda:0", 0.8 * H200_BYTES, 1, 256) is None
-    budget = actor.budget_chosen
+    budget = actor.choose_budget("cuda:0", 0.8 * H200_BYTES, 1, 256)
     assert budget.peak <= 0.8 * H200_BYTES
-    assert sum(p.nbytes for p in actor.memory("cuda:0", 1, 256)) == pytest.approx(budget.peak, rel=1e-6)
-    assert 16384 <= budget.tokens < 256 * 320 and actor.max_tokens == budget.tokens
+    parts = actor.memory("cuda:0", 1, 256, budget=budget)
+    assert sum(p.nbytes for p in parts) == pytest.approx(budget.peak, rel=1e-6)
+    assert 16384 <= budget.tokens < 256 * 320 and budget.cuts
     assert not budget.checkpointing and not policy.gradient_checkpointing
-    actor.reset_budget()
-    assert actor.max_tokens is None and actor.budget_chosen is None
+    assert actor.max_tokens is None  # choosing changes nothing
+    actor.apply_budget(budget)  # what the workers start with
+    assert actor.max_tokens == budget.tokens
+    actor.apply_budget(None)
+    assert actor.max_tokens is None and actor.budget_applied is None
 
 
 def test_a_small_device_turns_checkpointing_on_and_a_tiny_one_is_refused(qwen_dir):
@@ -52,18 +55,21 @@ def test_a_small_device_turns_checkpointing_on_and_a_tiny_one_is_refused(qwen_di
     actor = ActorStage(policy, GRPO(), TrainSpec("single", {}, "bf16-mixed"), 1.0, None, None, 256, 32,
                        max_prompt_tokens=64)  # fmt: skip
     static = sum(p.nbytes for p in actor.memory("cuda:0", 1, 256))
-    assert actor.fit_budget("cuda:0", static + 8 * GIB, 1, 256) is None  # 8 GiB beside the state
-    assert actor.budget_chosen.checkpointing and policy.gradient_checkpointing is True
-    assert USEFUL_TOKENS <= actor.max_tokens
-    assert actor.budget_chosen.peak <= static + 8 * GIB
-    actor.reset_budget()
+    budget = actor.choose_budget("cuda:0", static + 8 * GIB, 1, 256)  # 8 GiB beside the state
+    assert budget.checkpointing and budget.checkpointing_chosen and USEFUL_TOKENS <= budget.tokens
+    assert budget.peak <= static + 8 * GIB
+    assert policy.gradient_checkpointing is None  # chosen, not yet in force
+    actor.apply_budget(budget)
+    assert policy.gradient_checkpointing is True and actor.max_tokens == budget.tokens
+    assert actor.choose_budget("cuda:0", static + 8 * GIB, 1, 256) == budget  # in force, chosen alike
+    actor.apply_budget(None)
     assert policy.gradient_checkpointing is None  # what the budget chose, it takes back
 
     policy.gradient_checkpointing = False  # a configured setting is kept
-    assert actor.fit_budget("cuda:0", static + 8 * GIB, 1, 256) is None
-    assert not actor.budget_chosen.checkpointing and actor.max_tokens < USEFUL_TOKENS
+    budget = actor.choose_budget("cuda:0", static + 8 * GIB, 1, 256)
+    assert not budget.checkpointing and budget.tokens < USEFUL_TOKENS
 
-    key, why = actor.fit_budget("cuda:0", static + 0.1 * GIB, 1, 256)
+    key, why = actor.choose_budget("cuda:0", static + 0.1 * GIB, 1, 256)
     assert key == "task.train_max_tokens_per_micro_batch" and "not one sample of 320 tokens" in why
 
 
@@ -84,7 +90,7 @@ def test_a_configured_budget_is_kept_and_its_peak_counted(qwen_dir):
     policy = LMPolicy(str(qwen_dir), logit_chunk_tokens=None)
     actor = ActorStage(policy, GRPO(), TrainSpec("single", {}, "bf16-mixed"), 1.0, None, 32768, 256, 32,
                        max_prompt_tokens=64)  # fmt: skip
-    assert actor.fit_budget("cuda:0", 1 * GIB, 1, 256) is None and actor.max_tokens == 32768
+    assert actor.choose_budget("cuda:0", 1 * GIB, 1, 256) is None and actor.max_tokens == 32768
     parts = actor.memory("cuda:0", 1, 256)
     assert "32,768 tokens (task.train_max_tokens_per_micro_batch)" in parts[-1].what
     assert sum(p.nbytes for p in parts) > H200_BYTES * 0.75  # whole logits at 32k tokens: most of an H200

@@ -237,6 +237,10 @@ def recipe_warm_start(tmp_path_factory) -> dict:
     )
 
 
+# a learning run (minutes): `-m slow`. The default run keeps its parts' cheap cases: every plan's
+# update moves the weights with a gradient from every iteration (test_plans' reference), the
+# losses and advantages by hand (test_algorithms), the held-out evaluation (test_fit above)
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_grpo_raises_held_out_accuracy_on_the_tiny_task(recipe_warm_start, tmp_path, seed):
     """The README's recipe in small: GRPO at its settings (lr 1e-4, here constant; groups of 8) for

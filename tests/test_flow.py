@@ -15,6 +15,7 @@ from rlinf_lightning.flow.wiring import wire
 from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.strategies import STRATEGIES, Resources
+from trainer_defaults import scaled
 
 
 class AddOne(Stage):
@@ -85,7 +86,7 @@ def test_two_threaded_workers_abort_each_other_instead_of_hanging():
             WorkerGroup("w1", ["sum"], [1], schedule="interleaved"),
         ],
     )
-    rt = _launch(wf, plan, timeout_s=30.0)
+    rt = _launch(wf, plan, timeout_s=scaled(30))
     with pytest.raises(StageError, match="boom"):
         rt.run_iteration(1, _batches(2, 4))
 
@@ -312,7 +313,7 @@ def test_process_workers_see_the_drivers_environment_as_it_is_when_they_start(mo
     for value in (None, "after"):
         if value is not None:
             monkeypatch.setenv("RLINF_TEST_ENVIRON", value)
-        rt = LAUNCHERS.resolve("processes").launch(wf, plan, timeout_s=60)
+        rt = LAUNCHERS.resolve("processes").launch(wf, plan, timeout_s=scaled(60))
         try:
             seen.append(rt.call("reader", "environ", "RLINF_TEST_ENVIRON"))
         finally:

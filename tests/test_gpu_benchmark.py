@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "benchmarks" / "gpu.py")
@@ -20,11 +21,8 @@ def run(*args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: the benchmark runs")
 def test_without_cuda_it_skips_in_one_line():
-    import torch
-
-    if torch.cuda.is_available():
-        return
     assert "skipped" in run()
 
 

@@ -20,7 +20,7 @@ from rlinf_lightning.checkpoint import load_checkpoint, resolve_checkpoint
 from rlinf_lightning.errors import RunError
 from rlinf_lightning.policies import MLPActorCritic
 from rlinf_lightning.tasks import EmbodiedTask
-from trainer_defaults import MetricsRecorder
+from trainer_defaults import MetricsRecorder, scaled
 
 
 class PoisonedPolicy(MLPActorCritic):
@@ -53,7 +53,7 @@ def _fit(tmp_path: Path, policy, iterations: int = 5, ckpt_path: str | None = No
     t = RLTrainer(
         algorithm=PPO(update_epochs=1, num_minibatches=1), max_iterations=iterations, ckpt_every=1,
         default_root_dir=str(tmp_path / "run"), logger=False, enable_progress_bar=False,
-        callbacks=[recorder], timeout_s=60, **trainer,
+        callbacks=[recorder], timeout_s=scaled(60), **trainer,
     )  # fmt: skip
     return t, t.fit(policy, task, ckpt_path=ckpt_path), recorder
 
@@ -162,8 +162,8 @@ def test_the_out_of_memory_line_of_each_reasoning_stage_names_its_own_budget(ass
     from trainer_defaults import tiny_task, tiny_trainer_kwargs
 
     trainer = RLTrainer(**tiny_trainer_kwargs(tmp_path))
-    trainer.validate(LMPolicy(str(assets["sft"])), tiny_task(assets, train_micro_batch_size=8))
-    workflow, plan = trainer.plan_connector.workflow, trainer.plan
+    task = tiny_task(assets, train_micro_batch_size=8)
+    workflow, plan = trainer.validate(LMPolicy(str(assets["sft"])), task)
 
     def line(stage: str) -> str:
         why = f"stage {stage!r} ran out of memory"

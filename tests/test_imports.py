@@ -14,7 +14,7 @@ PACKAGE = "rlinf_lightning"
 LAYERS = [
     {"errors", "registry", "judge", "prompts", "assets", "seeds", "console", "malloc"},
     {"flow"},
-    {"algorithms", "checkpoint", "envs", "loggers", "rewards", "policies"},
+    {"algorithms", "checkpoint", "envs", "loggers", "rewards", "policies", "pretrained"},
     {"engines"},
     {"evaluation", "tools"},
     {"workflows"},
@@ -81,3 +81,22 @@ def test_no_upward_runtime_import():
         if RANK[b] >= RANK[a]
     ]
     assert not upward, "\n".join(upward)
+
+
+def test_the_trainer_its_connectors_and_the_fit_loop_import_in_one_direction():
+    """Type-only imports aside, no module of ``trainer/`` imports one that imports it back (directly
+    or through others): the trainer builds the connectors and the fit loop and hands them what they
+    need (the fit loop gets the workflow and the plan), so none reaches back into it."""
+    inside = f"{PACKAGE}.trainer."
+    graph = {
+        path.stem: {t.removeprefix(inside) for t in _runtime_imports(path) if t.startswith(inside)}
+        for path in (SRC / PACKAGE / "trainer").glob("*.py")
+        if path.stem != "__init__"
+    }
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        after = graph.get(start, ())
+        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in after)
+
+    assert graph["trainer"] >= {"fit_loop", "plan_connector"}  # the graph is read
+    assert not [m for m in graph if reaches(m, m, {m})], graph

@@ -10,6 +10,7 @@ from tensordict import TensorDict
 from rlinf_lightning.flow import BatchShape, Metrics, Stage, Workflow
 from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.strategies import STRATEGIES, Resources
+from trainer_defaults import scaled
 
 
 def _record(values: torch.Tensor, parts: int) -> list[Metrics]:
@@ -126,7 +127,7 @@ def test_stage_metrics_from_two_replicas_merge_exactly(launcher):
     plan = STRATEGIES.resolve("collocated").plan(wf, resources, BatchShape(24, 4))
     assert plan.groups[0].replicas == 2
     plan.validate(wf, 2)
-    rt = LAUNCHERS.get(launcher)().launch(wf, plan, timeout_s=60)
+    rt = LAUNCHERS.get(launcher)().launch(wf, plan, timeout_s=scaled(60))
     try:
         metrics = rt.run_iteration(1, _batches())
     finally:

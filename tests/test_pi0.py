@@ -16,6 +16,7 @@ from tensordict import TensorDict
 from rlinf_lightning import RLTrainer
 from rlinf_lightning.algorithms import GRPO, PPO
 from rlinf_lightning.assets import TinyPi0Config, build_tiny_pi0
+from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.policies import Pi0Policy
 from rlinf_lightning.policies.lora import LoRA
 from rlinf_lightning.policies.pi0.flow import LOG_2PI_E
@@ -160,7 +161,7 @@ def test_the_value_head_reads_the_value_keys_beside_pi0s_feature(pi0_dir):
     obs["time"] = torch.tensor([[0.9], [0.9]])
     late = policy.act(obs, generators=_gens([0, 1]))
     assert torch.equal(early["chain"], late["chain"]) and not torch.equal(early["value"], late["value"])
-    with pytest.raises(ValueError, match="policy.value_keys: the env's observation has no 'time'"):
+    with pytest.raises(ConfigError, match="policy.value_keys: the env's observation has no 'time'"):
         Pi0Policy(pi0_dir, value_keys=["time"]).configure_spaces(_obs(2), (CHUNK, ACTION_DIM))
 
 

@@ -14,7 +14,15 @@ from rlinf_lightning import LMPolicy, RLTrainer
 from rlinf_lightning.flow import BatchShape, Stage, Workflow
 from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.strategies import STRATEGIES, CollocatedStrategy, HybridStrategy, Resources
-from trainer_defaults import MetricsRecorder, tiny_task, tiny_trainer_kwargs, worker_processes
+from trainer_defaults import (
+    DIFFERING,
+    MetricsRecorder,
+    launcher_matrix,
+    scaled,
+    tiny_task,
+    tiny_trainer_kwargs,
+    worker_processes,
+)
 
 LAUNCHER_NAMES = ["inprocess", "processes", "ray"]
 HYBRID = "rollout,reward,advantage: 0, inference,actor: 1"
@@ -82,28 +90,31 @@ def reference(assets, tmp_path_factory):
     return metrics, weights
 
 
-# ray's case (130 s) runs with `-m slow`; ray in the default run: test_ray_cluster and test_async
-@pytest.mark.parametrize("launcher", [*LAUNCHER_NAMES[:2], pytest.param("ray", marks=pytest.mark.slow)])
-def test_every_plan_computes_the_same_update_on_every_launcher(assets, tmp_path, reference, launcher):
-    """Collocated with 1 and 2 replicas, disaggregated and an explicit hybrid placement, run as
-    configs run them (``ckpt_every=0``: each iteration queued while the previous one finishes):
-    loss, grad norm and reward equal the reference's (which checkpointed, so idled, after every
-    iteration) at each of three iterations, and so do the final weights (one AdamW step moves each
-    weight by about lr x sign(grad), so only several steps can show a wrong gradient scale; the
-    rewards of iterations 2 and 3 come from the weights synced after 1 and 2)."""
+# ray's disaggregated fit runs in test_weights_broadcast_between_groups_equal_the_copied_ones[ray]
+@pytest.mark.parametrize(("name", "launcher"), launcher_matrix(PLANS, differing={"ray": ()}))
+def test_every_plan_computes_the_same_update_on_every_launcher(assets, tmp_path, reference, name, launcher):
+    """Collocated with 1 and 2 replicas, disaggregated, an explicit hybrid placement and the
+    overlapping one, run as configs run them (``ckpt_every=0``: each iteration queued while the
+    previous one finishes): loss, grad norm and reward equal the reference's (which checkpointed, so
+    idled, after every iteration) at each of three iterations, and so do the final weights (one
+    AdamW step moves each weight by about lr x sign(grad), so only several steps can show a wrong
+    gradient scale; the rewards of iterations 2 and 3 come from the weights synced after 1 and 2)."""
     ref_metrics, ref_weights = reference
-    for name, strategy in PLANS.items():
-        trainer, _, metrics, weights = _fit(
-            assets, tmp_path / name, strategy=strategy, launcher=launcher, ckpt_every=0
-        )
-        assert len(weights) == 1 and len(metrics) == 3, name  # the final checkpoint only
-        assert weights[0].keys() == ref_weights[-1].keys()
-        assert _maxdiff(weights[0], ref_weights[-1]) <= 1e-4, (name, launcher)
-        _assert_same_metrics(metrics, ref_metrics, (name, launcher))
-        assert sorted({s for g in trainer.plan.groups for s in g.slots}) == [0, 1], name
+    trainer, _, metrics, weights = _fit(
+        assets, tmp_path / name, strategy=PLANS[name], launcher=launcher, ckpt_every=0
+    )
+    assert len(weights) == 1 and len(metrics) == 3, name  # the final checkpoint only
+    assert weights[0].keys() == ref_weights[-1].keys()
+    assert _maxdiff(weights[0], ref_weights[-1]) <= 1e-4, (name, launcher)
+    _assert_same_metrics(metrics, ref_metrics, (name, launcher))
+    assert sorted({s for g in trainer.plan.groups for s in g.slots}) == [0, 1], name
 
 
-def test_the_actor_ranks_are_the_actor_groups_replicas(assets, tmp_path):
+# the processes launcher's own property: the differing plans by default, the rest with `-m slow`
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n in DIFFERING["processes"] else pytest.mark.slow) for n in PLANS]
+)
+def test_the_actor_ranks_are_the_actor_groups_replicas(assets, tmp_path, name):
     """No plan starts more processes or torch threads than the slots its workers take turns on:
     under every plan the workers are the only processes, one per replica, pinned to their slots'
     cores, and the actor's ddp ranks are its group's replicas."""
@@ -111,31 +122,28 @@ def test_the_actor_ranks_are_the_actor_groups_replicas(assets, tmp_path):
 
     task = tiny_task(assets, eval_size=8)
     policy = LMPolicy(str(assets["sft"]), lr=1e-3)
-    for name, strategy in PLANS.items():
-        trainer = RLTrainer(**tiny_trainer_kwargs(tmp_path, devices=2, num_threads=1, strategy=strategy))
-        workflow, plan = trainer.build_plan(policy, task)
-        runtime = LAUNCHERS.get("processes")().launch(workflow, plan, timeout_s=60)
-        try:
-            inputs = task.inputs(1, plan.micro_batch_size["__input__->rollout"], trainer.run_spec)
-            runtime.run_iteration(1, inputs)
-            ranks = runtime.call("actor", "engine_info", replicas="all")
-            spawned = [p.pid for p in worker_processes()]
-        finally:
-            runtime.shutdown()
-        actor = plan.group_of("actor")
-        pids = [info["pid"] for info in runtime.info.values()]
-        assert sorted(spawned) == sorted(pids) and len(set(pids)) == sum(g.replicas for g in plan.groups), (
-            name
-        )
-        held = [s for g in plan.groups for s in g.slots]  # 2 slots, each once unless workers take turns
-        assert sum(info["torch_threads"] for info in runtime.info.values()) == len(held), name  # x 1 thread
-        usable = sorted(os.sched_getaffinity(0))
-        if len(usable) >= 2:  # each process pinned to its slots' cores: one core per slot
-            pinned = [core for info in runtime.info.values() for core in info["cores"]]
-            assert sorted(pinned) == sorted(usable[s] for s in held), name
-        assert [r["rank"] for r in ranks] == list(range(actor.replicas)), name
-        assert {r["world_size"] for r in ranks} == {actor.replicas}, name
-        assert {r["engine"] for r in ranks} == {"ddp" if actor.replicas > 1 else "single"}, name
+    trainer = RLTrainer(**tiny_trainer_kwargs(tmp_path, devices=2, num_threads=1, strategy=PLANS[name]))
+    workflow, plan = trainer.build_plan(policy, task)
+    runtime = LAUNCHERS.get("processes")().launch(workflow, plan, timeout_s=scaled(60))
+    try:
+        inputs = task.inputs(1, plan.micro_batch_size["__input__->rollout"], trainer.run_spec)
+        runtime.run_iteration(1, inputs)
+        ranks = runtime.call("actor", "engine_info", replicas="all")
+        spawned = [p.pid for p in worker_processes()]
+    finally:
+        runtime.shutdown()
+    actor = plan.group_of("actor")
+    pids = [info["pid"] for info in runtime.info.values()]
+    assert sorted(spawned) == sorted(pids) and len(set(pids)) == sum(g.replicas for g in plan.groups), name
+    held = [s for g in plan.groups for s in g.slots]  # 2 slots, each once unless workers take turns
+    assert sum(info["torch_threads"] for info in runtime.info.values()) == len(held), name  # x 1 thread
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) >= 2:  # each process pinned to its slots' cores: one core per slot
+        pinned = [core for info in runtime.info.values() for core in info["cores"]]
+        assert sorted(pinned) == sorted(usable[s] for s in held), name
+    assert [r["rank"] for r in ranks] == list(range(actor.replicas)), name
+    assert {r["world_size"] for r in ranks} == {actor.replicas}, name
+    assert {r["engine"] for r in ranks} == {"ddp" if actor.replicas > 1 else "single"}, name
 
 
 def test_trace_shows_overlap_only_when_disaggregated(assets, tmp_path):
@@ -257,7 +265,7 @@ def test_a_loop_workflow_gives_the_same_results_under_every_plan(launcher):
             wf, Resources(devices=2, threads_per_slot=1), BatchShape(16, 4)
         )
         plan.validate(wf, 2)
-        runtime = LAUNCHERS.get(launcher)().launch(wf, plan, timeout_s=120)
+        runtime = LAUNCHERS.get(launcher)().launch(wf, plan, timeout_s=scaled(120))
         try:
             runtime.start_iteration(1, envs)
             for it in (2, 3, None):  # queued: iteration it starts before it - 1 is collected
@@ -375,23 +383,23 @@ def several_updates_reference(assets, tmp_path_factory):
     return algorithm, metrics, weights
 
 
-@pytest.mark.parametrize("launcher", ["inprocess", "processes"])
+@pytest.mark.parametrize(
+    ("name", "launcher"),
+    launcher_matrix([n for n in PLANS if n != "collocated_1worker"], launchers=("inprocess", "processes")),
+)
 def test_several_updates_per_batch_are_the_same_under_every_plan(
-    assets, tmp_path, several_updates_reference, launcher
+    assets, tmp_path, several_updates_reference, name, launcher
 ):
     """ppo_epochs > 1 and several mini-batches: each mini-batch (whole prompt groups, the same
     under every plan) is one optimizer step dividing by its own count over every replica, the
     behaviour log-probs are taken before the first step and the whitening sums over replicas; so
     loss, grad norm and reward per iteration and the final weights equal the one-worker run's."""
     algorithm, ref_metrics, ref_weights = several_updates_reference
-    for name, strategy in PLANS.items():
-        if name == "collocated_1worker":
-            continue
-        _, _, metrics, weights = _fit(
-            assets, tmp_path / name, strategy=strategy, launcher=launcher, ckpt_every=0, algorithm=algorithm
-        )
-        assert _maxdiff(weights[0], ref_weights[-1]) <= 1e-4, (name, launcher)
-        _assert_same_metrics(metrics, ref_metrics, (name, launcher))
+    _, _, metrics, weights = _fit(
+        assets, tmp_path / name, strategy=PLANS[name], launcher=launcher, ckpt_every=0, algorithm=algorithm
+    )
+    assert _maxdiff(weights[0], ref_weights[-1]) <= 1e-4, (name, launcher)
+    _assert_same_metrics(metrics, ref_metrics, (name, launcher))
 
 
 #: PPO with a critic on its own stage: 2 epochs x 2 mini-batches, so 4 steps of each model per iteration

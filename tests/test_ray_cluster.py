@@ -11,7 +11,7 @@ import pytest
 
 from rlinf_lightning import LMPolicy, RLTrainer
 from rlinf_lightning.launchers import LAUNCHERS
-from trainer_defaults import tiny_task, tiny_trainer_kwargs
+from trainer_defaults import scaled, tiny_task, tiny_trainer_kwargs
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_a_disaggregated_plan_spans_two_nodes(warm_assets, tmp_path, two_nodes):
     ]
     assert "(node 0)" in plan.describe() and "(node 1)" in plan.describe()
 
-    runtime = LAUNCHERS.get("ray")().launch(workflow, plan, timeout_s=120)
+    runtime = LAUNCHERS.get("ray")().launch(workflow, plan, timeout_s=scaled(120))
     try:
         driver_node = ray.get_runtime_context().get_node_id()
         nodes = {w: ray.get(a.node_id.remote()) for w, a in runtime.actors.items()}
@@ -64,7 +64,7 @@ def test_a_disaggregated_plan_spans_two_nodes(warm_assets, tmp_path, two_nodes):
     # the same iteration in one process: across the two nodes it is the same update, and a real one
     # (iteration 1 of seed 0 has groups whose samples disagree)
     workflow, plan = trainer.build_plan(LMPolicy(str(assets["sft"]), lr=1e-3), task)
-    local = LAUNCHERS.get("inprocess")().launch(workflow, plan, timeout_s=120)
+    local = LAUNCHERS.get("inprocess")().launch(workflow, plan, timeout_s=scaled(120))
     try:
         ref = local.run_iteration(
             1, task.inputs(1, plan.micro_batch_size["__input__->rollout"], trainer.run_spec)
@@ -91,7 +91,7 @@ def test_a_data_parallel_group_trains_across_two_nodes(assets, tmp_path, two_nod
     )
     task = tiny_task(assets, eval_size=8)
     workflow, plan = trainer.build_plan(LMPolicy(str(assets["sft"]), lr=1e-3), task)
-    runtime = LAUNCHERS.get("ray")().launch(workflow, plan, timeout_s=120)
+    runtime = LAUNCHERS.get("ray")().launch(workflow, plan, timeout_s=scaled(120))
     try:
         nodes = {w: ray.get(a.node_id.remote()) for w, a in runtime.actors.items()}
         inputs = task.inputs(1, plan.micro_batch_size["__input__->rollout"], trainer.run_spec)

@@ -16,6 +16,7 @@ from rlinf_lightning.algorithms import GRPO, PPO
 from rlinf_lightning.errors import CheckpointError, ConfigError
 from rlinf_lightning.policies import MLPActorCritic
 from rlinf_lightning.tasks import EmbodiedTask
+from trainer_defaults import scaled
 
 
 def _fit(root: Path, algorithm, iterations: int = 2, ckpt_path: str | None = None, **over):
@@ -25,7 +26,7 @@ def _fit(root: Path, algorithm, iterations: int = 2, ckpt_path: str | None = Non
     )  # fmt: skip
     trainer = RLTrainer(
         algorithm=algorithm, max_iterations=iterations, default_root_dir=str(root), logger=False,
-        enable_progress_bar=False, timeout_s=60, **over,
+        enable_progress_bar=False, timeout_s=scaled(60), **over,
     )  # fmt: skip
     return trainer.fit(MLPActorCritic(hidden_sizes=(16,)), task, ckpt_path=ckpt_path)
 

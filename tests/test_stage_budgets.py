@@ -1,4 +1,4 @@
-"""The inference and critic stages' token budgets (``flow.budget``, ``workflows/token_budget.py``):
+"""The inference and critic stages' token budgets (``flow.budget``, ``flow/token_budget.py``):
 a forward without gradients takes far more tokens than the actor's step, the critic's step (a
 value head, no vocabulary) takes its own, each chosen and logged; one that cannot fit is refused
 in one line naming its key, and a real tiny run with no budget set chooses all three and trains."""
@@ -13,6 +13,7 @@ from rlinf_lightning import RLTrainer
 from rlinf_lightning.algorithms import GRPO, PPO
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.errors import ConfigError
+from rlinf_lightning.flow.token_budget import TokenBudget
 from rlinf_lightning.policies import LMPolicy, ValueModel
 from rlinf_lightning.workflows.critic import CriticStage
 from rlinf_lightning.workflows.reasoning.actor import ActorStage
@@ -38,21 +39,22 @@ def test_the_inference_budget_on_a_141_gb_device_is_larger_than_the_actors(qwen_
     actor = ActorStage(policy, GRPO(kl_coef=0.01), BF16_MIXED, 1.0, None, None, 256, 32, max_prompt_tokens=64)
     inference = InferenceStage(policy, GRPO(kl_coef=0.01), 1.0, None, max_prompt_tokens=64, horizon=256)
     with caplog.at_level(logging.INFO, logger="rlinf_lightning.flow.budget"):
-        assert actor.fit_budget("cuda:0", USABLE, 1, 4096) is None
-        assert inference.fit_budget("cuda:0", USABLE, 1, 4096) is None
-    chosen = inference.budget_chosen
-    assert chosen.tokens > 3 * actor.budget_chosen.tokens and inference.max_tokens == chosen.tokens
+        actors = actor.choose_budget("cuda:0", USABLE, 1, 4096)
+        chosen = inference.choose_budget("cuda:0", USABLE, 1, 4096)
+    assert chosen.tokens > 3 * actors.tokens and chosen.cuts
     assert chosen.tokens < 4096 * 320 and chosen.peak <= USABLE and not chosen.checkpointing
-    parts = inference.memory("cuda:0", 1, 4096)  # the reference's weights and the forward's peak
+    parts = inference.memory("cuda:0", 1, 4096, budget=chosen)  # the reference's weights, the forward's peak
     assert sum(p.nbytes for p in parts) == pytest.approx(chosen.peak, rel=1e-6) and parts[-1].working
     assert "a forward's activations and logits of " in parts[-1].what and "(chosen)" in parts[-1].what
     assert f"inference: token budget {chosen.tokens:,} per micro-batch" in caplog.text
-    inference.reset_budget()
+    inference.apply_budget(chosen)
+    assert inference.max_tokens == chosen.tokens
+    inference.apply_budget(None)
     assert inference.max_tokens is None and inference.memory("cuda:0", 1, 4096)[-1].what.startswith("float32")
 
     # without a KL term there is no reference, so nothing to size
     idle = InferenceStage(policy, GRPO(), 1.0, None, max_prompt_tokens=64, horizon=256)
-    assert idle.fit_budget("cuda:0", USABLE, 1, 4096) is None and idle.budget_chosen is None
+    assert idle.choose_budget("cuda:0", USABLE, 1, 4096) is None
 
 
 def test_a_critic_budget_is_chosen_and_logged_and_its_peak_counted(qwen_dir, caplog):
@@ -60,20 +62,20 @@ def test_a_critic_budget_is_chosen_and_logged_and_its_peak_counted(qwen_dir, cap
     actor = ActorStage(LMPolicy(str(qwen_dir), logit_chunk_tokens=None), GRPO(), BF16_MIXED, 1.0, None, None,
                        256, 32, max_prompt_tokens=64)  # fmt: skip
     with caplog.at_level(logging.INFO, logger="rlinf_lightning.flow.budget"):
-        assert critic.fit_budget("cuda:0", USABLE, 1, 4096) is None
-        assert actor.fit_budget("cuda:0", USABLE, 1, 4096) is None
-    chosen = critic.budget_chosen
+        chosen = critic.choose_budget("cuda:0", USABLE, 1, 4096)
+        actors = actor.choose_budget("cuda:0", USABLE, 1, 4096)
     assert f"critic: token budget {chosen.tokens:,} per micro-batch" in caplog.text
-    assert chosen.peak <= USABLE and critic.max_tokens == chosen.tokens
+    assert chosen.peak <= USABLE and chosen.cuts
     # no vocabulary logits: more tokens than the actor with whole logits takes on the same device
-    assert chosen.tokens > 1.5 * actor.budget_chosen.tokens  # 62,285 against 34,388
-    parts = critic.memory("cuda:0", 1, 4096)
+    assert chosen.tokens > 1.5 * actors.tokens  # 62,285 against 34,388
+    parts = critic.memory("cuda:0", 1, 4096, budget=chosen)
     assert sum(p.nbytes for p in parts) == pytest.approx(chosen.peak, rel=1e-6)
     assert "activations and values of" in parts[-1].what
+    critic.apply_budget(chosen)
     assert "at most" in critic.budget(256)[0]  # what an out-of-memory line names in force
 
     configured = _critic(qwen_dir, max_tokens=4096)  # task.train_max_tokens_per_micro_batch: kept
-    assert configured.fit_budget("cuda:0", USABLE, 1, 4096) is None and configured.max_tokens == 4096
+    assert configured.choose_budget("cuda:0", USABLE, 1, 4096) is None and configured.max_tokens == 4096
     assert (
         "4,096 tokens (task.train_max_tokens_per_micro_batch)" in configured.memory("cuda:0", 1, 64)[-1].what
     )
@@ -82,28 +84,29 @@ def test_a_critic_budget_is_chosen_and_logged_and_its_peak_counted(qwen_dir, cap
 def test_a_small_device_turns_the_critics_checkpointing_on_unless_configured(qwen_dir):
     critic = _critic(qwen_dir)
     static = sum(p.nbytes for p in critic.memory("cuda:0", 1, 256))
-    assert critic.fit_budget("cuda:0", static + 4 * GIB, 1, 256) is None  # 4 GiB beside the state
-    assert critic.budget_chosen.checkpointing and critic.policy.gradient_checkpointing is True
-    assert "activation checkpointing" in critic.memory("cuda:0", 1, 256)[-1].what
-    checked = critic.budget_chosen.tokens
-    critic.reset_budget()
+    chosen = critic.choose_budget("cuda:0", static + 4 * GIB, 1, 256)  # 4 GiB beside the state
+    assert chosen.checkpointing and critic.policy.gradient_checkpointing is None  # not yet in force
+    assert "activation checkpointing" in critic.memory("cuda:0", 1, 256, budget=chosen)[-1].what
+    critic.apply_budget(chosen)
+    assert critic.policy.gradient_checkpointing is True
+    critic.apply_budget(None)
     assert critic.policy.gradient_checkpointing is None  # what the budget chose, it takes back
 
     critic.policy.gradient_checkpointing = False  # task.critic.gradient_checkpointing=false: kept
-    assert critic.fit_budget("cuda:0", static + 4 * GIB, 1, 256) is None
-    assert not critic.budget_chosen.checkpointing and critic.max_tokens < checked
+    kept = critic.choose_budget("cuda:0", static + 4 * GIB, 1, 256)
+    assert not kept.checkpointing and kept.tokens < chosen.tokens
     # the inference stage trains nothing: it never offers checkpointing
     inference = InferenceStage(LMPolicy(str(qwen_dir)), GRPO(kl_coef=0.01), 1.0, None, max_prompt_tokens=64)
-    assert inference.checkpointing_options() == [False] and not inference.checkpointing_in_force()
+    assert inference.checkpointing_options() == [False] and not inference.checkpointing_configured()
 
 
 def test_a_stage_that_cannot_fit_one_sample_is_refused_naming_its_key(qwen_dir):
     policy = LMPolicy(str(qwen_dir))
     inference = InferenceStage(policy, GRPO(kl_coef=0.01), 1.0, None, max_prompt_tokens=64, horizon=256)
-    key, why = inference.fit_budget("cuda:0", 2.5 * GIB, 1, 256)  # the weights and little else
+    key, why = inference.choose_budget("cuda:0", 2.5 * GIB, 1, 256)  # the weights and little else
     assert key == "task.inference_max_tokens_per_micro_batch" and "\n" not in why
     assert why.startswith("not one sample of 320 tokens fits the inference's device")
-    key, why = _critic(qwen_dir).fit_budget("cuda:0", 8 * GIB, 1, 256)
+    key, why = _critic(qwen_dir).choose_budget("cuda:0", 8 * GIB, 1, 256)
     assert key == "task.train_max_tokens_per_micro_batch" and "critic's device" in why
 
 
@@ -142,8 +145,9 @@ def test_a_tiny_run_with_no_budget_set_chooses_every_stages_budget_and_trains(as
         trainer.fit(LMPolicy(str(assets["sft"])), task)
     for stage in ("actor", "critic", "inference"):
         assert f"{stage}: token budget " in caplog.text, caplog.text
-    stages = trainer.plan_connector.workflow.stages
-    assert all(stages[s].budget_chosen is not None for s in ("actor", "critic", "inference"))
+    assert set(trainer.plan.budgets) == {"actor", "critic", "inference"}  # the plan carries them
+    stages = trainer.workflow.stages
+    assert all(stages[s].budget_applied == trainer.plan.budgets[s] for s in trainer.plan.budgets)
     assert len(rec.metrics) == 2 and all("critic/value_error" in m and "actor/loss" in m for m in rec.metrics)
 
 
@@ -170,3 +174,38 @@ def test_an_inference_cut_by_its_budget_gives_the_whole_forwards_log_probs(asset
         stage.setup(StageContext("cpu"))
         out[budget] = stage.process(batch.clone())["ref_logprobs"] * batch["response_mask"]
     assert torch.allclose(out[None], out[24], atol=1e-5) and out[24].abs().sum() > 0
+
+
+def test_checking_plans_changes_nothing_and_each_plan_carries_its_own_budgets(assets, tmp_path, monkeypatch):
+    """On a node with room for the tiny model's state and a few samples beside it, the one-worker
+    plan and the disaggregated one choose other budgets (activation checkpointing on, the one
+    worker's cutting its micro-batches). Ranking them, as auto does, by checking each in turn
+    leaves the workflow's stages and the user's policy as they were, and the plan built for the
+    one-worker strategy carries the budgets it gets when it is checked alone, not the last
+    checked plan's."""
+    import rlinf_lightning.flow.memory as memory
+    from rlinf_lightning.strategies import STRATEGIES, CollocatedStrategy, Resources
+
+    policy = LMPolicy(str(assets["sft"]))
+    task = tiny_task(assets, train_micro_batch_size=None)  # the actor and the inference choose
+    trainer = RLTrainer(
+        **tiny_trainer_kwargs(tmp_path, devices=2, num_threads=1, algorithm=GRPO(kl_coef=0.01))
+    )
+    workflow, _ = trainer.build_plan(policy, task)
+    shape, slots = task.batch_shape(trainer.run_spec), Resources(2, threads_per_slot=1)
+    one = CollocatedStrategy(replicas=1).plan(workflow, slots, shape)
+    apart = STRATEGIES.resolve("disaggregated").plan(workflow, slots, shape)
+    state = sum(w.nbytes for w in memory.worker_memory(workflow, one, {}))
+    monkeypatch.setattr(memory, "host_memory", lambda: int(state / 0.8) + 2**22)
+    alone, _ = memory.plan_budgets(workflow, one)
+    assert alone["actor"].checkpointing and alone["actor"].cuts  # what a check could have applied
+
+    sized = [n for n, s in workflow.stages.items() if isinstance(s, TokenBudget)]
+    stages = {n: (workflow.stages[n].max_tokens, workflow.stages[n].budget_applied) for n in sized}
+    ranked = [(p, memory.memory_problems(workflow, p)) for p in (one, apart)]
+    assert all(problems == [] for _, problems in ranked)
+    assert memory.plan_budgets(workflow, apart)[0] != alone  # another plan, other budgets
+    assert policy.gradient_checkpointing is None  # the user's policy object: unchanged by the checks
+    assert stages == {n: (workflow.stages[n].max_tokens, workflow.stages[n].budget_applied) for n in stages}
+    chosen, problems = memory.with_budgets(workflow, one)
+    assert chosen.budgets == alone and problems == [] and one.budgets == {}  # a new plan; `one` kept

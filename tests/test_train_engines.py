@@ -15,6 +15,7 @@ from rlinf_lightning.policies import LMPolicy
 from rlinf_lightning.strategies import STRATEGIES, Resources
 from rlinf_lightning.workflows.reasoning.actor import ActorStage
 from rlinf_lightning.workflows.reasoning.rollout import pack_samples
+from trainer_defaults import scaled
 
 
 class Actor(ActorStage):
@@ -62,7 +63,9 @@ def _launch(name: str, assets, replicas: int, stage: type[ActorStage] = Actor):
         wf, Resources(replicas, threads_per_slot=1), BatchShape(12, 4)
     )
     plan.validate(wf, replicas)
-    return LAUNCHERS.get("processes" if replicas > 1 else "inprocess")().launch(wf, plan, timeout_s=120)
+    return LAUNCHERS.get("processes" if replicas > 1 else "inprocess")().launch(
+        wf, plan, timeout_s=scaled(120)
+    )
 
 
 def _train(name: str, assets, batches, replicas: int, iterations=range(3), restore=None):

@@ -3,9 +3,45 @@ test directories of plugins, each with their own conftest, can be collected in t
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
+
 from rlinf_lightning import Callback
+
+#: the plans on which the ``processes`` and ``ray`` launchers take code paths in-process workers do
+#: not: channels between worker processes and a weight sync between groups (``disaggregated``), and
+#: a data-parallel group whose replicas are processes taking turns on shared slots with other
+#: groups' workers (``overlapping``: ddp ranks, context switching). Ray's object-store channels and
+#: actors are the same whatever the plan, so one plan serves it (its ddp rendezvous across nodes:
+#: tests/test_ray_cluster.py).
+DIFFERING = {"inprocess": None, "processes": ("disaggregated", "overlapping"), "ray": ("disaggregated",)}
+
+
+def launcher_matrix(plans, launchers=("inprocess", "processes", "ray"), differing=None) -> list:
+    """``(plan, launcher)`` test parameters: every plan in process, and under another launcher the
+    plans where its code paths differ (``differing``, by launcher; :data:`DIFFERING` by default);
+    the rest of the matrix runs with ``-m slow`` (``bash scripts/test.sh --all``)."""
+    differing = {**DIFFERING, **(differing or {})}
+    return [
+        pytest.param(
+            plan,
+            launcher,
+            id=f"{plan}-{launcher}",
+            marks=() if differing[launcher] is None or plan in differing[launcher] else pytest.mark.slow,
+        )  # fmt: skip
+        for launcher in launchers
+        for plan in plans
+    ]
+
+
+def scaled(seconds: float) -> float:
+    """``seconds`` times how much busier than its cores this machine is now (the 1-minute load
+    average per usable core, at least 1): a bound that catches a hang or a lost wake-up on a quiet
+    machine, and still holds on one running other jobs (a 2-core box at load 14 runs a test ~7x
+    slower). For start-up timeouts and for wall-clock bounds asserted after the fact."""
+    return seconds * max(1.0, os.getloadavg()[0] / len(os.sched_getaffinity(0)))
 
 
 class MetricsRecorder(Callback):
@@ -34,7 +70,7 @@ def tiny_trainer_kwargs(tmp_path: Path, **over) -> dict:
         enable_progress_bar=False,
         logger=False,
         seed=0,
-        timeout_s=60,
+        timeout_s=scaled(60),
     )
     kw.update(over)
     return kw

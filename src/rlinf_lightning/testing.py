@@ -6,13 +6,21 @@ environment that makes any policy's samples multi-turn."""
 from __future__ import annotations
 
 import csv
+import hashlib
+import inspect
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
+import transformers
 
 from rlinf_lightning.assets import build_tiny_qwen2
 from rlinf_lightning.sft import run_sft
@@ -27,16 +35,65 @@ def build_warm_started(
 
     ``sft`` goes to :func:`~rlinf_lightning.sft.run_sft` (default: 60 steps of 32, eval on 64).
     Returns ``{"base", "sft", "train", "validation", "test", "split", "root"}``.
+
+    The result is copied from the warm-start cache (:func:`warm_start_cache`) when it holds one built
+    by the same code with the same arguments, and put there otherwise: every pytest process of a
+    suite (core and each plugin) and every later run would otherwise train the same model again.
     """
     root = Path(root)
-    base = build_tiny_qwen2(root / "tiny-qwen2")
-    data = make_arithmetic_splits(root / "data", n_train=n_train, n_test=n_test)
-    out = root / "tiny-qwen2-sft"
-    run_sft(
-        str(base), str(data["train"]), str(data["test"]), str(out),
-        **{"steps": 60, "batch_size": 32, "eval_size": 64, **sft},
-    )  # fmt: skip
-    return {"base": base, "sft": out, **data, "root": root}
+    sft = {"steps": 60, "batch_size": 32, "eval_size": 64, **sft}
+    data = {name: root / "data" / f"{name}.jsonl" for name in ("train", "validation", "test")}
+    data["split"] = root / "data" / "split.json"
+    cache = warm_start_cache()
+    entry = cache / _warm_start_key(n_train=n_train, n_test=n_test, **sft) if cache else None
+    if entry is not None and (entry / "done").is_file():
+        shutil.copytree(entry, root, dirs_exist_ok=True, ignore=shutil.ignore_patterns("done"))
+    else:
+        base = build_tiny_qwen2(root / "tiny-qwen2")
+        make_arithmetic_splits(root / "data", n_train=n_train, n_test=n_test)
+        run_sft(str(base), str(data["train"]), str(data["test"]), str(root / "tiny-qwen2-sft"), **sft)
+        if entry is not None:
+            _store(root, entry)
+    return {"base": root / "tiny-qwen2", "sft": root / "tiny-qwen2-sft", **data, "root": root}
+
+
+WARM_START_CACHE_ENV = "RLINF_WARM_START_CACHE"
+
+
+def warm_start_cache() -> Path | None:
+    """Where :func:`build_warm_started` keeps what it built: ``$RLINF_WARM_START_CACHE``, by default
+    ``~/.cache/rlinf-lightning/warm-starts``; ``RLINF_WARM_START_CACHE=off`` builds every time."""
+    where = os.environ.get(WARM_START_CACHE_ENV, "")
+    if where.lower() in ("off", "0", "none"):
+        return None
+    return Path(where) if where else Path.home() / ".cache" / "rlinf-lightning" / "warm-starts"
+
+
+def _warm_start_key(**arguments: Any) -> str:
+    """A hash of what builds a warm start: its arguments, the source of the modules that build the
+    model, the data and the SFT, and the versions of torch and transformers that run them."""
+    import rlinf_lightning.assets as assets
+    import rlinf_lightning.sft as sft
+    import rlinf_lightning.tasks.data as data
+
+    digest = hashlib.sha256(json.dumps(arguments, sort_keys=True, default=str).encode())
+    for module in (assets, sft, data):
+        digest.update(Path(module.__file__).read_bytes())
+    digest.update(inspect.getsource(build_warm_started).encode())
+    digest.update(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
+    return digest.hexdigest()[:20]
+
+
+def _store(root: Path, entry: Path) -> None:
+    """Copy ``root`` into the cache as ``entry``, atomically: a reader sees all of it or nothing."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=entry.name + "."))
+    shutil.copytree(root, tmp, dirs_exist_ok=True)
+    (tmp / "done").touch()
+    try:
+        tmp.rename(entry)
+    except OSError:  # another process stored it first
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def check_one_embodied_iteration(config: Path, run: Path, *overrides: str, chunk: int = 1) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from rlinf_lightning.algorithms.contract import reads
-from rlinf_lightning.flow.batch import compact, expand
+from rlinf_lightning.flow.batch import LOSS_MASK, compact, expand
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.registry import Registry
 
@@ -90,11 +90,11 @@ def returns_to_go(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float)
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
-@reads("token_rewards", "response_mask")
+@reads("token_rewards", LOSS_MASK)
 def reinforce_plus_plus_advantages(inputs: Mapping[str, torch.Tensor], config: Any) -> torch.Tensor:
     """REINFORCE++ (Hu, 2025): each token's discounted return (``config.gamma``) of the per-token
     rewards, no baseline; the algorithm whitens them over the whole batch (``norm_adv``)."""
-    return returns_to_go(inputs["token_rewards"], inputs["response_mask"], getattr(config, "gamma", 1.0))
+    return returns_to_go(inputs["token_rewards"], inputs[LOSS_MASK], getattr(config, "gamma", 1.0))
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline")
@@ -173,14 +173,14 @@ def token_gae(
 
 
 @ADVANTAGE_ESTIMATORS.register("gae")
-@reads("token_rewards", "values", "response_mask")
+@reads("token_rewards", "values", LOSS_MASK)
 def gae_advantages(inputs: Mapping[str, torch.Tensor], config: Any) -> torch.Tensor:
     """PPO's token-level GAE (Schulman et al., 2016) with a critic's values: :func:`token_gae` with
     ``config.gamma`` and ``config.gae_lambda``; the critic's targets are these plus its values."""
     advantages, _ = token_gae(
         inputs["token_rewards"],
         inputs["values"],
-        inputs["response_mask"],
+        inputs[LOSS_MASK],
         gamma=getattr(config, "gamma", 1.0),
         lam=getattr(config, "gae_lambda", 1.0),
     )

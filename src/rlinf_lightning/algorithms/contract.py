@@ -14,13 +14,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from rlinf_lightning.flow.batch import LOSS_MASK
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 #: input name -> what it is and where it comes from
 INPUTS: dict[str, str] = {
     "rewards": "one reward per sample",
     "group_ids": "which prompt (group) each sample answers",
-    "response_mask": "which positions are trained on (response tokens; an episode's steps)",
+    LOSS_MASK: "which positions are trained on (response tokens; an episode's steps)",
     "dones": "where episodes end (terminations and truncations, with the final observation's value)",
     "token_rewards": "per-token rewards (the outcome on the last token, a KL penalty in the reward)",
     "values": "a critic's value estimates (a value model)",

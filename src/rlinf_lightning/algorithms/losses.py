@@ -30,6 +30,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from rlinf_lightning.algorithms.contract import reads, reads_of
+from rlinf_lightning.flow.batch import LOSS_MASK
 from rlinf_lightning.registry import Registry
 
 # the behaviour weight's metric names (logged as they are: ``async/...``)
@@ -95,7 +96,7 @@ def _clip_range(config: Any) -> tuple[float, float]:
 
 
 @POLICY_LOSSES.register("ppo_clip")
-@reads("old_logprobs", "response_mask")
+@reads("old_logprobs", LOSS_MASK)
 def ppo_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -118,7 +119,7 @@ def ppo_clip_loss(
 
 
 @POLICY_LOSSES.register("gspo")
-@reads("old_logprobs", "response_mask")
+@reads("old_logprobs", LOSS_MASK)
 def gspo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -142,7 +143,7 @@ def gspo_loss(
 
 
 @POLICY_LOSSES.register("cispo")
-@reads("old_logprobs", "response_mask")
+@reads("old_logprobs", LOSS_MASK)
 def cispo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

@@ -205,6 +205,7 @@ class Budget:
     checkpointing: bool
     peak: float
     checkpointing_chosen: bool = False  # turned on by the budget, not by policy.gradient_checkpointing
+    cuts: bool = True  # fewer tokens than the stage's micro-batch (else it runs whole, as before)
 
 
 def choose_budget(

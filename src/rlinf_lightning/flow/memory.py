@@ -14,24 +14,27 @@ overlapping groups that take turns on a slot count the largest of them. Then:
 
 The actor, the critic and the inference stage count a call's peak at their token budgets
 (activations and logits, ``flow.budget``) as working memory, which a worker holds for one call
-at a time; with no micro-batch size or budget configured each first chooses the budget that fits
-:data:`~rlinf_lightning.flow.budget.DEVICE_FRACTION` of its device beside the plan's other
-residents (:func:`fit_budgets`). No margin is kept for the process itself (interpreter, CUDA
-context, allocator fragmentation) beyond that fraction, and the other stages leave out what they
-cannot bound from the configuration (their forwards' activations, the rollout's transient
-logits). So a plan it refuses cannot run, while one it lets through may still run out of memory.
-A stage that gives no estimate (``None``) counts as nothing and is named as such in the message.
+at a time; with no micro-batch size or budget configured the plan carries the budget each chose to
+fit :data:`~rlinf_lightning.flow.budget.DEVICE_FRACTION` of its device beside the plan's other
+residents (:func:`plan_budgets`, :func:`with_budgets`). Nothing here changes a stage, a policy or
+a plan: a planner may check as many candidate plans as it likes. No margin is kept for the
+process itself (interpreter, CUDA context, allocator fragmentation) beyond that fraction, and the
+other stages leave out what they cannot bound from the configuration (their forwards'
+activations, the rollout's transient logits). So a plan it refuses cannot run, while one it lets
+through may still run out of memory. A stage that gives no estimate (``None``) counts as nothing
+and is named as such in the message.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from rlinf_lightning.flow.budget import DEVICE_FRACTION, gib
+from rlinf_lightning.flow.budget import DEVICE_FRACTION, Budget, gib
 from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroup
 from rlinf_lightning.flow.stage import MemoryPart
+from rlinf_lightning.flow.token_budget import TokenBudget
 from rlinf_lightning.flow.workflow import Workflow
 
 GIB = 2**30
@@ -97,16 +100,22 @@ def stage_micro_batch(workflow: Workflow, plan: ExecutionPlan, stage: str) -> in
     return max(plan.micro_batch_size.values(), default=1)
 
 
-def worker_memory(workflow: Workflow, plan: ExecutionPlan) -> list[WorkerMemory]:
-    """Every worker's estimated memory, in plan order."""
+def worker_memory(
+    workflow: Workflow, plan: ExecutionPlan, budgets: dict[str, Budget] | None = None
+) -> list[WorkerMemory]:
+    """Every worker's estimated memory, in plan order, its stages under ``budgets`` (by default
+    the plan's own)."""
+    budgets = plan.budgets if budgets is None else budgets
     out = []
     for group, replica in plan.workers:
         slots = group.replica_slots(replica)
         w = WorkerMemory(group, replica, plan.device_of(slots), plan.node_of(slots[0]))
         for name in group.stages:
-            parts = workflow.stages[name].memory(
-                w.device, group.replicas, stage_micro_batch(workflow, plan, name)
-            )
+            size = (w.device, group.replicas, stage_micro_batch(workflow, plan, name))
+            if name in budgets:
+                parts = workflow.stages[name].memory(*size, budget=budgets[name])
+            else:
+                parts = workflow.stages[name].memory(*size)
             if parts is None:
                 w.unknown.append(name)
             else:
@@ -141,13 +150,15 @@ def gpu_memory(index: int) -> int | None:
     return torch.cuda.get_device_properties(index).total_memory
 
 
-def _places(workflow: Workflow, plan: ExecutionPlan) -> tuple[dict[str, list[WorkerMemory]], dict]:
-    """The workers of ``plan`` by the device memory they share, and each device's size (``None``
-    where this machine cannot see it)."""
+def _places(
+    workflow: Workflow, plan: ExecutionPlan, budgets: dict[str, Budget]
+) -> tuple[dict[str, list[WorkerMemory]], dict]:
+    """The workers of ``plan`` (its stages under ``budgets``) by the device memory they share, and
+    each device's size (``None`` where this machine cannot see it)."""
     places: dict[str, list[WorkerMemory]] = {}
     have: dict[str, int | None] = {}
     host = host_memory() if plan.accelerator == "cpu" else 0
-    for w in worker_memory(workflow, plan):
+    for w in worker_memory(workflow, plan, budgets):
         if plan.accelerator == "cpu":
             place, size = f"node {w.node} (CPU memory)", host
         else:
@@ -158,21 +169,20 @@ def _places(workflow: Workflow, plan: ExecutionPlan) -> tuple[dict[str, list[Wor
     return places, have
 
 
-def fit_budgets(workflow: Workflow, plan: ExecutionPlan) -> list[tuple[str, str]]:
-    """Let every stage that sizes its own micro-batches (``fit_budget``: the actor, the critic and
-    the inference stage, when no micro-batch size or token budget is configured for them) choose
-    them for ``plan``. Each gets the usable share of its device (``flow.budget.DEVICE_FRACTION``)
-    less what the plan's workers hold there besides its own state (the smallest such room over its
+def plan_budgets(workflow: Workflow, plan: ExecutionPlan) -> tuple[dict[str, Budget], list[tuple[str, str]]]:
+    """The token budget of every stage that sizes its own micro-batches (``choose_budget``: the
+    actor, the critic and the inference stage, when no micro-batch size or token budget is
+    configured for them) under ``plan``, and the ``(key, problem)`` of any that cannot fit one
+    sample. Each gets the usable share of its device (``flow.budget.DEVICE_FRACTION``) less what
+    the plan's workers hold there besides its own state (the smallest such room over its
     replicas' devices). Stages of one worker run one at a time, so each may use all of that room;
     workers that run at once on one device (every worker of a CPU node) split it evenly between
-    those of them that choose. The ``(key, problem)`` of any that cannot fit one sample."""
-    fitting = {n: s for n, s in workflow.stages.items() if hasattr(s, "fit_budget")}
-    for stage in fitting.values():
-        stage.reset_budget()
-    fitting = {n: s for n, s in fitting.items() if s.chooses_budget()}
+    those of them that choose. Changes nothing: a pure function of the workflow's configuration
+    and the plan's placement (budgets the plan already carries are not counted)."""
+    fitting = {n: s for n, s in workflow.stages.items() if isinstance(s, TokenBudget) and s.chooses_budget()}
     if not fitting:
-        return []
-    places, have = _places(workflow, plan)
+        return {}, []
+    places, have = _places(workflow, plan, {})
     room: dict[str, tuple[float, WorkerMemory]] = {}
     for place, workers in places.items():
         if have[place] is None:
@@ -187,24 +197,35 @@ def fit_budgets(workflow: Workflow, plan: ExecutionPlan) -> list[tuple[str, str]
                 usable = free / max(shares, 1) + w.stage_bytes(name)
                 if name not in room or usable < room[name][0]:
                     room[name] = (usable, w)
-    problems = []
-    for name, (usable, w) in room.items():
+    budgets, problems = {}, []
+    for name, (usable, w) in sorted(room.items()):
         micro = stage_micro_batch(workflow, plan, name)
-        if problem := fitting[name].fit_budget(w.device, usable, w.group.replicas, micro):
-            problems.append(problem)
-    return problems
+        chosen = fitting[name].choose_budget(w.device, usable, w.group.replicas, micro)
+        if isinstance(chosen, Budget):
+            budgets[name] = chosen
+        elif chosen is not None:
+            problems.append(chosen)
+    return budgets, problems
+
+
+def with_budgets(workflow: Workflow, plan: ExecutionPlan) -> tuple[ExecutionPlan, list[tuple[str, str]]]:
+    """``plan`` carrying its stages' token budgets (:func:`plan_budgets`): a new plan, ``plan``
+    itself unchanged; and the problems of stages that cannot fit one sample."""
+    budgets, problems = plan_budgets(workflow, plan)
+    return replace(plan, budgets=budgets), problems
 
 
 def memory_problems(workflow: Workflow, plan: ExecutionPlan) -> list[tuple[str, str]]:
     """``[("trainer.strategy", message)]`` when some device of ``plan`` cannot hold what its workers
     need (see the module docstring), else ``[]``. The message names the plan, the device, each
     stage's share and what it is made of, the total against what the device has, and the fixes.
-    Stages that size their own micro-batches choose them first (:func:`fit_budgets`), and their
-    share then includes a step's peak at that size. Cheap: parameter counts are cached by the
-    policies, so a planner may ask for many plans (the last plan asked sets the budgets)."""
-    if problems := fit_budgets(workflow, plan):
+    Stages that size their own micro-batches are counted at the budgets they would choose for this
+    plan (:func:`plan_budgets`), a step's peak at that size included. A pure function, and cheap:
+    parameter counts are cached by the policies, so a planner may ask for many plans."""
+    budgets, problems = plan_budgets(workflow, plan)
+    if problems:
         return problems
-    places, have = _places(workflow, plan)
+    places, have = _places(workflow, plan, budgets)
     over = [p for p, ws in places.items() if have[p] is not None and _need(ws) > have[p]]
     if not over:
         return []
@@ -215,6 +236,14 @@ def memory_problems(workflow: Workflow, plan: ExecutionPlan) -> list[tuple[str, 
     head = f"plan {plan.strategy!r} needs {need} on {place}{shared}{more}, which has {gib(have[place])}"
     fixes = _fixes(ws, have[place], "GPUs" if plan.accelerator != "cpu" else "nodes")
     return [("trainer.strategy", f"{head}: {_shares(ws)}. Fix: {fixes}")]
+
+
+def apply_budgets(workflow: Workflow, plan: ExecutionPlan) -> None:
+    """Put ``plan``'s budgets in force on the stages that size their own micro-batches (and take
+    back those of a plan before it): what the workers start with. Not part of any check."""
+    for name, stage in workflow.stages.items():
+        if isinstance(stage, TokenBudget):
+            stage.apply_budget(plan.budgets.get(name))
 
 
 def _need(workers: list[WorkerMemory]) -> int:

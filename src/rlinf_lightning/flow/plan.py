@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlinf_lightning.flow.budget import Budget
 from rlinf_lightning.flow.sharing import shared_slots, sharing_problems, slot_order
 from rlinf_lightning.flow.workflow import Workflow
 
@@ -66,6 +67,10 @@ class ExecutionPlan:
     # the launcher this plan runs on (a name in ``LAUNCHERS``); None: ``trainer.launcher``. Set by
     # a strategy that weighs how workers start (auto runs a one-worker plan in the driver's process)
     launcher: str | None = None
+    # the token budget (and activation checkpointing) each stage that sizes its own micro-batches
+    # runs at: granularity, as micro_batch_size is; set when the plan is built
+    # (``flow.memory.with_budgets``), put in force when its workers start
+    budgets: dict[str, Budget] = field(default_factory=dict)
 
     @property
     def broadcasts_sync(self) -> bool:
@@ -210,6 +215,12 @@ class ExecutionPlan:
         if self.micro_batch_size:
             mb = ", ".join(f"{c}: {n}" for c, n in self.micro_batch_size.items())
             lines.append(f"  micro-batch (samples): {mb}")
+        if self.budgets:
+            chosen = ", ".join(
+                f"{name}: {b.tokens:,}" + (" +checkpointing" if b.checkpointing else "")
+                for name, b in sorted(self.budgets.items())
+            )
+            lines.append(f"  token budget (chosen): {chosen}")
         if workflow is not None:
             for slot, seq in slot_order(workflow, self).items():
                 turns = " -> ".join(dict.fromkeys(f"{g}/{r}" for g, r, _ in seq))

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from tensordict import TensorDict
 
+from rlinf_lightning.flow.batch import LOSS_MASK
 from rlinf_lightning.policies.chunked_head import (
     LOGIT_CHUNK_TOKENS,
     LogitMap,
@@ -187,7 +188,7 @@ class LMPolicy(RLModule):
         collapse. ``with_entropy``: also return the per-token entropy with its gradient (for an
         entropy bonus). No key/value cache: nothing decodes after this forward, and without one
         a no-grad forward frees each layer's keys and values as it goes."""
-        ids, mask, response = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
+        ids, mask, response = batch["input_ids"], batch["attention_mask"], batch[LOSS_MASK]
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         want = "grad" if with_entropy else "value" if torch.is_grad_enabled() else None
         head = self.model.get_output_embeddings()

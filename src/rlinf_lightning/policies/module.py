@@ -129,6 +129,23 @@ class RLModule(torch.nn.Module):
         when the policy does not say."""
         return None
 
+    def check_state_dict(self, state: dict[str, torch.Tensor]) -> str | None:
+        """Why ``state`` (a checkpoint's full weights) cannot load into this policy, or ``None``.
+        Nothing is checked here; a policy that can tell from its configuration overrides it."""
+        return None
+
+    def checkpoint_problem(self, train_state: dict[str, Any]) -> str | None:
+        """Why a checkpoint's train state (full weights, or LoRA adapters with the record of what
+        made them) cannot resume this policy, or ``None``: what a resume asks before any worker
+        starts, so the checkpoint's LoRA details stay with the policy."""
+        from rlinf_lightning.policies.lora import checkpoint_mismatch
+
+        if why := checkpoint_mismatch(self, train_state["lora"]):
+            return why
+        if not train_state["lora"] and (why := self.check_state_dict(train_state["model"])):
+            return f"{why}; resume with the policy that wrote it"
+        return None
+
     def log(self, name: str, value: float | torch.Tensor) -> None:
         """Record a scalar; the trainer sends it to the loggers with the iteration's metrics as
         ``actor/<name>``. Logged several times in an iteration (once per micro-batch), the mean is

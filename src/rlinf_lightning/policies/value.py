@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
+from rlinf_lightning.flow.batch import LOSS_MASK
 from rlinf_lightning.policies.lm import enable_gradient_checkpointing
 from rlinf_lightning.policies.module import DTYPES, RLModule, compile_blocks
 from rlinf_lightning.policies.train_math import adapt_for_training
@@ -129,7 +130,7 @@ class ValueModel(RLModule):
     def forward_values(self, batch: TensorDict) -> torch.Tensor:
         """``[B, R]`` float32: the value of each response token's state, read from the hidden state
         of the position before it (where the policy's logits for that token come from)."""
-        ids, mask, response = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
+        ids, mask, response = batch["input_ids"], batch["attention_mask"], batch[LOSS_MASK]
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         return self.model(ids, mask, pos, response.shape[-1]).squeeze(-1).float()
 

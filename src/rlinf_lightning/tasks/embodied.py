@@ -169,10 +169,9 @@ class EmbodiedTask(Task):
         if hasattr(policy, "configure_spaces"):
             try:
                 policy.configure_spaces(obs, shape, action_choices=choices)
+            except ConfigError as exc:  # the policy named the key at fault
+                raise ConfigError([(key, f"{why} (env {self.env})") for key, why in exc.problems]) from exc
             except ValueError as exc:
-                key, sep, rest = str(exc).partition(": ")
-                if sep and key.startswith(("policy.", "task.")):  # the policy named the key at fault
-                    raise ConfigError([(key, f"{rest} (env {self.env})")]) from exc
                 space = f"continuous {shape[1:]}" if choices is None else f"discrete, choices {choices}"
                 why = f"{self.env} (actions: {space}) does not suit {type(policy).__name__}: {exc}"
                 raise ConfigError([("task.env", why)]) from exc

@@ -9,6 +9,7 @@ samples, exactly as the uninterrupted run does."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -29,11 +30,12 @@ from rlinf_lightning.checkpoint import (
     set_rng_state,
 )
 from rlinf_lightning.errors import CheckpointError, ConfigError, RunError
+from rlinf_lightning.flow.memory import apply_budgets, with_budgets
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.trace import write_chrome_trace
 from rlinf_lightning.flow.worker import StageError
+from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers import LAUNCHERS
-from rlinf_lightning.policies.lora import checkpoint_mismatch
 from rlinf_lightning.strategies import Replan, RunInfo
 from rlinf_lightning.trainer.ahead import AheadLaunch
 from rlinf_lightning.trainer.failures import RunLog, failure_line
@@ -54,11 +56,12 @@ RUN_NAMESPACES = ("async/",)
 class FitLoop:
     """Drives the running workflow through ``trainer.max_iterations`` iterations."""
 
-    def __init__(self, trainer: RLTrainer, policy: Any, task: Any) -> None:
+    def __init__(
+        self, trainer: RLTrainer, policy: Any, task: Any, workflow: Workflow, plan: ExecutionPlan
+    ) -> None:
         self.trainer, self.policy, self.task = trainer, policy, task
-        self.connector = trainer.plan_connector
-        self.workflow, self.plan = self.connector.workflow, self.connector.plan
-        self.strategy = self.connector.strategy
+        self.workflow, self.plan = workflow, plan  # the plan the workers run; a re-plan replaces it
+        self.strategy = trainer.plan_connector.strategy
         self.train = self.workflow.roles["train"]
         self.run_spec = trainer.run_spec
         self.spans: list[Any] = []  # every stage call, kept for the trace
@@ -131,14 +134,8 @@ class FitLoop:
         why = resume_mismatch(path, state.get("config"), self.config)
         if why and not self.trainer.allow_config_change:
             raise CheckpointError(why)
-        if why := checkpoint_mismatch(self.policy, train_state["lora"]):
+        if why := self.policy.checkpoint_problem(train_state):
             raise CheckpointError(f"{path}: {why}")
-        if (
-            not train_state["lora"]
-            and hasattr(self.policy, "check_state_dict")
-            and (why := self.policy.check_state_dict(train_state["model"]))
-        ):
-            raise CheckpointError(f"{path}: {why}; resume with the policy that wrote it")
         stage_states = load_stage_states(path)
         if unknown := sorted(set(stage_states) - set(self.workflow.stages)):
             raise CheckpointError(
@@ -310,8 +307,11 @@ class FitLoop:
         """Run the next iterations under ``replan.plan``: the same groups take the new micro-batch
         sizes at once; other groups get new workers, which receive the training state (through a
         sharded checkpoint for a sharded engine) and the synced weights before they continue."""
+        plan, _ = with_budgets(self.workflow, replan.plan)  # the strategy's ranking checked it
+        replan = dataclasses.replace(replan, plan=plan)
         moved = self.plan.layout() != replan.plan.layout()
         if moved and self.runtime.adopt(replan.plan):
+            apply_budgets(self.workflow, replan.plan)
             log.info("the same workers run the new plan:\n%s", replan.plan.describe(self.workflow))
         elif moved:
             t0 = time.perf_counter()
@@ -328,13 +328,16 @@ class FitLoop:
             else:  # what the switch would have taken without the head start
                 log.info("new workers (started %.1f s ahead) running after %.1f s", ahead.launch_s, took)
                 self.strategy.on_relaunch(self._run_info(took - waited + ahead.launch_s))
-        self.plan = self.connector.plan = replan.plan
+        else:  # the same workers, other micro-batch sizes
+            apply_budgets(self.workflow, replan.plan)
+        self.plan = replan.plan
 
     def _launcher(self, plan: ExecutionPlan) -> Any:
         """``plan``'s own launcher (a strategy may choose it), else the trainer's."""
         return LAUNCHERS.resolve(plan.launcher or self.trainer.launcher)
 
     def _launch(self, plan: ExecutionPlan) -> Any:
+        apply_budgets(self.workflow, plan)  # what the workers start with
         return self._launcher(plan).launch(self.workflow, plan, timeout_s=self.trainer.timeout_s)
 
     def _run_info(self, launch_s: float) -> RunInfo:

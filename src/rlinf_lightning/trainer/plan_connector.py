@@ -1,6 +1,7 @@
 """PlanConnector: resolves the accelerator and the strategy once (Lightning's accelerator
-connector), asks the task for its workflow and the strategy for a plan, and checks that plan
-(placement, memory) before any worker starts. Built once per fit and reused by the fit loop."""
+connector), builds the run's plan (the task's workflow, the strategy's placement and
+micro-batches, the stages' token budgets: one value) and checks it (placement, memory) before any
+worker starts, changing nothing. The fit loop is handed the workflow and the plan it built."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlinf_lightning.errors import ConfigError
-from rlinf_lightning.flow.memory import memory_problems, unestimated_stages
+from rlinf_lightning.flow.memory import memory_problems, unestimated_stages, with_budgets
 from rlinf_lightning.flow.plan import ExecutionPlan
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers import LAUNCHERS
@@ -24,19 +25,15 @@ log = logging.getLogger(__name__)
 
 
 class PlanConnector:
-    """The run's resources, strategy, workflow and plan.
+    """The run's resources and strategy; builds and checks plans.
 
     Attributes (after :meth:`build`):
         strategy: the resolved strategy object (asked again between iterations by the fit loop).
-        workflow: the task's workflow, its stages built from configuration only.
-        plan: the strategy's plan for it on :attr:`resources`.
     """
 
     def __init__(self, trainer: RLTrainer) -> None:
         self.trainer = trainer
         self.strategy: Strategy | None = None
-        self.workflow: Workflow | None = None
-        self.plan: ExecutionPlan | None = None
 
     @property
     def accelerator(self) -> str:
@@ -51,8 +48,10 @@ class PlanConnector:
         return Resources(t.devices, t.num_nodes, self.accelerator, t.num_threads)
 
     def build(self, policy: Any, task: Any, run: RunSpec) -> tuple[Workflow, ExecutionPlan]:
-        """The task's workflow and the strategy's plan for it (raises ``ValueError`` when the
-        workflow is malformed or the strategy cannot place it on these resources)."""
+        """The task's workflow and the plan for it: the strategy's placement and micro-batches, and
+        the token budget of each stage that sizes its own (``flow.memory.with_budgets``). Raises
+        ``ValueError`` when the workflow is malformed or the strategy cannot place it on these
+        resources; a budget that cannot fit one sample is left out (:meth:`problems` names it)."""
         workflow = task.build_workflow(policy, run)
         workflow.validate()
         workflow.check_keys(task.input_keys)
@@ -73,12 +72,15 @@ class PlanConnector:
         self.strategy = STRATEGIES.resolve(self.trainer.strategy)
         plan = self.strategy.plan(workflow, self.resources, task.batch_shape(run))
         plan.validate(workflow, len(self.resources.slots))
-        self.workflow, self.plan = workflow, plan
+        plan, _ = with_budgets(workflow, plan)
         return workflow, plan
 
-    def problems(self, policy: Any, task: Any, run: RunSpec) -> list[tuple[str, str]]:
+    def problems(
+        self, policy: Any, task: Any, run: RunSpec
+    ) -> tuple[list[tuple[str, str]], tuple[Workflow, ExecutionPlan] | None]:
         """Builds the plan and returns what is wrong with it: the requested micro-batch against the
-        task's batch, a stage the placement cannot serve, or more memory than the devices have."""
+        task's batch, a stage the placement cannot serve, or more memory than the devices have;
+        and the workflow and plan built (``None`` where none could be)."""
         try:
             mbs, shape = run.micro_batch_size, task.batch_shape(run)
             if mbs and (mbs % shape.group_size or shape.rollout_batch_size % mbs):
@@ -88,12 +90,17 @@ class PlanConnector:
                         f"{mbs} must be a multiple of the task's unit of {shape.group_size} samples "
                         f"that divides its {shape.rollout_batch_size} samples per iteration",
                     )
-                ]
+                ], None
             workflow, plan = self.build(policy, task, run)
         except ConfigError as exc:  # the task found a setting its workflow cannot serve
-            return exc.problems
+            return exc.problems, None
         except ValueError as exc:  # the strategy cannot place this workflow on these resources
-            return [("trainer.strategy", str(exc))]
+            return [("trainer.strategy", str(exc))], None
+        return self.check(workflow, plan), (workflow, plan)
+
+    def check(self, workflow: Workflow, plan: ExecutionPlan) -> list[tuple[str, str]]:
+        """What is wrong with ``plan`` for ``workflow``: a stage its placement cannot serve, or more
+        memory than its devices have. Changes nothing."""
         separate = LAUNCHERS.resolve(plan.launcher or self.trainer.launcher).separate_processes
         placement = [
             problem

@@ -148,6 +148,7 @@ class RLTrainer:
         self.policy: Any = None  # the policy and task being fit (for callbacks)
         self.task: Any = None
         self.plan_connector = PlanConnector(self)
+        self.fit_loop: FitLoop | None = None  # the last fit's, which holds the plan its workers ran
         self.logger_connector = LoggerConnector(logger, self.default_root_dir)
         self.callback_connector = CallbackConnector(self)
 
@@ -172,8 +173,13 @@ class RLTrainer:
 
     @property
     def plan(self) -> ExecutionPlan | None:
-        """The plan the workers run (``None`` before :meth:`validate` built one)."""
-        return self.plan_connector.plan
+        """The plan the workers of the current (or last) fit run (``None`` before a fit)."""
+        return self.fit_loop.plan if self.fit_loop is not None else None
+
+    @property
+    def workflow(self) -> Workflow | None:
+        """The workflow of the current (or last) fit (``None`` before a fit)."""
+        return self.fit_loop.workflow if self.fit_loop is not None else None
 
     @property
     def loggers(self) -> list[Any]:
@@ -189,17 +195,21 @@ class RLTrainer:
         return self.plan_connector.build(policy, task, self.run_spec)
 
     # -- validation ------------------------------------------------------------------------------
-    def validate(self, policy: Any = None, task: Any = None) -> None:
+    def validate(self, policy: Any = None, task: Any = None) -> tuple[Workflow, ExecutionPlan] | None:
         """Raise :class:`ConfigError` naming every bad key; loads nothing heavy. With a policy and
-        a task, also builds the plan :meth:`fit` runs and checks its placement and memory."""
+        a task, also builds the plan :meth:`fit` runs, checks its placement and memory, and
+        returns the workflow and that plan."""
         p = self._setting_problems() + self.logger_connector.problems()
         for section, obj in (("policy", policy), ("task", task)):
             if obj is not None and hasattr(obj, "validate_config"):
                 p += [(f"{section}.{k}", m) for k, m in obj.validate_config()]
+        built = None
         if not p and policy is not None and task is not None:
-            p += self.plan_connector.problems(policy, task, self.run_spec)
+            problems, built = self.plan_connector.problems(policy, task, self.run_spec)
+            p += problems
         if p:
             raise ConfigError(p)
+        return built
 
     def _setting_problems(self) -> list[tuple[str, str]]:
         p: list[tuple[str, str]] = []
@@ -246,6 +256,7 @@ class RLTrainer:
     def fit(self, policy: Any, task: Any, ckpt_path: str | None = None) -> dict[str, Any]:
         """Train ``policy`` on ``task``; resume from ``ckpt_path`` (a directory or ``"last"``).
         Returns the summary also written to ``<default_root_dir>/summary.json``."""
-        self.validate(policy, task)  # builds the plan the loop runs
+        workflow, plan = self.validate(policy, task)
         self.policy, self.task = policy, task
-        return FitLoop(self, policy, task).run(ckpt_path)
+        self.fit_loop = FitLoop(self, policy, task, workflow, plan)
+        return self.fit_loop.run(ckpt_path)

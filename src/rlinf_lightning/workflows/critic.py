@@ -16,7 +16,7 @@ reasoning flow it takes the advantage stage's place, hosting it:
 Its weights and optimizer state are checkpointed with the run (:meth:`CriticStage.extra_state`).
 Its micro-batches are sized like the actor's (``task.critic.train_micro_batch_size``, else the
 task's ``train_micro_batch_size`` or ``train_max_tokens_per_micro_batch``); with none of them set
-the plan's memory check chooses its token budget (``workflows/token_budget.py``) from its own cost
+the plan's memory check chooses its token budget (``flow/token_budget.py``) from its own cost
 model (``flow.budget.critic_cost``: the actor's decoder under a value head, no vocabulary logits),
 with activation checkpointing where the budget without it would be small and
 ``task.critic.gradient_checkpointing`` is unset.
@@ -31,20 +31,21 @@ from tensordict import TensorDict
 
 from rlinf_lightning.algorithms.losses import aggregate, clipped_value_loss, masked_mean
 from rlinf_lightning.engines.train import TrainSpec, resolve_train_engine
-from rlinf_lightning.flow.budget import LayerShape, StepCost, critic_cost
+from rlinf_lightning.flow.batch import LOSS_MASK
+from rlinf_lightning.flow.budget import Budget, LayerShape, StepCost, critic_cost
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, StageContext
+from rlinf_lightning.flow.token_budget import TokenBudget
 from rlinf_lightning.policies.value import ValueModel
 from rlinf_lightning.workflows.mini_batches import mini_batch_steps
 from rlinf_lightning.workflows.padding import micro_batches
-from rlinf_lightning.workflows.token_budget import TokenBudget
 from rlinf_lightning.workflows.training import TrainStage
 
 if TYPE_CHECKING:
     from rlinf_lightning.workflows.reasoning.advantage import AdvantageStage
 
 #: what the critic keeps of each micro-batch for its update
-KEPT = ("input_ids", "attention_mask", "response_mask", "values", "returns", "group_id")
+KEPT = ("input_ids", "attention_mask", LOSS_MASK, "values", "returns", "group_id")
 
 
 class ValueLoss:
@@ -60,7 +61,7 @@ class ValueLoss:
             critic.forward_values(mb),
             mb["values"],
             mb["returns"],
-            mb["response_mask"],
+            mb[LOSS_MASK],
         )
         per_token = clipped_value_loss(values, old, returns, self.value_clip)
         loss_sum, count = aggregate(self.vf_coef * per_token, mask, "token-mean")
@@ -122,10 +123,13 @@ class CriticStage(TokenBudget, TrainStage):
             return [("trainer.train_engine", why)]
         return super().check_placement(replicas, own_process)
 
-    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
-        """The train engine's state and, under a token budget (configured or chosen), what a step
-        over a micro-batch of that many tokens adds at its peak (``flow.budget.critic_cost``)."""
-        return self.with_working(device, TrainStage.memory(self, device, replicas, micro_batch))
+    def memory(
+        self, device: str, replicas: int, micro_batch: int, budget: Budget | None = None
+    ) -> list[MemoryPart] | None:
+        """The train engine's state and, under a token budget (configured, or ``budget``: the
+        plan's), what a step over a micro-batch of that many tokens adds at its peak
+        (``flow.budget.critic_cost``)."""
+        return self.with_working(device, TrainStage.memory(self, device, replicas, micro_batch), budget)
 
     def budget_configured(self) -> bool:
         return bool(self.micro_batch_size)
@@ -164,7 +168,7 @@ class CriticStage(TokenBudget, TrainStage):
         self.iteration, self.kept = iteration, []
 
     def process(self, batch: TensorDict) -> TensorDict:
-        mask = batch["response_mask"]
+        mask = batch[LOSS_MASK]
         batch["row"] = torch.arange(len(batch))
         values = torch.zeros(mask.shape, dtype=torch.float32)
         chunks = micro_batches(batch, self.micro_batch_size, self.max_tokens)

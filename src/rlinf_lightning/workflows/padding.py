@@ -19,17 +19,17 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.flow.batch import span_lengths
+from rlinf_lightning.flow.batch import LOSS_MASK, span_lengths
 
 RESPONSE_KEYS = (
-    "response_mask", "rollout_logprobs", "ref_logprobs", "old_logprobs", "advantage", "values", "returns",
+    LOSS_MASK, "rollout_logprobs", "ref_logprobs", "old_logprobs", "advantage", "values", "returns",
 )  # fmt: skip
 
 
 def trim_padding(batch: TensorDict) -> TensorDict:
     """``batch`` without the prompt columns no row uses and the response columns after its longest
     response (at least one response column is kept)."""
-    response = batch["response_mask"].shape[-1]
+    response = batch[LOSS_MASK].shape[-1]
     prompt_width = batch["input_ids"].shape[-1] - response
     prompt_used = int(batch["attention_mask"][:, :prompt_width].sum(-1).max())
     # the span, not the loss mask: a multi-turn response has tool replies (mask 0) inside it

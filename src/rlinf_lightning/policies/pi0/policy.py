@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 
+from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.policies.lora import LoRA, lora_problems
 from rlinf_lightning.policies.module import RLModule, instructions
 from rlinf_lightning.policies.pi0.flow import LOGPROB_LEVELS, NOISY_STEPS, flow_noise_logprob
@@ -182,7 +183,8 @@ class Pi0Policy(RLModule):
         self, obs: TensorDict, action_shape: tuple[int, ...], action_choices: tuple[int, ...] | None = None
     ) -> None:
         """Take ``(chunk, action_dim)`` from the action shape and the state size from ``obs``, and
-        check them against the checkpoint's π0 (``ValueError`` naming the key)."""
+        check them against the checkpoint's π0 (``ConfigError`` naming the key; ``ValueError`` for
+        an action space π0 does not serve)."""
         if action_choices is not None:
             raise ValueError("π0 emits continuous actions, not discrete ones")
         config = read_pi0_config(self.model_path)
@@ -194,7 +196,8 @@ class Pi0Policy(RLModule):
         for key in (*self.image_keys, *self.state_keys, *self.value_keys):
             if key not in keys:
                 field = next(f for f in ("image_keys", "state_keys", "value_keys") if key in getattr(self, f))
-                raise ValueError(f"policy.{field}: the env's observation has no {key!r} (it has {keys})")
+                why = f"the env's observation has no {key!r} (it has {keys})"
+                raise ConfigError([(f"policy.{field}", why)])
         state_dim, self._value_dim = (
             sum(obs[k].reshape(obs.batch_size[0], -1).shape[-1] for k in keys)
             for keys in (self.state_keys, self.value_keys)
@@ -209,9 +212,8 @@ class Pi0Policy(RLModule):
             (state_dim > config["max_state_dim"], "policy.state_keys",
              f"{self.state_keys} make a {state_dim}-d state, over max_state_dim {config['max_state_dim']}"),
         )  # fmt: skip
-        for bad, key, why in checks:
-            if bad:
-                raise ValueError(f"{key}: {why}")
+        if problems := [(key, why) for bad, key, why in checks if bad]:
+            raise ConfigError(problems[:1])
         self.chunk, self.action_dim, self.obs_dim = chunk, action_dim, state_dim
 
     def configure_model(self) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.errors import ConfigError
+from rlinf_lightning.flow.batch import LOSS_MASK
 from rlinf_lightning.policies.module import RLModule
 from rlinf_lightning.workflows.embodied.actor import EpisodeGRPOLoss, PPOActorStage, PPOLoss
 from rlinf_lightning.workflows.embodied.advantage import EpisodeAdvantageStage, GAEStage
@@ -37,7 +38,7 @@ from rlinf_lightning.workflows.embodied.rollout import EnvRolloutStage
 #: reward with the critic's values, or one score per episode compared within a group of envs
 PROVIDES = {
     "gae": frozenset({"rewards", "values", "dones", "old_logprobs", "proximal_logprobs"}),
-    "episodes": frozenset({"rewards", "group_ids", "response_mask", "old_logprobs", "proximal_logprobs"}),
+    "episodes": frozenset({"rewards", "group_ids", LOSS_MASK, "old_logprobs", "proximal_logprobs"}),
 }
 
 

@@ -22,6 +22,7 @@ from rlinf_lightning.algorithms.contract import unserved
 from rlinf_lightning.engines.rollout import SamplingParams
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.errors import ConfigError
+from rlinf_lightning.flow.batch import LOSS_MASK
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.policies.value import ValueModel
@@ -37,7 +38,7 @@ from rlinf_lightning.workflows.reasoning.rollout import DynamicSampling, Rollout
 #: response, ending at its last token (``response_mask``). With a critic (``task.critic``) it also
 #: gives values (``CRITIC_PROVIDES``).
 PROVIDES = frozenset(
-    {"rewards", "group_ids", "response_mask", "dones", "token_rewards", "old_logprobs", "ref_logprobs",
+    {"rewards", "group_ids", LOSS_MASK, "dones", "token_rewards", "old_logprobs", "ref_logprobs",
      "proximal_logprobs"}
 )  # fmt: skip
 CRITIC_PROVIDES = PROVIDES | {"values"}

@@ -11,15 +11,16 @@ from tensordict import TensorDict
 from rlinf_lightning.algorithms.losses import kl_penalty
 from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE, resolve_rollout_dtype
 from rlinf_lightning.engines.train import TrainSpec
-from rlinf_lightning.flow.budget import LayerShape, StepCost, actor_cost
+from rlinf_lightning.flow.batch import LOSS_MASK
+from rlinf_lightning.flow.budget import Budget, LayerShape, StepCost, actor_cost
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, StageContext
+from rlinf_lightning.flow.token_budget import TokenBudget
 from rlinf_lightning.policies.chunked_head import LogitMap
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.workflows.mini_batches import mini_batch_steps
 from rlinf_lightning.workflows.padding import micro_batches
 from rlinf_lightning.workflows.reasoning.advantage import adapted_kl_coef
-from rlinf_lightning.workflows.token_budget import TokenBudget
 from rlinf_lightning.workflows.training import TrainStage, policy_dtype
 
 #: the truncated-importance-sampling cap a bf16 rollout chosen by ``rollout_dtype: auto`` turns on
@@ -57,7 +58,7 @@ class PolicyLoss:
             logp,
             old,
             mb["advantage"],
-            mb["response_mask"],
+            mb[LOSS_MASK],
             mb.get("ref_logprobs", None),
             rollout_logprobs=mb["rollout_logprobs"],
             proximal_logprobs=mb["old_logprobs"] if "old_logprobs" in mb.keys() else logp.detach(),
@@ -110,7 +111,7 @@ class ActorStage(TokenBudget, TrainStage):
     in_keys = (
         "input_ids",
         "attention_mask",
-        "response_mask",
+        LOSS_MASK,
         "rollout_logprobs",
         "advantage",
         "group_id",
@@ -149,11 +150,13 @@ class ActorStage(TokenBudget, TrainStage):
         if algorithm.needs_reference:
             self.in_keys = (*self.in_keys, "ref_logprobs")
 
-    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
-        """The train engine's state (``TrainStage.memory``) and, under a token budget (configured or
-        chosen), what a step over a micro-batch of that many tokens adds at its peak: activations
-        and logits (``flow.budget.actor_cost``)."""
-        return self.with_working(device, self.budget_state(device, replicas, micro_batch))
+    def memory(
+        self, device: str, replicas: int, micro_batch: int, budget: Budget | None = None
+    ) -> list[MemoryPart] | None:
+        """The train engine's state (``TrainStage.memory``) and, under a token budget (configured,
+        or ``budget``: the plan's), what a step over a micro-batch of that many tokens adds at its
+        peak: activations and logits (``flow.budget.actor_cost``)."""
+        return self.with_working(device, self.budget_state(device, replicas, micro_batch), budget)
 
     def budget_configured(self) -> bool:
         return bool(self.train_micro_batch_size)
@@ -218,7 +221,7 @@ class ActorStage(TokenBudget, TrainStage):
         if self.warming_up:  # only the critic trains (PPO's critic_warmup)
             return None
         if self.adaptive_kl:  # KL(rollout policy || reference) per token, what the controller steers
-            alg, mask = self.algorithm, batch["response_mask"]
+            alg, mask = self.algorithm, batch[LOSS_MASK]
             kl = kl_penalty(batch["rollout_logprobs"], batch["ref_logprobs"], alg.kl_estimator) * mask
             self.kl_seen += torch.tensor([float(kl.sum()), float(mask.sum())], dtype=torch.float64)
         if self.keeps_batch:
@@ -263,14 +266,14 @@ class ActorStage(TokenBudget, TrainStage):
         (the moments summed over the replicas)."""
         moments = torch.zeros(3, dtype=torch.float64)
         for b in self.buffer:
-            adv, mask = b["advantage"].double(), b["response_mask"].double()
+            adv, mask = b["advantage"].double(), b[LOSS_MASK].double()
             moments += torch.stack([(adv * mask).sum(), (adv**2 * mask).sum(), mask.sum()])
         self.ctx.all_reduce([moments])
         total, squares, count = moments.tolist()
         mean = total / max(count, 1.0)
         std = max((squares / max(count, 1.0) - mean**2) * count / max(count - 1.0, 1.0), 0.0) ** 0.5
         for b in self.buffer:
-            b["advantage"] = ((b["advantage"] - mean) / (std + 1e-8)) * b["response_mask"]
+            b["advantage"] = ((b["advantage"] - mean) / (std + 1e-8)) * b[LOSS_MASK]
 
     def _update_on_kept_batch(self, metrics: Metrics) -> None:
         if getattr(self.algorithm, "norm_adv", False):

@@ -11,6 +11,7 @@ from tensordict import TensorDict
 from rlinf_lightning.algorithms.advantages import groups_with_signal
 from rlinf_lightning.algorithms.losses import kl_penalty
 from rlinf_lightning.algorithms.policy_gradient import adapt_kl_coef
+from rlinf_lightning.flow.batch import LOSS_MASK
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.workflows.finite import check_finite
@@ -30,7 +31,7 @@ class AdvantageStage(Stage):
     def __init__(self, algorithm: Any, horizon: int) -> None:
         self.algorithm, self.horizon = algorithm, horizon
         self.kl_in_reward = algorithm.needs_reference and getattr(algorithm, "kl_in_reward", False)
-        self.in_keys = ("reward", "group_id", "response_mask") + (
+        self.in_keys = ("reward", "group_id", LOSS_MASK) + (
             ("rollout_logprobs", "ref_logprobs") if self.kl_in_reward else ()
         )
         if "values" in algorithm.reads:  # written by the critic stage that hosts this one
@@ -49,7 +50,7 @@ class AdvantageStage(Stage):
         self.iteration = iteration
 
     def process(self, batch: TensorDict) -> TensorDict:
-        alg, mask = self.algorithm, batch["response_mask"]
+        alg, mask = self.algorithm, batch[LOSS_MASK]
         rewards = batch["reward"]
         check_finite(self.name, self.iteration, "rewards", rewards)
         if getattr(alg, "overlong_buffer", 0.0) > 0:
@@ -64,7 +65,7 @@ class AdvantageStage(Stage):
         inputs = {
             "rewards": token_rewards.sum(-1) if kl is not None else rewards,
             "group_ids": batch["group_id"],
-            "response_mask": mask,
+            LOSS_MASK: mask,
             "token_rewards": token_rewards,
         }
         if "values" in batch.keys():

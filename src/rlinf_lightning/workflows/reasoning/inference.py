@@ -9,13 +9,14 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.engines.offload import Offloader
-from rlinf_lightning.flow.budget import LayerShape, StepCost, inference_cost
+from rlinf_lightning.flow.batch import LOSS_MASK
+from rlinf_lightning.flow.budget import Budget, LayerShape, StepCost, inference_cost
 from rlinf_lightning.flow.memory import dtype_bytes, weights_part
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
+from rlinf_lightning.flow.token_budget import TokenBudget
 from rlinf_lightning.policies.chunked_head import LogitMap
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.workflows.padding import token_budget_split
-from rlinf_lightning.workflows.token_budget import TokenBudget
 
 
 class InferenceStage(TokenBudget, Stage):
@@ -28,7 +29,7 @@ class InferenceStage(TokenBudget, Stage):
 
     name = "inference"
     cost_hint = 0.3
-    in_keys = ("input_ids", "attention_mask", "response_mask")
+    in_keys = ("input_ids", "attention_mask", LOSS_MASK)
     out_keys = ("ref_logprobs",)
     budget_key = "task.inference_max_tokens_per_micro_batch"
     budget_fixes = "use a smaller model, policy.logit_chunk_tokens=1024 or more devices"
@@ -46,10 +47,13 @@ class InferenceStage(TokenBudget, Stage):
         self.policy, self.algorithm, self.temperature = policy, algorithm, temperature
         self.max_tokens, self.max_prompt_tokens, self.horizon = max_tokens, max_prompt_tokens, horizon
 
-    def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
-        """The reference weights in the policy's dtype and, under a token budget (configured or
-        chosen), a forward's working memory at its peak (nothing when the algorithm has no KL term)."""
-        return self.with_working(device, self.budget_state(device, replicas, micro_batch))
+    def memory(
+        self, device: str, replicas: int, micro_batch: int, budget: Budget | None = None
+    ) -> list[MemoryPart] | None:
+        """The reference weights in the policy's dtype and, under a token budget (configured, or
+        ``budget``: the plan's), a forward's working memory at its peak (nothing when the algorithm
+        has no KL term)."""
+        return self.with_working(device, self.budget_state(device, replicas, micro_batch), budget)
 
     def budget_configured(self) -> bool:
         return not self.algorithm.needs_reference  # no reference: no forward to size
@@ -103,7 +107,7 @@ class InferenceStage(TokenBudget, Stage):
         if not self.max_tokens:  # the whole message at once
             batch["ref_logprobs"] = self.ref.forward_logprobs(batch.to(self.device), self.temperature).cpu()
             return batch
-        ref = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
+        ref = torch.zeros(batch[LOSS_MASK].shape, dtype=torch.float32)
         batch["row"] = torch.arange(len(batch))
         for chunk in token_budget_split(batch, self.max_tokens):
             lp = self.ref.forward_logprobs(chunk.to(self.device), self.temperature)

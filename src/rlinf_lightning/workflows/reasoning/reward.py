@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
+from rlinf_lightning.flow.batch import LOSS_MASK
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.rewards import RewardInput, close_judges, load_reward, score
@@ -21,7 +22,7 @@ class RewardStage(Stage):
 
     name = "reward"
     cost_hint = 0.15
-    in_keys = ("completion", "answer", "prompt", "response_mask")
+    in_keys = ("completion", "answer", "prompt", LOSS_MASK)
     out_keys = ("reward", "correct")
     iteration = 0  # the one running (begin_iteration), for the non-finite guard's message
 
@@ -60,7 +61,7 @@ class RewardStage(Stage):
             list(batch["completion"]),
             list(batch["answer"]),
             list(batch["prompt"]),
-            batch["response_mask"].sum(-1),
+            batch[LOSS_MASK].sum(-1),
             self.metrics,
         )
         reward, correct = self.score(inputs)

@@ -13,6 +13,7 @@ from rlinf_lightning.engines.precision import resolve_rollout_dtype
 from rlinf_lightning.engines.rollout import ROLLOUT_ENGINES, Completion, SamplingParams
 from rlinf_lightning.engines.sampling import end_token_ids
 from rlinf_lightning.evaluation import EVAL_BATCH_SIZE, greedy_accuracy
+from rlinf_lightning.flow.batch import LOSS_MASK
 from rlinf_lightning.flow.memory import dtype_bytes, weights_part
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
@@ -45,7 +46,7 @@ def pack_samples(
             ids[i, P : P + n] = torch.tensor(c.token_ids)
             resp_mask[i, :n] = 1 if c.mask is None else torch.tensor(c.mask, dtype=torch.float32)
             logps[i, :n] = torch.tensor(c.logprobs)
-    return {"input_ids": ids, "attention_mask": attn, "response_mask": resp_mask, "rollout_logprobs": logps}
+    return {"input_ids": ids, "attention_mask": attn, LOSS_MASK: resp_mask, "rollout_logprobs": logps}
 
 
 @dataclass
@@ -89,7 +90,7 @@ class RolloutStage(Stage):
     out_keys = (
         "input_ids",
         "attention_mask",
-        "response_mask",
+        LOSS_MASK,
         "rollout_logprobs",
         "group_id",
         "completion",
@@ -265,7 +266,7 @@ class RolloutStage(Stage):
             },
             batch_size=[len(texts)],
         )
-        lengths = tensors["response_mask"].sum(-1)  # generated tokens (tool replies not counted)
+        lengths = tensors[LOSS_MASK].sum(-1)  # generated tokens (tool replies not counted)
         self.metrics.distribution("response_length", lengths)
         self.metrics.distribution("prompt_length", [len(p) for p in prompt_ids])
         self.metrics.sum("tokens_total", tensors["attention_mask"].sum())  # prompts + responses

@@ -21,7 +21,7 @@ LAYERS = [
     {"tasks", "launchers", "strategies"},
     {"callbacks"},
     {"trainer"},
-    {"sft"},
+    {"sft", "export"},
     {"testing", "cli", ""},  # "": the package's __init__
 ]
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}

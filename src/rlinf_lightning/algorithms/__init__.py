@@ -21,12 +21,15 @@ from rlinf_lightning.algorithms.presets import (
     ReinforcePlusPlus,
     ReinforcePlusPlusBaseline,
 )
+from rlinf_lightning.algorithms.sac import RLPD, SAC
 from rlinf_lightning.registry import Registry
 
 ALGORITHMS: Registry[type] = Registry("algorithm")
 for _name, _preset in PRESETS.items():
     ALGORITHMS.register(_name, _preset)
 ALGORITHMS.register("ppo", PPO)
+ALGORITHMS.register("sac", SAC)
+ALGORITHMS.register("rlpd", RLPD)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -40,6 +43,8 @@ __all__ = [
     "POLICY_LOSSES",
     "PPO",
     "RLOO",
+    "RLPD",
+    "SAC",
     "DrGRPO",
     "PolicyGradient",
     "ReinforcePlusPlus",

@@ -100,6 +100,16 @@ OPTION_RANGES: dict[str, Range] = {
     "vf_coef": _NONNEGATIVE,
     "target_kl": Range(0.0, open_low=True, nullable=True, why="null: no early stop"),
     "critic_warmup": Range(0, integer=True, why="0: the actor trains from the first iteration"),
+    # off-policy (SAC, RLPD): the replay buffer and the update-to-data ratio
+    "tau": Range(0.0, 1.0, open_low=True, why="the target critics' Polyak rate"),
+    "batch_size": _POSITIVE_INT,
+    "buffer_capacity": Range(1, integer=True, why="transitions the replay buffer holds"),
+    "learning_starts": Range(0, integer=True, why="0: update from the first transitions"),
+    "updates_per_step": Range(0.0, open_low=True, why="updates per env step; a learner needs some"),
+    "init_alpha": Range(0.0, open_low=True, why="the entropy temperature at the start"),
+    "critic_subset": Range(1, integer=True, nullable=True, why="null: every critic"),
+    "actor_aggregate": Range(choices=("min", "mean")),
+    "demo_ratio": _FRACTION,
 }
 
 

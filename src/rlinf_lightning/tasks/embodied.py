@@ -18,6 +18,7 @@ from rlinf_lightning.tasks.base import RunSpec, Task
 from rlinf_lightning.workflows.embodied import advantage_mode, embodied_workflow
 from rlinf_lightning.workflows.embodied.env import EVAL_SEED
 from rlinf_lightning.workflows.mini_batches import split_problem
+from rlinf_lightning.workflows.offpolicy import is_off_policy
 
 if TYPE_CHECKING:
     from rlinf_lightning.launchers.base import Runtime
@@ -114,8 +115,8 @@ class EmbodiedTask(Task):
     @staticmethod
     def _episodic(run: RunSpec) -> bool:
         """GRPO over episodes (an algorithm reading no values) groups envs; an algorithm the
-        workflow cannot serve is a ``ConfigError``."""
-        return advantage_mode(run.algorithm) == "episodes"
+        workflow cannot serve is a ``ConfigError``; an off-policy one runs on."""
+        return not is_off_policy(run.algorithm) and advantage_mode(run.algorithm) == "episodes"
 
     def _spaces(self, seed: int) -> tuple[TensorDict, tuple[int, ...], tuple[int, ...] | None]:
         """One env's observation, the action shape of a policy call (``chunk`` steps) and, for
@@ -175,6 +176,10 @@ class EmbodiedTask(Task):
                 space = f"continuous {shape[1:]}" if choices is None else f"discrete, choices {choices}"
                 why = f"{self.env} (actions: {space}) does not suit {type(policy).__name__}: {exc}"
                 raise ConfigError([("task.env", why)]) from exc
+        if is_off_policy(run.algorithm):
+            from rlinf_lightning.workflows.offpolicy import build_offpolicy
+
+            return build_offpolicy(self, policy, run, obs, shape)
         return embodied_workflow(
             policy=policy,
             algorithm=run.algorithm,

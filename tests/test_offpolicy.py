@@ -214,7 +214,7 @@ def reference(tmp_path_factory):
     return _fit(tmp_path_factory.mktemp("sac"))
 
 
-@pytest.mark.parametrize("launcher", ["inprocess", "processes"])
+@pytest.mark.parametrize("launcher", ["inprocess", pytest.param("processes", marks=pytest.mark.slow)])
 def test_three_iterations_are_the_same_updates_under_every_plan(tmp_path, reference, launcher):
     _, ref_metrics, ref_weights, _ = reference
     assert [m["actor/updates"] for m in ref_metrics] == [12, 12, 12]

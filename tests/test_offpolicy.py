@@ -14,11 +14,12 @@ from tensordict import TensorDict
 
 from rlinf_lightning import RLTrainer
 from rlinf_lightning.algorithms import RLPD, SAC
-from rlinf_lightning.algorithms.sac import actor_loss, critic_loss, critic_target, polyak, temperature_loss
+from rlinf_lightning.algorithms.sac import actor_loss, critic_loss, critic_target, temperature_loss
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.policies import SACPolicy
+from rlinf_lightning.policies.sac import polyak
 from rlinf_lightning.strategies import CollocatedStrategy, HybridStrategy
 from rlinf_lightning.tasks import EmbodiedTask
 from rlinf_lightning.workflows.offpolicy.learner import OffPolicyLearnerStage, SACLoss
@@ -330,3 +331,31 @@ def test_the_memory_check_counts_the_replay_buffer():
     parts = stage.memory("cpu", 1, 1)
     assert parts[-1].nbytes == 1000 * per and "replay buffer" in parts[-1].what
     assert not math.isnan(parts[0].nbytes)
+
+
+# -- demonstrations and RLPD ----------------------------------------------------------------------------
+
+
+def test_demos_replay_as_transitions_and_rlpd_trains_on_them(tmp_path):
+    """``rlinf demos`` writes a file whose rows replay as transitions (each episode's own goal from
+    obs to next_obs, its last step a truncation); RLPD draws half of each batch from it, the target
+    from a random pair of its critics."""
+    from rlinf_lightning.sft import record_expert_demos
+    from rlinf_lightning.workflows.offpolicy.demos import load_demo_transitions
+
+    path = tmp_path / "demos.safetensors"
+    record_expert_demos(ENV, episodes=2, chunk=1, out=str(path), env_kwargs={"max_episode_steps": 5})
+    obs = TensorDict({k: torch.zeros(1, n) for k, n in (("achieved_goal", 3), ("desired_goal", 3),
+                                                         ("observation", 10))}, batch_size=[1])  # fmt: skip
+    demos = load_demo_transitions(path, obs)
+    assert len(demos) == 10 and int(demos["truncated"].sum()) == 2
+    assert torch.equal(demos["obs", "desired_goal"], demos["next_obs", "desired_goal"])
+    assert (demos["reward"] < 0).all()  # FetchReachDense: minus the distance to the goal
+
+    task = EmbodiedTask(ENV, env_kwargs={"max_episode_steps": 4}, num_envs=2, steps=4, eval_episodes=2)
+    summary = RLTrainer(
+        algorithm=RLPD(batch_size=8, updates_per_step=1, demo_path=str(path)),
+        devices=1, num_threads=1, max_iterations=2, default_root_dir=str(tmp_path / "run"),
+        logger=False, enable_progress_bar=False, timeout_s=120,
+    ).fit(SACPolicy(hidden_sizes=(16,), num_critics=4, layer_norm=True), task)  # fmt: skip
+    assert summary["nonfinite_steps"] == {"actor": 0}

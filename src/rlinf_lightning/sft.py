@@ -203,6 +203,7 @@ def record_expert_demos(
     chunk: int = 8,
     out: str = "data/fetchreach_demos.safetensors",
     seed: int = 0,
+    env_kwargs: dict | None = None,
 ) -> dict:
     """Write demonstrations of ``env``'s scripted expert for π0's SFT (``rlinf demos``; the format
     is documented in ``policies/pi0/demos.py``).
@@ -213,6 +214,8 @@ def record_expert_demos(
         chunk: actions per row (at least the policy's ``task.chunk``; π0's ``chunk_size`` at most).
         out: the ``.safetensors`` file written.
         seed: the first episode's reset seed.
+        env_kwargs: keyword arguments of the env factory (PickCube-v1's expert:
+            ``{"obs_mode": "state", "control_mode": "pd_ee_delta_pos"}``).
     """
     from rlinf_lightning.envs import make_env
     from rlinf_lightning.policies.pi0.demos import EXPERTS, record_demos
@@ -221,4 +224,5 @@ def record_expert_demos(
         raise ValueError(
             f"env: no scripted expert for {env!r} (there is one for {', '.join(sorted(EXPERTS))})"
         )
-    return record_demos(make_env(env, episodes), EXPERTS[env], chunk, out, seed=seed, env=env)
+    batch = make_env(env, episodes, **(env_kwargs or {}))
+    return record_demos(batch, EXPERTS[env], chunk, out, seed=seed, env=env)

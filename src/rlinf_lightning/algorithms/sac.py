@@ -8,7 +8,7 @@ episode; a truncation bootstraps), with ``E`` critics ``Q_1..Q_E``, their Polyak
     L_Q     = sum_i mean_batch (Q_i(s, a) - y)^2
     L_pi    = mean_batch (alpha log pi(a~|s) - agg_i Q_i(s, a~)),     a~ ~ pi(.|s)
     L_alpha = mean_batch (-log_alpha (log pi(a~|s) + H_target)),       H_target = -|A|
-    Q'_i <- tau Q_i + (1 - tau) Q'_i                                    after every step
+    Q'_i <- tau Q_i + (1 - tau) Q'_i               after every step (``policies.sac.polyak``)
 
 SAC: two critics, ``K`` both of them, ``agg`` the minimum. RLPD: ``E`` = 10 LayerNorm critics
 (the policy's ``num_critics`` and ``layer_norm``), ``K`` a random pair drawn per update
@@ -56,15 +56,6 @@ def actor_loss(logprob: torch.Tensor, q: torch.Tensor, alpha: torch.Tensor | flo
 def temperature_loss(log_alpha: torch.Tensor, logprob: torch.Tensor, target_entropy: float) -> torch.Tensor:
     """``mean_b (-log_alpha (log pi + H_target))``: raises alpha while the entropy is below target."""
     return (-log_alpha * (logprob.detach() + target_entropy)).mean()
-
-
-@torch.no_grad()
-def polyak(target: torch.nn.Module, online: torch.nn.Module, tau: float) -> None:
-    """``target <- tau online + (1 - tau) target``, parameter by parameter (and buffers copied)."""
-    for t, o in zip(target.parameters(), online.parameters(), strict=True):
-        t.lerp_(o, tau)
-    for t, o in zip(target.buffers(), online.buffers(), strict=True):
-        t.copy_(o)
 
 
 @dataclass

@@ -6,7 +6,7 @@ into ``[LOG_STD_MIN, LOG_STD_MAX]``, CleanRL's); an action is ``tanh(mean + std 
 ``[-1, 1]`` (the env stage clips to the env's bounds). The critics are ``num_critics`` MLPs over
 ``(features, action)`` computed as one batched ensemble (a matrix per member), optionally with a
 LayerNorm after every hidden layer (RLPD's; without learned scale and shift). The target critics
-are a copy that only Polyak averaging moves (:func:`algorithms.sac.polyak`). Every draw comes as
+are a copy that only Polyak averaging moves (:func:`polyak`). Every draw comes as
 a ``noise`` argument or from per-row generators, so updates and rollouts are the same under every
 plan. Continuous actions only: a discrete action space is refused when the task shows it.
 """
@@ -20,11 +20,19 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from rlinf_lightning.algorithms.sac import polyak
 from rlinf_lightning.policies.mlp import _noise
 from rlinf_lightning.policies.module import RLModule
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
+
+
+@torch.no_grad()
+def polyak(target: torch.nn.Module, online: torch.nn.Module, tau: float) -> None:
+    """``target <- tau online + (1 - tau) target``, parameter by parameter (and buffers copied)."""
+    for t, o in zip(target.parameters(), online.parameters(), strict=True):
+        t.lerp_(o, tau)
+    for t, o in zip(target.buffers(), online.buffers(), strict=True):
+        t.copy_(o)
 
 
 class EnsembleLinear(nn.Module):

@@ -16,7 +16,11 @@ __version__ = "0.1.0"
 def register() -> None:
     """Entry point: add a factory per ManiSkill3 task of ``TASKS`` to ``ENVS``."""
     from rlinf_lightning.envs import ENVS
+    from rlinf_lightning.policies.pi0.demos import EXPERTS
     from rlinf_maniskill.env import TASKS, ManiSkillEnvBatch
+    from rlinf_maniskill.experts import pick_cube_expert
+
+    EXPERTS.setdefault("PickCube-v1", pick_cube_expert)  # `rlinf demos`: SFT and RLPD demonstrations
 
     for env_id, instruction in TASKS.items():
         if env_id not in ENVS:

@@ -8,6 +8,9 @@ the chunk of actions the demonstrator took from it on:
 - ``action``: float32 ``[N, chunk, action_dim]``: the actions at steps ``t .. t + chunk - 1``;
 - ``action_mask``: bool ``[N, chunk]``: False past the episode's end (those actions are zeros);
 - ``episode``: int64 ``[N]``, the episode each row comes from;
+- ``reward``, ``terminated``, ``truncated`` (``[N]``) and ``next_obs.<key>``: the step's outcome
+  (the episode's own last observation where it ended), so an off-policy learner replays the same
+  file as transitions (``workflows.offpolicy.demos``);
 - metadata (strings): ``instruction``, ``env``, and ``image_keys`` / ``state_keys`` (JSON lists:
   which ``obs.*`` entries are cameras and which make π0's state).
 
@@ -66,6 +69,7 @@ def record_demos(
         obs = batch.reset(seed)
         steps = batch.max_episode_steps or 50
         observations, actions, success = [], [], torch.zeros(episodes)
+        replay: dict[str, list] = {"reward": [], "terminated": [], "truncated": [], "next_obs": []}
         for _ in range(steps):
             action = expert(obs)
             observations.append(obs.exclude("instruction") if "instruction" in obs.keys() else obs)
@@ -73,6 +77,12 @@ def record_demos(
             step = batch.step(action)
             ended = step.terminated | step.truncated
             success[ended] = step.success[ended].nan_to_num(0.0)
+            next_obs = step.obs.clone()  # an ended episode's own last observation, not the reset one
+            if bool(ended.any()):
+                next_obs[ended] = step.final_obs[ended]
+            for key, value in (("reward", step.reward), ("terminated", step.terminated),
+                               ("truncated", step.truncated & ~step.terminated), ("next_obs", next_obs)):
+                replay[key].append(value)  # fmt: skip
             obs = step.obs
             if bool(ended.all()):
                 break
@@ -87,6 +97,12 @@ def record_demos(
     tensors["action"] = padded[:, index].reshape(n * length, chunk, -1).contiguous()
     tensors["action_mask"] = (index < length).expand(n, length, chunk).reshape(n * length, chunk).contiguous()
     tensors["episode"] = torch.arange(n).repeat_interleave(length)
+    for key in ("reward", "terminated", "truncated"):  # what an off-policy learner replays
+        tensors[key] = torch.stack(replay[key], dim=1).reshape(n * length).contiguous()
+    next_seq = torch.stack(replay["next_obs"], dim=1)
+    next_seq = next_seq.exclude("instruction") if "instruction" in next_seq.keys() else next_seq
+    tensors |= {f"next_obs.{k}": v.reshape(n * length, *v.shape[2:]).contiguous()
+                for k, v in next_seq.items()}
     meta = {"instruction": instruction, "env": env, "state_keys": json.dumps(list(state_keys)),
             "image_keys": json.dumps(list(image_keys))}  # fmt: skip
     path = Path(path)

@@ -219,7 +219,9 @@ def record_expert_demos(
     """
     from rlinf_lightning.envs import make_env
     from rlinf_lightning.policies.pi0.demos import EXPERTS, record_demos
+    from rlinf_lightning.registry import load_plugins
 
+    load_plugins()  # plugins add experts for their envs (rlinf-maniskill: PickCube-v1)
     if env not in EXPERTS:
         raise ValueError(
             f"env: no scripted expert for {env!r} (there is one for {', '.join(sorted(EXPERTS))})"

@@ -70,7 +70,6 @@ class SACNet(nn.Module):
         hidden_sizes: tuple[int, ...],
         num_critics: int,
         layer_norm: bool,
-        init_alpha: float,
     ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
@@ -81,7 +80,7 @@ class SACNet(nn.Module):
         self.actor = nn.Sequential(*layers, nn.Linear(n_in, 2 * action_dim))
         self.critics = _critics(num_critics, obs_dim + action_dim, hidden_sizes, layer_norm)
         self.target = copy.deepcopy(self.critics).requires_grad_(False)
-        self.log_alpha = nn.Parameter(torch.tensor(math.log(init_alpha)))
+        self.log_alpha = nn.Parameter(torch.tensor(0.0))  # the learner sets the algorithm's init_alpha
 
 
 class SACPolicy(RLModule):
@@ -94,9 +93,8 @@ class SACPolicy(RLModule):
         layer_norm: a LayerNorm after each critic hidden layer (RLPD).
         actor_lr: Adam learning rate of the actor.
         critic_lr: Adam learning rate of the critics.
-        alpha_lr: Adam learning rate of the log temperature.
-        init_alpha: the temperature at the start (the algorithm's ``init_alpha`` overrides it
-            when the workflow builds the learner).
+        alpha_lr: Adam learning rate of the log temperature (its start is the algorithm's
+            ``init_alpha``).
         seed: seeds the initialisation (the same on every replica).
     """
 
@@ -111,21 +109,20 @@ class SACPolicy(RLModule):
         actor_lr: float = 3e-4,
         critic_lr: float = 3e-4,
         alpha_lr: float = 3e-4,
-        init_alpha: float = 1.0,
         seed: int = 0,
     ) -> None:
         super().__init__()
         self.hidden_sizes, self.obs_keys = tuple(hidden_sizes), list(obs_keys) if obs_keys else None
         self.num_critics, self.layer_norm = num_critics, layer_norm
         self.actor_lr, self.critic_lr, self.alpha_lr = actor_lr, critic_lr, alpha_lr
-        self.init_alpha, self.seed = init_alpha, seed
+        self.seed = seed
         self.obs_dim: int | None = None
         self.action_dim: int | None = None
         self.model: SACNet | None = None
 
     def validate_config(self) -> list[tuple[str, str]]:
         problems = []
-        for key in ("actor_lr", "critic_lr", "alpha_lr", "init_alpha"):
+        for key in ("actor_lr", "critic_lr", "alpha_lr"):
             if getattr(self, key) <= 0:
                 problems.append((key, f"must be > 0, got {getattr(self, key)}"))
         if self.num_critics < 1:
@@ -157,9 +154,8 @@ class SACPolicy(RLModule):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             self.model = SACNet(
-                self.obs_dim, self.action_dim, self.hidden_sizes, self.num_critics, self.layer_norm,
-                self.init_alpha,
-            )  # fmt: skip
+                self.obs_dim, self.action_dim, self.hidden_sizes, self.num_critics, self.layer_norm
+            )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         m = self.model

@@ -88,7 +88,6 @@ def build_offpolicy(task: Any, policy: RLModule, run: Any, obs: TensorDict, shap
             demos = load_demo_transitions(algorithm.demo_path, obs)
         except (OSError, ValueError) as exc:
             raise ConfigError([("trainer.algorithm.demo_path", str(exc))]) from exc
-    policy.init_alpha = algorithm.init_alpha
     return offpolicy_workflow(
         policy=policy,
         algorithm=algorithm,

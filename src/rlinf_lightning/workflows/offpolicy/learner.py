@@ -4,6 +4,7 @@ end of each iteration, takes ``updates_per_step`` updates per new transition (SA
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -114,6 +115,8 @@ class OffPolicyLearnerStage(TrainStage):
 
     def setup(self, ctx) -> None:
         super().setup(ctx)
+        with torch.no_grad():  # the temperature starts where the algorithm says (a checkpoint overrides it)
+            self.engine.policy.model.log_alpha.fill_(math.log(self.algorithm.init_alpha))
         self.buffer = ReplayBuffer(self.algorithm.buffer_capacity)
         self.owed = 0.0  # updates earned by the transitions so far, not yet taken (a fractional UTD)
 

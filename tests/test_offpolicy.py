@@ -139,14 +139,17 @@ def test_the_buffer_samples_uniformly_and_keeps_the_newest_rows():
     assert chi2 < 43.82  # the chi-square distribution's 99.9% quantile at 19 degrees of freedom
 
 
-def test_the_buffer_round_trips_its_state_part_full():
+@pytest.mark.parametrize("written", [5, 11])  # part-full; full, wrapped round to row 3
+def test_the_buffer_round_trips_its_state(written):
     buffer = ReplayBuffer(capacity=8)
     buffer.add(_rows(5))
+    buffer.add(_rows(written - 5, first=5))
+    assert buffer.position == written % 8
     copy = ReplayBuffer(capacity=8)
     copy.load_state_dict(torch.load(_saved(buffer.state_dict()), weights_only=True))
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     assert torch.equal(buffer.sample(64, g1)["reward"], copy.sample(64, g2)["reward"])
-    buffer.add(_rows(6, first=5)), copy.add(_rows(6, first=5))  # both wrap at the same row
+    buffer.add(_rows(6, first=written)), copy.add(_rows(6, first=written))  # the same rows replaced
     assert torch.equal(buffer.storage["reward"], copy.storage["reward"])
 
 
@@ -281,6 +284,29 @@ def test_a_part_full_buffer_resumes_to_bit_equal_updates(tmp_path):
     assert a.engine.state_dict()["model"]["target.0.weight"].equal(
         b.engine.state_dict()["model"]["target.0.weight"]
     )
+
+
+def test_the_buffer_holds_the_transitions_in_env_order_whatever_order_the_shards_came_in():
+    """Plans cut the envs into shards that reach the learner in any order: the buffer's rows, and
+    so every sampled batch, must not depend on it."""
+    g = torch.Generator().manual_seed(2)
+    steps = _batch(12, g).exclude("noise", "critic_subset").reshape(4, 3)
+    shards = [TensorDict({k: steps[k][i : i + 2] for k in steps.keys()}, batch_size=[2]) for i in (0, 2)]
+    for i, shard in enumerate(shards):
+        shard["env_id"], shard["policy_version"] = torch.arange(2 * i, 2 * i + 2), torch.zeros(2, 3)
+
+    def buffer_after(order):
+        stage = OffPolicyLearnerStage(_policy(), SAC(batch_size=4, learning_starts=100), TrainSpec(), 64)
+        stage.setup(StageContext())
+        stage.begin_iteration(1)
+        for i in order:
+            stage.process(shards[i])
+        stage.end_iteration()
+        return stage.buffer.storage[: len(stage.buffer)]
+
+    first, second = buffer_after([0, 1]), buffer_after([1, 0])
+    assert torch.equal(first["reward"], second["reward"])
+    assert torch.equal(first["reward"][:4], steps["reward"][:, 0])  # step 0 of envs 0..3 first
 
 
 # -- bad keys -------------------------------------------------------------------------------------------

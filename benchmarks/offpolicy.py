@@ -40,7 +40,10 @@ SAC_STEPS_PER_ITERATION = 8 * 50  # the SAC config's num_envs x steps
 PPO_STEPS_PER_ITERATION = 16 * 64
 BAR = 0.95
 #: the actor-learner plan: the env workers on one slot, the learner on the other
-PLACEMENT = "env,rollout: 0, actor: 1"
+HYBRID = (
+    "{class_path: rlinf_lightning.strategies.HybridStrategy, "
+    'init_args: {placement: "env,rollout: 0, actor: 1"}}'
+)
 
 
 def _fit(config: Path, root: Path, *overrides: str) -> subprocess.Popen:
@@ -86,8 +89,7 @@ def plans(work: Path, iterations: int = 6) -> dict:
               "--trainer.algorithm.init_args.learning_starts=0")  # fmt: skip
     runs = {
         "collocated": (),
-        "actor_learner": ("--trainer.strategy=hybrid", f"--trainer.strategy.init_args.placement={PLACEMENT}",
-                          "--trainer.devices=2", "--trainer.max_staleness=1"),
+        "actor_learner": (f"--trainer.strategy={HYBRID}", "--trainer.devices=2", "--trainer.max_staleness=1"),
     }  # fmt: skip
     for name, extra in runs.items():
         _wait(_fit(SAC_CONFIG, work / name, *common, *extra), name)

@@ -153,8 +153,9 @@ def _training_fit(assets, tmp_path, *overrides: str):
 
 
 def test_killing_a_worker_ends_rlinf_fit_with_its_name(assets, tmp_path):
-    """End to end: SIGKILL one worker process of a running `rlinf fit`; the CLI exits, naming it."""
-    fit, workers = _training_fit(assets, tmp_path)
+    """End to end: SIGKILL one worker process of a running `rlinf fit` that may not restart one;
+    the CLI exits, naming it."""
+    fit, workers = _training_fit(assets, tmp_path, "--trainer.max_worker_restarts=0")
     try:
         assert len(workers) == 2
         workers[0].kill()

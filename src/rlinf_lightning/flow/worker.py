@@ -123,6 +123,7 @@ class Worker(SyncEdges):
         self._holding: set[int] = set()  # shared slots whose baton this worker holds
         self._pending_sync: dict[str, tuple[str, Any]] = {}  # stage -> (source, state) to apply in its turn
         self.iteration = 0  # the iteration being run (the version this worker's sync sources send)
+        self.finished = 0  # the last iteration run to its end (after a lost worker: kept or run again)
         # per sync edge into a hosted stage: the version it holds
         self.versions = {e.channel: 0 for e in workflow.edges_of("sync") if e.dst in self.stages}
         self._backlog: dict[str, dict[int, Any]] = {ch: {} for ch in self.versions}  # read, not applied
@@ -175,9 +176,11 @@ class Worker(SyncEdges):
     # -- commands (the same for every launcher) ----------------------------------------------------
     def handle(self, cmd: str, args: tuple = ()) -> Any:
         """Run one driver command: ``setup``, ``run_iteration``, ``call``, ``resync``, ``drain``,
-        ``held_back``, ``shutdown``."""
+        ``held_back``, ``finished``, ``shutdown``."""
         if cmd == "setup":
             return self.setup()
+        if cmd == "finished":
+            return self.finished
         if cmd == "run_iteration":
             return self.run_iteration(*args)
         if cmd == "call":
@@ -246,6 +249,7 @@ class Worker(SyncEdges):
         self._receive_sync(iteration)
         results = {n: (r.metrics, r.samples) for n, r in self._runs.items()}
         spans, self.spans = self.spans, []
+        self.finished = iteration
         return results, spans
 
     def _take_slots(self) -> None:

@@ -13,6 +13,7 @@ import logging
 import signal
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from tensordict import TensorDict
@@ -60,6 +61,14 @@ def first_cause(errors: list[BaseException]) -> BaseException:
             if isinstance(e, kind):
                 return e
     return next((e for e in errors if not isinstance(e, ChannelAborted)), errors[0])
+
+
+def noted(exc: BaseException, silent: Iterable[str], answers: dict[str, Any]) -> BaseException:
+    """``exc``, with what the driver knew when it stopped waiting: ``exc.silent``, the workers that
+    had not answered (a worker that hangs is among them), and ``exc.answers``, the answers of those
+    that had, by worker (a restart, ``trainer.restarts``, keeps what they finished)."""
+    exc.silent, exc.answers = sorted(silent), dict(answers)
+    return exc
 
 
 def merge_metrics(
@@ -192,6 +201,15 @@ class Runtime(ABC):
         """Stream ``batches`` through the workflow; per-stage metrics once every worker ended."""
         self.start_iteration(iteration, batches)
         return self.finish_iteration()
+
+    def finished(self, workers: list[str]) -> dict[str, int]:
+        """The last iteration each of ``workers`` ran to its end (answered once each is idle)."""
+        return self._command(workers, "finished")
+
+    def abandon(self) -> None:
+        """Give up on the iterations still outstanding after one failed: their answers are never
+        collected (a restart runs them again on new workers)."""
+        self._running.clear()
 
     @property
     def in_flight(self) -> int:

@@ -26,7 +26,6 @@ import os
 import queue
 import time
 import traceback
-from collections import deque
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -45,6 +44,7 @@ from rlinf_lightning.launchers.base import (
     Runtime,
     WorkerDied,
     first_cause,
+    noted,
 )
 from rlinf_lightning.malloc import tune_malloc
 
@@ -63,19 +63,20 @@ def _worker_main(name: str, build: dict[str, Any], commands: Any, replies: Any, 
     try:
         worker = build_worker(build)
     except BaseException:
-        replies.put((name, "error", StageError("<worker>", name, traceback.format_exc())))
+        _, _, seq = commands.get()  # the answer to the first command (setup)
+        replies.put((name, seq, "error", StageError("<worker>", name, traceback.format_exc())))
         return
     while True:
-        cmd, args = commands.get()
+        cmd, args, seq = commands.get()
         try:
             out = worker.handle(cmd, args)
-            replies.put((name, "ok", out))
+            replies.put((name, seq, "ok", out))
         except (StageError, ChannelAborted, ChannelTimeout) as exc:
             worker_failed(build, exc)
-            replies.put((name, "error", exc))
+            replies.put((name, seq, "error", exc))
         except BaseException:
             worker_failed(build, None)
-            replies.put((name, "error", StageError("<worker>", name, traceback.format_exc())))
+            replies.put((name, seq, "error", StageError("<worker>", name, traceback.format_exc())))
         if cmd == "shutdown":
             return
 
@@ -133,7 +134,8 @@ class ProcessRuntime(Runtime):
             for n, sync in self.queue_names().items()
         }
         self.replies = self.mp.Queue()
-        self._backlog: dict[str, deque] = {}
+        self._backlog: dict[tuple[str, int], tuple[str, str, Any]] = {}  # (worker, command) -> reply
+        self._seq = 0  # the number of the last command sent
         self.commands = {w: self.mp.Queue() for w in self.workers}
         meet = {g.name: Rendezvous(g.name, "127.0.0.1", free_port()) for g in plan.groups if g.replicas > 1}
         sync_meet = {
@@ -174,33 +176,36 @@ class ProcessRuntime(Runtime):
             p.start()
             self.procs[name] = p
 
-    def _submit(self, workers: list[str], cmd: str, *args: Any) -> list[str]:
+    def _submit(self, workers: list[str], cmd: str, *args: Any) -> tuple[int, list[str]]:
+        self._seq += 1
         for w in workers:
             if self.procs[w].is_alive():
-                self.commands[w].put((cmd, args))
-        return list(workers)
+                self.commands[w].put((cmd, args, self._seq))
+        return self._seq, list(workers)
 
-    def _reply(self, pending: set[str]) -> tuple[str, str, Any]:
-        """The next reply of a pending worker; a worker's answers to later commands (the next
-        iteration, already queued) wait in its backlog until those are collected."""
+    def _reply(self, pending: set[str], seq: int) -> tuple[str, str, Any]:
+        """The next reply of a pending worker to command ``seq``; its answers to other commands
+        (the next iteration, already queued) wait in the backlog until those are collected, and
+        those to commands given up on (after a failure) are never asked for."""
         for name in pending:
-            if self._backlog.get(name):
-                return self._backlog[name].popleft()
+            if (name, seq) in self._backlog:
+                return self._backlog.pop((name, seq))
         while True:
-            reply = self.replies.get(timeout=LIVENESS_POLL_S)
-            if reply[0] in pending:
-                return reply
-            self._backlog.setdefault(reply[0], deque()).append(reply)
+            name, s, status, value = self.replies.get(timeout=LIVENESS_POLL_S)
+            if s == seq and name in pending:
+                return name, status, value
+            self._backlog[(name, s)] = (name, status, value)
 
-    def _collect(self, workers: list[str], deadline_s: float | None = None) -> dict[str, Any]:
+    def _collect(self, handle: tuple[int, list[str]], deadline_s: float | None = None) -> dict[str, Any]:
         """One reply from each worker; a failure (an error or a dead process) releases the others
         and waits up to ``ABORT_GRACE_S`` for them before raising."""
+        seq, workers = handle
         pending, out, errors = set(workers), {}, []
         wait_s = deadline_s or self.timeout_s + REPLY_MARGIN_S
         deadline = time.monotonic() + wait_s
         while pending:
             try:
-                name, status, value = self._reply(pending)
+                name, status, value = self._reply(pending, seq)
             except queue.Empty:
                 for n in sorted(pending):
                     if not self.procs[n].is_alive():
@@ -212,9 +217,8 @@ class ProcessRuntime(Runtime):
                     if errors:
                         break
                     self._abort()
-                    raise TimeoutError(
-                        f"workers {sorted(pending)} did not answer within {wait_s:.0f} s"
-                    ) from None
+                    late = TimeoutError(f"workers {sorted(pending)} did not answer within {wait_s:.0f} s")
+                    raise noted(late, pending, out) from None
                 continue
             pending.discard(name)
             if status == "error":
@@ -224,7 +228,7 @@ class ProcessRuntime(Runtime):
             else:
                 out[name] = value
         if errors:
-            raise first_cause(errors)
+            raise noted(first_cause(errors), pending, out)
         return out
 
     def _failed(self, errors: list[BaseException]) -> None:

@@ -34,6 +34,7 @@ from rlinf_lightning.launchers.base import (
     Runtime,
     WorkerDied,
     first_cause,
+    noted,
 )
 from rlinf_lightning.launchers.processes import build_worker
 
@@ -235,7 +236,9 @@ class RayRuntime(Runtime):
                 if errors:
                     break
                 self._abort()
-                raise TimeoutError(f"workers {sorted(by_ref.values())} did not answer within {wait_s:.0f} s")
+                silent = sorted(by_ref.values())
+                late = TimeoutError(f"workers {silent} did not answer within {wait_s:.0f} s")
+                raise noted(late, silent, out)
             name = by_ref.pop(ready[0])
             try:
                 out[name] = ray.get(ready[0])
@@ -251,7 +254,7 @@ class RayRuntime(Runtime):
                 self._abort()
                 deadline = min(deadline, time.monotonic() + ABORT_GRACE_S)
         if errors:
-            raise _plain(first_cause(errors))
+            raise noted(_plain(first_cause(errors)), by_ref.values(), out)
         return out
 
     def _submit(self, workers: list[str], cmd: str, *args: Any) -> dict[str, Any]:

@@ -36,10 +36,12 @@ from rlinf_lightning.flow.trace import write_chrome_trace
 from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers import LAUNCHERS
+from rlinf_lightning.launchers.base import merge_metrics
 from rlinf_lightning.strategies import Replan, RunInfo
 from rlinf_lightning.trainer.ahead import AheadLaunch
 from rlinf_lightning.trainer.failures import RunLog, failure_line
 from rlinf_lightning.trainer.logger_connector import hyperparameters
+from rlinf_lightning.trainer.restarts import LOST, Rewind, WorkerRestarts
 from rlinf_lightning.trainer.run_config import algorithm_text, collision, resolved_config, resume_mismatch
 
 if TYPE_CHECKING:
@@ -70,6 +72,7 @@ class FitLoop:
         self.ahead: AheadLaunch | None = None  # workers the strategy asked to start in the background
         self.discarded: list[AheadLaunch] = []
         self.nonfinite: dict[str, int] = {}  # per learning stage, its skipped non-finite steps
+        self.restarts = WorkerRestarts(trainer.max_worker_restarts, trainer.auto_resume)
         self.config = resolved_config(trainer, policy, task)  # recorded in the run dir, checkpoints, summary
 
     # -- the whole fit ---------------------------------------------------------------------------
@@ -106,8 +109,13 @@ class FitLoop:
         self.runtime = self._launch(self.plan)
         self.strategy.on_launch(self._run_info(time.perf_counter() - t0))
         try:
-            start_it = self._start(resume)
-            train_s, samples = self._iterate(start_it)
+            start_it = begin = self._start(resume)
+            while True:
+                try:
+                    train_s, samples = self._iterate(begin)
+                    break
+                except Rewind as rewind:  # a learning stage's worker was lost (trainer.auto_resume)
+                    begin = self._start(rewind.resume)
             summary = self._summary(start_it, time.perf_counter() - t0, train_s, samples)
             (t.default_root_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             t.logger_connector.finalize("success")
@@ -190,7 +198,7 @@ class FitLoop:
                 started += 1
                 micro_batch[started] = self._start_iteration(started)
             queued = started > it
-            stage_metrics = self.runtime.finish_iteration()
+            stage_metrics = self._finish_iteration(it, started, micro_batch)
             dt = time.perf_counter() - t_ready
             t_ready += dt
             train_s, samples = train_s + dt, samples + per_iteration
@@ -208,6 +216,22 @@ class FitLoop:
                 self._replan(replan, it)
             self._follow_ahead(self.strategy.ahead() if it < t.max_iterations else None)
         return train_s, samples
+
+    def _finish_iteration(
+        self, it: int, started: int, micro_batch: dict[int, int]
+    ) -> dict[str, dict[str, float]]:
+        """Iteration ``it``'s stage metrics; where a worker was lost, the workers are restarted
+        (``trainer.restarts``) and the iterations up to ``started`` not yet trained on are queued
+        again from their inputs."""
+        while True:
+            try:
+                return self.runtime.finish_iteration()
+            except LOST as exc:
+                done = self.restarts.recover(self, exc, it)
+                for i in range(it + done, started + 1):
+                    micro_batch[i] = self._start_iteration(i)
+                if done:  # what the workers that answered it measured (the lost ones' is gone)
+                    return merge_metrics([m for m, _ in getattr(exc, "answers", {}).values()])
 
     def _start_iteration(self, it: int) -> int:
         """Queue iteration ``it``'s input at the plan's current granularity; returns it."""
@@ -249,6 +273,7 @@ class FitLoop:
         }
         metrics.update(self._stage_seconds(spans))
         metrics.update(self.strategy.metrics)
+        metrics.update(self.restarts.metrics)
         metrics["time/iteration"] = dt
         metrics["perf/samples_per_s"] = samples / dt
         for k, v in list(metrics.items()):  # counts a stage reports: tokens, env steps, ...
@@ -364,13 +389,16 @@ class FitLoop:
             log.info("starting ahead, in the background:\n%s", plan.describe(self.workflow))
             self.ahead = AheadLaunch(lambda: self._launch(plan), layout)
 
-    def _restart_workers(self, plan: ExecutionPlan, it: int, ahead: AheadLaunch | None = None) -> float:
+    def _restart_workers(
+        self, plan: ExecutionPlan, it: int, ahead: AheadLaunch | None = None, lost: set[str] = frozenset()
+    ) -> float:
         """Carry the training state to ``plan``'s workers (``ahead``'s, once set up, else new
-        ones); returns the seconds spent waiting for ``ahead``."""
+        ones), at version ``it``; the ``lost`` stages' workers are gone (a restart: their new
+        copies start as set up). Returns the seconds spent waiting for ``ahead``."""
         tmp, train = self.trainer.default_root_dir / ".replan", self.train
         sharded = self.runtime.call(train, "save_sharded", str(tmp), replicas="all")[0]
         state = None if sharded else self.runtime.call(train, "state_dict", replicas="all")[0]
-        extra = self._extra_states()
+        extra = self._extra_states(skip=lost)
         held_back = self.runtime.held_back(it)  # a lagging rollout lags on the new workers too
         self.runtime.shutdown()
         t0 = time.perf_counter()
@@ -389,9 +417,9 @@ class FitLoop:
         self.runtime.resync(it, held_back)
         return waited
 
-    def _extra_states(self) -> dict[str, dict[str, Any]]:
-        """Every stage's ``extra_state`` that is not empty, by stage name."""
-        states = {name: self.runtime.call(name, "extra_state") for name in self.workflow.order}
+    def _extra_states(self, skip: set[str] = frozenset()) -> dict[str, dict[str, Any]]:
+        """Every stage's ``extra_state`` that is not empty, by stage name (not ``skip``'s)."""
+        states = {n: self.runtime.call(n, "extra_state") for n in self.workflow.order if n not in skip}
         return {name: state for name, state in states.items() if state}
 
     def _load_extra_states(self, states: dict[str, dict[str, Any]]) -> None:
@@ -420,6 +448,7 @@ class FitLoop:
             "train_engine": t.train_engine,
             "algorithm": type(self.run_spec.algorithm).__name__,
             "nonfinite_steps": self.nonfinite,
+            "workers/restarts": self.restarts.count,
             "config": self.config,
         }
         counts = ", ".join(f"{int(v)} {k}" for k, v in extras.items() if float(v).is_integer())

@@ -100,6 +100,13 @@ class RLTrainer:
             directory of, checkpoints written under another configuration of what changes the
             update (the algorithm and its options, ``max_staleness``, the policy's or the task's
             settings); refused by default, naming the keys that differ (``docs/failures.md``).
+        max_worker_restarts: how many times a run replaces workers it lost (killed, or silent past
+            ``timeout_s``) under the ``processes`` and ``ray`` launchers, re-syncing their weights
+            and running the interrupted iteration again; one more loss ends the run
+            (``docs/failures.md``). 0: the first loss ends it.
+        auto_resume: when the lost worker held a learning stage (the actor, a critic: its
+            optimizer state is gone with it), go on from the last checkpoint instead of ending
+            the run (counted as a restart).
     """
 
     def __init__(
@@ -130,6 +137,8 @@ class RLTrainer:
         on_nonfinite: str = "skip",
         max_consecutive_nonfinite: int = 3,
         allow_config_change: bool = False,
+        max_worker_restarts: int = 3,
+        auto_resume: bool = False,
     ) -> None:
         self.algorithm, self.strategy, self.launcher = algorithm, strategy, launcher
         self.train_engine, self.train_engine_options = train_engine, dict(train_engine_options or {})
@@ -144,6 +153,7 @@ class RLTrainer:
         self.timeout_s, self.num_threads, self.trace = timeout_s, num_threads, trace
         self.on_nonfinite, self.max_consecutive_nonfinite = on_nonfinite, max_consecutive_nonfinite
         self.allow_config_change = allow_config_change
+        self.max_worker_restarts, self.auto_resume = max_worker_restarts, auto_resume
         self.iteration = 0
         self.policy: Any = None  # the policy and task being fit (for callbacks)
         self.task: Any = None
@@ -227,7 +237,7 @@ class RLTrainer:
         for key in positive:
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 p.append((f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}"))
-        for key in ("eval_every", "ckpt_every", "num_threads", "max_staleness"):
+        for key in ("eval_every", "ckpt_every", "num_threads", "max_staleness", "max_worker_restarts"):
             if getattr(self, key) < 0:
                 p.append((f"trainer.{key}", f"must be >= 0, got {getattr(self, key)}"))
         if self.timeout_s <= 0:

@@ -1,0 +1,65 @@
+"""Worker restarts: a rollout worker SIGKILLed in the middle of a run is replaced and the run goes
+on with the same updates as an uninterrupted one (beyond ``trainer.max_worker_restarts`` the run
+ends as without restarts: ``tests/test_faults.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from rlinf_lightning import Callback, LMPolicy, RLTrainer
+from trainer_defaults import MetricsRecorder, tiny_task, tiny_trainer_kwargs
+
+KEYS = ("actor/loss", "actor/grad_norm", "workers/restarts")
+
+
+class KillRollout(Callback):
+    """SIGKILLs the process of the rollout's worker once, when iteration ``at`` ends: in queued
+    mode iteration ``at + 1`` is running then (the rollout generating, or waiting for its weights)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.killed = at, False
+
+    def on_iteration_end(self, trainer, iteration, metrics):
+        if iteration == self.at and not self.killed:
+            runtime = trainer.fit_loop.runtime
+            os.kill(runtime.info[runtime.replicas_of("rollout")[0]]["pid"], signal.SIGKILL)
+            self.killed = True
+
+
+def _fit(assets, root, launcher: str, *callbacks, **over):
+    steps = MetricsRecorder(keys=KEYS)
+    kw = tiny_trainer_kwargs(
+        root,
+        devices=2,
+        num_threads=1,
+        strategy="disaggregated",  # the rollout's worker is not the actor's
+        launcher=launcher,
+        max_iterations=4,
+        precision="32-true",
+        callbacks=[steps, *callbacks],
+        **over,
+    )
+    task = tiny_task(assets, format_reward="number_format", format_weight=1.0)
+    summary = RLTrainer(**kw).fit(LMPolicy(str(assets["sft"]), lr=1e-3), task)
+    return summary, steps.metrics
+
+
+# one case per launcher: ray's start-up is slow, and the processes case is the same logic
+@pytest.mark.parametrize("launcher", ["processes", "ray"])
+def test_a_killed_rollout_worker_is_restarted_and_the_updates_are_unchanged(assets, tmp_path, launcher):
+    want_summary, want = _fit(assets, tmp_path / "full", launcher)
+    kill = KillRollout(at=1)
+    summary, got = _fit(assets, tmp_path / "killed", launcher, kill)
+    assert kill.killed
+    assert want_summary["workers/restarts"] == 0 and summary["workers/restarts"] == 1
+    on_disk = json.loads((tmp_path / "killed" / "run" / "summary.json").read_text())
+    assert on_disk["workers/restarts"] == 1
+    assert [m["workers/restarts"] for m in got][-1] == 1  # from the iteration the kill ended on
+    assert len(got) == len(want) == 4
+    for it, (g, w) in enumerate(zip(got, want), 1):
+        for key in ("actor/loss", "actor/grad_norm"):
+            assert abs(g[key] - w[key]) <= 1e-5 * max(1.0, abs(w[key])), (it, key, g[key], w[key])

@@ -80,17 +80,20 @@ class WorkerRestarts:
             log.info("no worker restart: the learning stages' workers ended iteration %d apart", it)
             raise exc
         self.count += 1
+        done = trained == {True}
+        if learning:
+            then = f"going on from {loop.trainer.ckpt_dir / LAST} (trainer.auto_resume)"
+        else:
+            then = f"iteration {it} {'was trained on; going on with the next' if done else 'runs again'}"
         log.warning(
-            "%s; restarting the workers (restart %d of trainer.max_worker_restarts=%d)%s",
-            exc, self.count, self.max_restarts,
-            f", going on from {loop.trainer.ckpt_dir / LAST} (trainer.auto_resume)" if learning else "",
+            "%s; restarting the workers (restart %d of trainer.max_worker_restarts=%d), %s",
+            str(exc).splitlines()[0], self.count, self.max_restarts, then,
         )  # fmt: skip
         if learning:
             resume = loop._read_checkpoint(LAST)
             runtime.shutdown()
             loop.runtime = loop._launch(loop.plan)
             raise Rewind(resume)
-        done = trained == {True}
         loop._restart_workers(loop.plan, it if done else it - 1, lost=stages)
         return done
 

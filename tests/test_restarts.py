@@ -11,22 +11,28 @@ import signal
 import pytest
 
 from rlinf_lightning import Callback, LMPolicy, RLTrainer
+from rlinf_lightning.errors import ConfigError
+from rlinf_lightning.flow import ChannelTimeout
+from rlinf_lightning.launchers import WorkerDied
+from rlinf_lightning.launchers.base import noted
+from rlinf_lightning.trainer.restarts import lost_workers
 from trainer_defaults import MetricsRecorder, tiny_task, tiny_trainer_kwargs
 
 KEYS = ("actor/loss", "actor/grad_norm", "workers/restarts")
 
 
 class KillRollout(Callback):
-    """SIGKILLs the process of the rollout's worker once, when iteration ``at`` ends: in queued
-    mode iteration ``at + 1`` is running then (the rollout generating, or waiting for its weights)."""
+    """Sends ``sig`` to the process of the rollout's worker once, when iteration ``at`` ends: in
+    queued mode iteration ``at + 1`` is running then (the rollout generating, or waiting for its
+    weights). SIGKILL: it dies; SIGSTOP: it stops answering (and is killed by the restart)."""
 
-    def __init__(self, at: int) -> None:
-        self.at, self.killed = at, False
+    def __init__(self, at: int, sig: int = signal.SIGKILL) -> None:
+        self.at, self.sig, self.killed = at, sig, False
 
     def on_iteration_end(self, trainer, iteration, metrics):
         if iteration == self.at and not self.killed:
             runtime = trainer.fit_loop.runtime
-            os.kill(runtime.info[runtime.replicas_of("rollout")[0]]["pid"], signal.SIGKILL)
+            os.kill(runtime.info[runtime.replicas_of("rollout")[0]]["pid"], self.sig)
             self.killed = True
 
 
@@ -48,13 +54,35 @@ def _fit(assets, root, launcher: str, *callbacks, **over):
     return summary, steps.metrics
 
 
-# one case per launcher: ray's start-up is slow, and the processes case is the same logic
-@pytest.mark.parametrize("launcher", ["processes", "ray"])
-def test_a_killed_rollout_worker_is_restarted_and_the_updates_are_unchanged(assets, tmp_path, launcher):
+def test_restart_settings_are_checked_before_anything_starts():
+    with pytest.raises(ConfigError, match=r"trainer.max_worker_restarts: must be >= 0, got -1"):
+        RLTrainer(max_worker_restarts=-1).validate()
+
+
+def test_the_lost_workers_are_the_dead_one_or_the_silent_ones():
+    died = noted(WorkerDied("gen/0", ["rollout"], -9), ["train/0"], {})
+    assert lost_workers(died) == ["gen/0"]  # the actor, still busy after the death, is not lost
+    assert lost_workers(noted(ChannelTimeout("nothing arrived"), ["gen/0"], {})) == ["gen/0"]
+    assert lost_workers(ChannelTimeout("no launcher noted it")) == []
+
+
+# one case per launcher in the default run: ray's start-up is slow, the processes case is the same
+# logic; a worker that stops answering (SIGSTOP, found by the actor's channel timeout) with `-m slow`
+@pytest.mark.parametrize(
+    "launcher, sig",
+    [
+        pytest.param("processes", signal.SIGKILL, id="processes-killed"),
+        pytest.param("ray", signal.SIGKILL, id="ray-killed"),
+        pytest.param("processes", signal.SIGSTOP, id="processes-stopped", marks=pytest.mark.slow),
+    ],
+)
+def test_a_lost_rollout_worker_is_restarted_and_the_updates_are_unchanged(assets, tmp_path, launcher, sig):
     # the uninterrupted run on threads: every launcher computes the same updates (test_plans)
     want_summary, want = _fit(assets, tmp_path / "full", "inprocess")
-    kill = KillRollout(at=1)
-    summary, got = _fit(assets, tmp_path / "killed", launcher, kill)
+    kill = KillRollout(at=1, sig=sig)
+    # a stopped worker is found when the actor's wait for its samples runs out (trainer.timeout_s)
+    timeout_s = 20 if sig == signal.SIGSTOP else 60
+    summary, got = _fit(assets, tmp_path / "killed", launcher, kill, timeout_s=timeout_s)
     assert kill.killed
     assert want_summary["workers/restarts"] == 0 and summary["workers/restarts"] == 1
     on_disk = json.loads((tmp_path / "killed" / "run" / "summary.json").read_text())

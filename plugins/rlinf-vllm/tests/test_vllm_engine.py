@@ -202,3 +202,44 @@ def test_vllm_loads_an_exported_lora_checkpoint_and_samples_as_the_exported_mode
     got = exported.generate(_ids(tok), [0, 1, 2, 3], 1, greedy, 0, tok.eos_token_id)
     assert [c[0].token_ids for c in got] == [c[0].token_ids for c in want]
     assert _max_logprob_gap(exported, policy, tok) < LOGPROB_TOLERANCE
+
+
+def _tiny_moe(path):
+    """A tiny Qwen3-MoE (4 experts, 2 per token; head_dim 64, which CPU attention takes) with the
+    character tokenizer."""
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from rlinf_lightning.assets import build_char_tokenizer
+
+    build_char_tokenizer(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    cfg = Qwen3MoeConfig(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def test_a_moe_models_experts_sync_and_match(tmp_path):
+    """A weight sync reaches the experts of an MoE model (on CPU vLLM repacks them after loading,
+    which its reload skips): after each of two syncs the log-probs match the actor's."""
+    path = _tiny_moe(tmp_path / "moe")
+    engine = ROLLOUT_ENGINES.get("vllm")(str(path))
+    policy = LMPolicy(str(path))
+    policy.configure_model()
+    tok = policy.load_tokenizer()
+    assert _max_logprob_gap(engine, policy, tok) < LOGPROB_TOLERANCE
+    updated = copy.deepcopy(policy)
+    with torch.no_grad():
+        for name, p in updated.named_parameters():
+            if ".experts." in name:  # only the experts move: the gap is theirs alone
+                p.add_(torch.randn_like(p) * 0.05)
+    assert _max_logprob_gap(engine, updated, tok) > 100 * LOGPROB_TOLERANCE
+    engine.update_weights(updated.model.named_parameters())
+    assert _max_logprob_gap(engine, updated, tok) < LOGPROB_TOLERANCE
+    engine.update_weights(policy.model.named_parameters())  # and back: a second sync repacks again
+    assert _max_logprob_gap(engine, policy, tok) < LOGPROB_TOLERANCE

@@ -6,7 +6,8 @@
 * Each prompt is its own request with seed ``row_seed(seed, group, 0)``, so its samples do not
   depend on which other prompts share the batch (the same property the ``hf`` engine has).
 * ``update_weights`` streams the actor's tensors (HF names) into the running engine through the
-  worker's ``reload_weights`` path; vLLM fuses q/k/v and gate/up itself. No engine restart. A
+  worker's ``reload_weights`` path; vLLM fuses q/k/v and gate/up itself (on CPU an MoE model's
+  experts are repacked after it, which vLLM's reload skips). No engine restart. A
   ``partial`` update (a LoRA actor's merged layers) reloads only the layers it touches; vLLM
   rebuilds a fused layer from all its parts, so the parts the actor did not send (e.g. ``k_proj``
   beside adapted ``q_proj`` and ``v_proj``, or a frozen bias) are read from the base checkpoint in
@@ -42,11 +43,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this p
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # one line per event in the fit log, not pages
 
 
-def _reload(named_tensors: list[tuple[str, torch.Tensor]], base: str | None = None):
+def _reload(named_tensors: list[tuple[str, torch.Tensor]], base: str | None = None, cpu: bool = False):
     """Runs in the vLLM worker: reload in place and return the names of the engine's parameters
     that received no tensor (vLLM itself only logs a warning about them). With ``base`` (a partial
     update) the fused layers' missing parts come from the checkpoint there, and only the touched
-    layers' parameters are expected."""
+    layers' parameters are expected. On the CPU backend (``cpu``) the MoE experts are then put
+    back in the kernel's layout (:func:`_repack_experts`)."""
 
     def fn(worker) -> list[str]:
         model = worker.model_runner.get_model()
@@ -68,12 +70,31 @@ def _reload(named_tensors: list[tuple[str, torch.Tensor]], base: str | None = No
                 worker.model_runner.reload_weights(weights_iterator=iter(tensors))
         finally:
             del model.load_weights
+        if cpu:
+            _repack_experts(model)
         if base is not None:  # the layers of the parameters loaded must be complete
             touched = {n.rpartition(".")[0] for n in loaded}
             expected = {n for n in expected if n.rpartition(".")[0] in touched}
         return sorted(expected - loaded)
 
     return fn
+
+
+def _repack_experts(model: torch.nn.Module) -> None:
+    """Put every MoE layer's reloaded experts back in the CPU kernel's layout.
+
+    A reload re-runs each layer's post-load processing, but vLLM's unquantized MoE method runs
+    its experts kernel's own step only at the first load (``_setup_kernel``: a weight update
+    copies into the kernel's storage and skips it). On the CPU backend that step is the prepack
+    into the grouped-GEMM layout (``CPUUnquantizedExperts.process_weights_after_loading``), so
+    without it the experts compute with the new weights read in the wrong layout (log-probs far
+    from the actor's, and no error). The reloaded tensors are in checkpoint layout here, which is
+    what the prepack takes."""
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None:
+            experts.process_weights_after_loading(layer)
 
 
 def _fused_partners(
@@ -274,7 +295,8 @@ class VLLMRolloutEngine(RolloutEngine):
             # the CPU backend repacks lm_head into its own buffer: a tied embedding must be sent twice
             tensors += [("lm_head.weight", t) for n, t in tensors if n == "model.embed_tokens.weight"]
         base = self.model_path if partial else None
-        missing = sorted({n for names in self.llm.collective_rpc(_reload(tensors, base)) for n in names})
+        reload = _reload(tensors, base, cpu=not self.cuda)
+        missing = sorted({n for names in self.llm.collective_rpc(reload) for n in names})
         self._reset_prefix_cache()  # blocks computed under the old weights
         if missing:
             raise RuntimeError(

@@ -22,17 +22,17 @@ KEYS = ("actor/loss", "actor/grad_norm", "workers/restarts")
 
 
 class KillRollout(Callback):
-    """Sends ``sig`` to the process of the rollout's worker once, when iteration ``at`` ends: in
+    """Sends ``sig`` to the process of the worker of ``stage`` once, when iteration ``at`` ends: in
     queued mode iteration ``at + 1`` is running then (the rollout generating, or waiting for its
     weights). SIGKILL: it dies; SIGSTOP: it stops answering (and is killed by the restart)."""
 
-    def __init__(self, at: int, sig: int = signal.SIGKILL) -> None:
-        self.at, self.sig, self.killed = at, sig, False
+    def __init__(self, at: int, sig: int = signal.SIGKILL, stage: str = "rollout") -> None:
+        self.at, self.sig, self.stage, self.killed = at, sig, stage, False
 
     def on_iteration_end(self, trainer, iteration, metrics):
         if iteration == self.at and not self.killed:
             runtime = trainer.fit_loop.runtime
-            os.kill(runtime.info[runtime.replicas_of("rollout")[0]]["pid"], self.sig)
+            os.kill(runtime.info[runtime.replicas_of(self.stage)[0]]["pid"], self.sig)
             self.killed = True
 
 
@@ -90,5 +90,22 @@ def test_a_lost_rollout_worker_is_restarted_and_the_updates_are_unchanged(assets
     assert [m["workers/restarts"] for m in got][-1] == 1  # from the iteration the kill ended on
     assert len(got) == len(want) == 4
     for it, (g, w) in enumerate(zip(got, want), 1):
+        for key in ("actor/loss", "actor/grad_norm"):
+            assert abs(g[key] - w[key]) <= 1e-5 * max(1.0, abs(w[key])), (it, key, g[key], w[key])
+
+
+# the actor's worker: a third processes run (the restart logic above, plus a resume) with `-m slow`
+@pytest.mark.slow
+def test_a_killed_actor_worker_goes_on_from_the_last_checkpoint_with_auto_resume(assets, tmp_path):
+    """Checkpoints at 2 and 4; the actor's worker dies while iteration 4 runs (queued after 3):
+    the run goes on from iteration 2's checkpoint, and iterations 3 and 4 (logged again) equal an
+    uninterrupted run's."""
+    _, want = _fit(assets, tmp_path / "full", "inprocess", ckpt_every=2)
+    kill = KillRollout(at=3, stage="actor")
+    summary, got = _fit(assets, tmp_path / "killed", "processes", kill, ckpt_every=2, auto_resume=True)
+    assert kill.killed and summary["workers/restarts"] == 1
+    assert len(got) == 5  # iterations 1, 2, 3, then 3 again from the checkpoint, and 4
+    for it, g in zip((1, 2, 3, 3, 4), got):
+        w = want[it - 1]
         for key in ("actor/loss", "actor/grad_norm"):
             assert abs(g[key] - w[key]) <= 1e-5 * max(1.0, abs(w[key])), (it, key, g[key], w[key])

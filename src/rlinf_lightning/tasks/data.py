@@ -252,19 +252,50 @@ def make_arithmetic_splits(
             f"the {possible} possible ({operands} operands up to {max_value}) for train; lower them or "
             "raise max_value"
         )
+    draws = _arithmetic_draws(operands, max_value, ops, seed)
+    return write_splits(draws, out_dir, settings, n_train, n_validation, n_test, possible)
+
+
+#: draws in a row that bring no new problem to any split before :func:`write_splits` gives up
+#: (held-out splits asking for more operand multisets than the generator can draw)
+MAX_IDLE_DRAWS = 100_000
+
+
+def write_splits(
+    draws: Iterator[Problem],
+    out_dir: str | Path,
+    settings: dict[str, Any],
+    n_train: int,
+    n_validation: int,
+    n_test: int,
+    possible: int,
+) -> dict[str, Path]:
+    """Deal ``draws`` into test, validation and train by :data:`SPLIT_RULE` and write them with a
+    ``split.json`` recording ``settings`` (how the draws were made) and ``possible`` (how many
+    operand multisets the generator can draw); the splitting half of :func:`make_arithmetic_splits`,
+    shared by every generator of problems whose operands are the numbers in their prompt."""
     want = {"test": n_test, "validation": n_validation, "train": n_train}  # filled in this order
     splits: dict[str, list[Problem]] = {name: [] for name in want}
     home: dict[tuple[int, ...], str] = {}
-    draws = _arithmetic_draws(operands, max_value, ops, seed)
+    idle = 0
     while any(len(splits[name]) < n for name, n in want.items()):
         p = next(draws)
         key = operand_multiset(p.prompt)
+        idle += 1
         if key not in home:  # a new multiset: the first held-out split still open, else train
             open_ = [name for name in ("test", "validation") if len(splits[name]) < want[name]]
             home[key] = open_[0] if open_ else "train"
             splits[home[key]].append(p)
+            idle = 0
         elif home[key] == "train":  # a held-out split keeps one problem per multiset
             splits["train"].append(p)
+            idle = 0
+        if idle > MAX_IDLE_DRAWS:
+            raise InputError(
+                f"{out_dir}: {MAX_IDLE_DRAWS} draws in a row found no new operand multiset for the "
+                f"held-out splits ({n_test} test + {n_validation} validation asked); lower n_test or "
+                "n_validation"
+            )
     out_dir = Path(out_dir)
     paths = {name: write_jsonl(probs, out_dir / f"{name}.jsonl") for name, probs in splits.items()}
     record = {

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -21,6 +22,7 @@ CONFIG = Path(__file__).parents[1] / "configs" / "math_grpo_smollm2.yaml"
 PROBLEMS = [Problem("What is 4 plus 3?", "7"), Problem("What is 38 plus 47?", "85")]
 
 
+@pytest.mark.slow  # a 135 M model loaded twice, a rollout, an update and a checkpoint: ~20 s on a quiet box
 def test_one_grpo_iteration_of_the_smollm2_recipe(smollm2_dir, tmp_path):
     import yaml
     from transformers import AutoTokenizer

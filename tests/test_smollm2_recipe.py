@@ -58,3 +58,22 @@ def test_one_grpo_iteration_of_the_smollm2_recipe(smollm2_dir, tmp_path):
     changed = [k for k, v in after.items() if k in before and not torch.equal(v.float(), before[k].float())]
     assert changed, sorted(after)[:5]
     assert json.loads((run / "summary.json").read_text())["iterations"] == 1
+
+
+@pytest.mark.parametrize("config", ["math_grpo_smollm2.yaml", "math_grpo_smollm2_lora.yaml"])
+def test_the_smollm2_configs_validate(smollm2_dir, tmp_path, config):
+    """Both recipes parse as `rlinf fit` parses them and pass the checks made before any worker
+    starts (the LoRA targets against the model's tied head included)."""
+    from rlinf_lightning.cli import algorithm_names_as_classes, build_parser, subcommand_parser
+    from rlinf_lightning.tasks.word_problems import make_word_problem_splits
+
+    data = make_word_problem_splits(tmp_path / "data", n_train=50, n_validation=5, n_test=10)
+    argv = ["fit", f"--config={CONFIG.parent / config}", f"--policy.model_path={smollm2_dir}",
+            f"--task.train_path={data['train']}", f"--task.test_path={data['test']}",
+            f"--trainer.default_root_dir={tmp_path / 'run'}", "--trainer.logger=false"]  # fmt: skip
+    parser = build_parser()
+    parsed = parser.parse_args(algorithm_names_as_classes(argv))["fit"]
+    init = subcommand_parser(parser, "fit").instantiate(parsed)
+    assert init.task.chat_template and "The answer is" in init.task.prompt_template
+    assert (init.policy.lora is not None) == ("lora" in config)
+    init.trainer.validate(init.policy, init.task)  # raises ConfigError naming the key on a problem

@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from rlinf_lightning.rewards import REWARDS, MathVerify, Reward, RewardInput, load_reward, score
+from rlinf_lightning.rewards import REWARDS, MathVerify, Reward, RewardInput, final_answer, load_reward, score
 from trainer_defaults import scaled
 
 
@@ -26,6 +26,47 @@ def _math_verify(completion: str, gold: str, timeout_s: float = 5.0) -> float:
 )
 def test_math_verify(completion, gold, expected):
     assert _math_verify(completion, gold) == expected
+
+
+QUESTION = "What is 37 + 48?"
+#: completions that restate the question (the first as SmolLM2 wrote it under a math-verify that
+#: read the whole text, which evaluated its "37 + 48" to 85) and anchored answers copied from it
+RESTATED = [
+    "To add 37 + 48, we need to follow the order of operations: parentheses, exponents",
+    "37 + 48",
+    "The answer is 37 + 48.",
+    "\\boxed{37 + 48}",
+]
+ANSWERED = [
+    "To add 37 + 48, we add the tens and then the ones, so the answer is 85",
+    "\\boxed{85}",
+    "85",  # the tiny recipe's bare numbers
+    "37 + 48 = 85",
+    "Answer: **85**.",
+]
+
+
+@pytest.mark.parametrize("name", ["math_verify", "exact_match"])
+def test_correctness_rewards_read_the_final_answer_not_the_question(name):
+    reward = load_reward(name)
+    batch = RewardInput(RESTATED + ANSWERED, ["85"] * 9, [QUESTION] * 9)
+    assert score(reward, batch).tolist() == [0.0] * len(RESTATED) + [1.0] * len(ANSWERED)
+
+
+@pytest.mark.parametrize(
+    "completion, text, form",
+    [("so \\boxed{\\frac{1}{2}} and 7", "\\frac{1}{2}", "boxed"),
+     ("The answer is 3.5. Check: 7/2", "3.5", "marker"),
+     ("The answer is 41 + 42 = 83, as", "83", "marker"),
+     ("#### 1,234", "1,234", "marker"),
+     ("59 + 63 = 1,220.", "1220", "number"),
+     ("half: \\frac{1}{2}", "\\frac{1}{2}", "number"),
+     ("\\boxed{12", "12", "number"),  # a box never closed (cut by the budget) answers nothing
+     ("no idea", None, None)],
+)  # fmt: skip
+def test_the_final_answer_is_boxed_else_after_a_marker_else_the_last_number(completion, text, form):
+    answer = final_answer(completion)
+    assert (answer and answer.text, answer and answer.form) == (text, form)
 
 
 def test_format_rewards_are_functions_scored_one_completion_at_a_time():

@@ -5,10 +5,14 @@ answers, prompts, response lengths; with an optional one-time :meth:`Reward.setu
 function ``(completion, answer) -> float``, which :func:`load_reward` wraps to score one completion
 at a time. Plugins add either with ``REWARDS.register("name", obj)``.
 
-``math_verify`` uses the real ``math-verify`` package: it extracts the final answer from the
-completion (LaTeX or plain expression) and checks mathematical equivalence with the gold one. Off
-the main thread it judges in a child process, a micro-batch per round trip; it counts what it
-could not judge (``timeouts``, ``unparsed_gold``) in the batch's metrics.
+The correctness rewards read a completion's final answer, not the whole text (:func:`final_answer`:
+the last ``\\boxed{}``, else the text after the last "answer is" / "answer:" / "####" marker, else
+the last number), so a completion that restates the question ("To add 37 + 48, we ...") earns
+nothing, and an anchored answer that is an expression copied from the prompt ("The answer is
+37 + 48") earns nothing either (:func:`copied_from_prompt`). ``math_verify`` judges that answer with
+the real ``math-verify`` package (mathematical equivalence with the gold one); off the main thread
+it judges in a child process, a micro-batch per round trip; it counts what it could not judge
+(``timeouts``, ``unparsed_gold``) in the batch's metrics. ``exact_match`` compares the answer's text.
 """
 
 from __future__ import annotations
@@ -38,6 +42,79 @@ log = logging.getLogger(__name__)
 KILL_GRACE_S = 0.5
 
 Verdict = tuple[float, str]  # (score, problem): see judge.judge
+
+#: where an answer follows: "The answer is 85", "Answer: 85", "final answer = 85", "#### 85"
+_MARKER = re.compile(r"\banswer\s*(?:is\b|:|=)|####", re.IGNORECASE)
+#: where a marker's answer ends: a sentence's end or a clause's comma, a line's end
+_MARKER_END = re.compile(r"[.,;!?](?:\s|$)|\n")
+#: a number: a LaTeX fraction, ``a/b``, a decimal, or an integer (thousands commas allowed)
+_NUMBER = re.compile(
+    r"-?\\d?frac\{\d+\}\{\d+\}|-?\d+(?:\.\d+)?/\d+(?:\.\d+)?|-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+)
+#: arithmetic between two numbers (an expression, not a value)
+_OPERATION = re.compile(r"\d\s*(?:[-+*/x×÷^]|\\times|\\cdot|\\div)\s*\d")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A completion's final answer: its ``text`` and the ``form`` it was found in (``boxed``,
+    ``marker`` or ``number``)."""
+
+    text: str
+    form: str
+
+    def for_math_verify(self) -> str:
+        """The answer as math-verify reads it best: a boxed one boxed again (its LaTeX)."""
+        return f"\\boxed{{{self.text}}}" if self.form == "boxed" else self.text
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (braces balanced), ``None`` without one."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth < 0:
+            return text[begin:i].strip()
+    return None  # never closed (cut by the token budget): not an answer
+
+
+def final_answer(completion: str) -> Answer | None:
+    """The completion's final answer, in the first form it has (the one the prompt is expected to
+    ask for, most explicit first): the content of the last ``\\boxed{}``; else the text after the
+    last "answer is" / "answer:" / "answer =" / "####" marker, to the end of its sentence (after
+    the last ``=`` in it: "The answer is 41 + 42 = 83" answers 83); else the last number (an
+    integer, a decimal, ``a/b`` or ``\\frac{a}{b}``: "59 + 63 = 122" answers 122, a bare "85"
+    answers 85). ``None`` when it has none of them."""
+    boxed = _last_boxed(completion)
+    if boxed:
+        return Answer(boxed, "boxed")
+    markers = list(_MARKER.finditer(completion))
+    if markers:
+        tail = completion[markers[-1].end() :]
+        end = _MARKER_END.search(tail)
+        tail = (tail[: end.start()] if end else tail).rpartition("=")[2]
+        tail = tail.strip().strip("*$").strip()
+        if tail:
+            return Answer(tail, "marker")
+    numbers = _NUMBER.findall(completion)
+    return Answer(numbers[-1].replace(",", ""), "number") if numbers else None
+
+
+def copied_from_prompt(answer: Answer, prompt: str | None, gold: str) -> bool:
+    """Whether ``answer`` is an expression (arithmetic between numbers) written in ``prompt``, other
+    than the gold answer itself: "The answer is 37 + 48" for "What is 37 + 48?" restates the
+    question, which math-verify would evaluate to the right value."""
+    squeeze = lambda text: re.sub(r"\s+", "", text)  # noqa: E731
+    expression = squeeze(answer.text)
+    return (
+        prompt is not None
+        and _OPERATION.search(expression) is not None
+        and expression in squeeze(prompt)
+        and expression != squeeze(gold)
+    )
 
 
 @dataclass
@@ -200,10 +277,12 @@ def close_judges() -> None:
 
 @REWARDS.register("math_verify")
 class MathVerify(Reward):
-    """1.0 when math-verify judges the completion's final answer equal to the gold answer; 0.0 when
-    it does not, or cannot decide within ``timeout_s`` (in any thread or process), or cannot read
-    the gold answer. The last two are counted in the batch's metrics as ``timeouts`` and
-    ``unparsed_gold``."""
+    """1.0 when math-verify judges the completion's final answer (:func:`final_answer`: boxed, after
+    an answer marker, or the last number) equal to the gold answer; 0.0 when it does not, when the
+    completion has no final answer or its answer is an expression copied from the prompt
+    (:func:`copied_from_prompt`), or when math-verify cannot decide within ``timeout_s`` (in any
+    thread or process) or cannot read the gold answer. The last two are counted in the batch's
+    metrics as ``timeouts`` and ``unparsed_gold``."""
 
     def __init__(self, timeout_s: float = MATH_VERIFY_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
@@ -215,14 +294,21 @@ class MathVerify(Reward):
             judge.warm_up()
 
     def verdicts(self, completions: list[str | None], answers: list[str]) -> list[Verdict]:
-        """One ``(score, problem)`` verdict per completion (see ``judge.judge``)."""
+        """One ``(score, problem)`` verdict per completion, math-verify reading each whole text
+        (see ``judge.judge``; :meth:`__call__` gives it the final answers)."""
         pairs = list(zip(completions, answers))
         if threading.current_thread() is threading.main_thread():
             return [judge.judge(c, a, self.timeout_s) for c, a in pairs]
         return _judges(pairs, self.timeout_s)
 
     def __call__(self, batch: RewardInput) -> list[float]:
-        verdicts = self.verdicts(batch.completions, batch.answers)
+        prompts = batch.prompts or [None] * len(batch.completions)
+        finals = []  # "" (nothing to credit) still has its gold answer read, for unparsed_gold
+        for completion, prompt, gold in zip(batch.completions, prompts, batch.answers):
+            answer = final_answer(completion)
+            credible = answer is not None and not copied_from_prompt(answer, prompt, gold)
+            finals.append(answer.for_math_verify() if credible else "")
+        verdicts = self.verdicts(finals, batch.answers)
         batch.metrics.sum("timeouts", sum(problem == TIMEOUT for _, problem in verdicts))
         batch.metrics.sum("unparsed_gold", sum(problem == UNPARSED_GOLD for _, problem in verdicts))
         return [s for s, _ in verdicts]
@@ -255,8 +341,10 @@ def check_gold_answers(reward: str, answers: list[str], key: str) -> list[tuple[
 
 @REWARDS.register("exact_match")
 def exact_match_reward(completion: str, answer: str) -> float:
-    """1.0 when the stripped completion equals the gold answer string."""
-    return 1.0 if completion.strip() == answer.strip() else 0.0
+    """1.0 when the completion's final answer (:func:`final_answer`: boxed, after an answer marker,
+    or the last number) is the gold answer's text, stripped."""
+    final = final_answer(completion)
+    return 1.0 if final is not None and final.text == answer.strip() else 0.0
 
 
 _NUMBER_ONLY = re.compile(r"^\s*-?\d+(\.\d+)?\s*$")

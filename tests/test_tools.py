@@ -17,7 +17,8 @@ from rlinf_lightning import LMPolicy, RLTrainer
 from rlinf_lightning.algorithms import ALGORITHMS
 from rlinf_lightning.algorithms.advantages import returns_to_go, token_gae
 from rlinf_lightning.cli import main
-from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
+from rlinf_lightning.engines.rollout import Completion, HFRolloutEngine, RolloutEngine, SamplingParams
+from rlinf_lightning.engines.sampling import stop_string_end
 from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.prompts import RAW
@@ -310,3 +311,49 @@ def test_warm_start_traces_are_easier_than_the_task_and_miss_the_held_out(tmp_pa
     products = [sorted(operand_multiset(p.prompt)) for p in traces if "*" in p.prompt]
     assert all(small < 100 for small, _ in products) and any(big >= 100 for _, big in products)
     assert max(len(p.answer) for p in traces if "*" not in p.prompt) == 7  # long copies: 1999998, -999998
+
+
+class ScriptedTurns(RolloutEngine):
+    """Writes the next of ``turns`` at each call (token ids of real text, a real tokenizer's), up
+    to ``max_new_tokens`` and the first stop id as the interface says; its text stop strings are
+    left to the loop, which must cut the turn there itself."""
+
+    def __init__(self, tokenizer, turns: list[str]) -> None:
+        super().__init__("scripted")
+        self.turns = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in turns]
+
+    def generate(self, prompt_ids, groups, n, params, seed, eos_token_id, stop=()):
+        ids = self.turns.pop(0)[: params.max_new_tokens]
+        stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        ids = ids[: next((i + 1 for i, t in enumerate(ids) if t in stops), len(ids))]
+        return [[Completion(ids, [-0.5] * len(ids))] for _ in prompt_ids]
+
+    def update_weights(self, named_tensors, *, partial=False):
+        raise NotImplementedError
+
+
+def test_a_closing_tag_merged_with_the_next_character_ends_the_turn(smollm2_dir):
+    """SmolLM2's BPE writes ``</calc>.`` as ``</``, ``calc``, ``>.``: the turn ends there (matched on
+    the decoded text), cut exactly after the tag (``>.`` becomes ``>``, context the policy did not
+    sample), and the call is answered; the opening tag's ``>`` ends nothing."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    call = tok("<calc>12*34</calc>. So", add_special_tokens=False)["input_ids"]
+    merged = tok.convert_tokens_to_ids(">.")
+    assert merged in call and stop_string_end(tok, call, ("</calc>",)) == call.index(merged) + 1
+    opening = tok("<calc>12*34", add_special_tokens=False)["input_ids"]
+    assert stop_string_end(tok, opening, ("</calc>",)) is None
+    engine = ScriptedTurns(tok, ["<calc>12*34</calc>. So it is", "408<|im_end|>"])
+    loop = TurnLoop(environment_factory(None, ["calculator"]), max_turns=2, max_tokens=64)
+    metrics = Metrics()
+    turn = SamplingParams(max_new_tokens=24)
+    _, comps = loop.generate(engine, tok, RAW, ["What is 12*34?"], [0], 1, turn, 0, metrics)
+    (c,) = comps[0]
+    assert tok.decode(c.token_ids) == "<calc>12*34</calc><res>408</res>408<|im_end|>"
+    tag_end = len(tok("<calc>12*34</calc>", add_special_tokens=False)["input_ids"])
+    sampled = call[: tag_end - 1]  # the tokens the policy wrote, up to the one it merged
+    assert c.token_ids[: tag_end - 1] == sampled and c.mask[: tag_end - 1] == [1] * len(sampled)
+    assert c.mask[tag_end - 1] == 0 and c.logprobs[tag_end - 1] == 0.0  # ">", re-tokenised
+    assert final_turn(c) == tok("408<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert metrics.compute()["tools/calls"] == 1 and metrics.compute()["tools/ended_answer"] == 1

@@ -15,12 +15,19 @@ import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from rlinf_lightning.engines.offload import Offloader
-from rlinf_lightning.engines.sampling import counter_uniforms, row_keys, sample_next, stop_token_ids
+from rlinf_lightning.engines.sampling import (
+    counter_uniforms,
+    row_keys,
+    sample_next,
+    stop_string_end,
+    stop_token_ids,
+)
 from rlinf_lightning.engines.static_decode import StaticDecoder
 from rlinf_lightning.registry import Registry
 from rlinf_lightning.seeds import row_seed
@@ -82,11 +89,15 @@ class RolloutEngine(ABC):
         params: SamplingParams,
         seed: int,
         eos_token_id: int | Sequence[int],
+        stop: Sequence[str] = (),
     ) -> list[list[Completion]]:
         """``n`` completions per prompt; ``groups[i]`` names prompt ``i`` for per-sample seeding.
 
         A completion ends at (and includes) ``eos_token_id``, or any of a list of stop ids;
-        ``-1`` never stops early: every completion has ``max_new_tokens`` tokens.
+        ``-1`` never stops early: every completion has ``max_new_tokens`` tokens. With ``stop``
+        (strings: a tool call's closing tag), it also ends at (and includes) the token with which
+        its decoded text first contains one of them (``sampling.stop_string_end``), whatever
+        the tokenizer merged the string with.
         """
 
     @abstractmethod
@@ -165,8 +176,15 @@ class HFRolloutEngine(RolloutEngine):
             self.graphs.release()  # its static cache and CUDA graph hold device memory
         self._offloader.offload(self.model)
 
+    @cached_property
+    def tokenizer(self) -> Any:
+        """The model directory's tokenizer, loaded when stop strings are first matched."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_path)
+
     @torch.no_grad()
-    def generate(self, prompt_ids, groups, n, params, seed, eos_token_id):
+    def generate(self, prompt_ids, groups, n, params, seed, eos_token_id, stop=()):
         stops = stop_token_ids(eos_token_id)
         pad = self.model.config.pad_token_id
         pad = pad if pad is not None else (stops[0] if stops else 0)
@@ -178,7 +196,9 @@ class HFRolloutEngine(RolloutEngine):
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         keys = row_keys([row_seed(seed, g, j) for _, g, j in rows], self.device)
-        tokens, logps = self._decode(ids.to(self.device), mask.to(self.device), keys, params, stops, pad)
+        tokens, logps = self._decode(
+            ids.to(self.device), mask.to(self.device), keys, params, stops, pad, tuple(stop)
+        )
         out: list[list[Completion]] = []
         for i in range(len(rows)):
             toks, lps = [], []
@@ -187,6 +207,8 @@ class HFRolloutEngine(RolloutEngine):
                 lps.append(lp)
                 if t in stops:
                     break
+            if (end := stop_string_end(self.tokenizer, toks, stop) if stop else None) is not None:
+                toks, lps = toks[:end], lps[:end]
             if i % n == 0:
                 out.append([])
             out[-1].append(Completion(toks, lps))
@@ -204,8 +226,10 @@ class HFRolloutEngine(RolloutEngine):
         )
         return res.logits[:, -1]
 
-    def _decode(self, ids, mask, keys, params, stops, pad):
-        """Up to ``max_new_tokens`` per row: ``[B, T]`` tokens (``pad`` after a stop) and log-probs."""
+    def _decode(self, ids, mask, keys, params, stops, pad, stop_strings=()):
+        """Up to ``max_new_tokens`` per row: ``[B, T]`` tokens (``pad`` after a stop token) and
+        log-probs; a row whose text contains one of ``stop_strings`` also counts as done (the
+        caller cuts it there)."""
         rows, width, steps = ids.shape[0], ids.shape[1], params.max_new_tokens
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         full_mask = torch.cat([mask, mask.new_ones(rows, steps)], dim=-1)  # sliced, never grown
@@ -229,11 +253,22 @@ class HFRolloutEngine(RolloutEngine):
                 break
             if (t + 1) % STOP_CHECK_EVERY == 0:  # the host waits for the device only here
                 done |= torch.isin(torch.stack(tokens[-STOP_CHECK_EVERY:], 1), stop).any(1)
+                if stop_strings:
+                    done |= self._stopped_on_text(tokens, done, stop_strings)
                 if bool(done.all()):
                     break
             pos = pos + 1
             logits = step_fn(nxt, t, pos)
         return after_stop(torch.stack(tokens, 1), torch.stack(logps, 1), stop, pad)
+
+    def _stopped_on_text(self, tokens: list[torch.Tensor], done: torch.Tensor, stops: tuple[str, ...]):
+        """The rows not yet done whose text so far contains one of ``stops`` (decoded on the host)."""
+        rows = torch.stack(tokens, 1).tolist()
+        hit = [
+            not d and any(s in self.tokenizer.decode(r, skip_special_tokens=True) for s in stops)
+            for r, d in zip(rows, done.tolist())
+        ]
+        return torch.tensor(hit, device=done.device)
 
     def update_weights(self, named_tensors, *, partial=False):
         params = dict(self.model.named_parameters())  # a tied lm_head is the embedding, listed once

@@ -103,3 +103,23 @@ def end_token_ids(tokenizer: Any) -> list[int]:
     if config.is_file():
         ids += [i for i in stop_token_ids(json.loads(config.read_text()).get("eos_token_id")) if i not in ids]
     return ids
+
+
+def stop_string_end(tokenizer: Any, token_ids: Sequence[int], stops: Sequence[str]) -> int | None:
+    """How many of ``token_ids`` a completion keeps when it ends on stop strings: up to and
+    including the token with which its decoded text (special tokens skipped) first contains one of
+    ``stops``; ``None`` when it never does. Matched on text, as vLLM and TRL match stop strings,
+    because a BPE tokenizer merges a tag with its neighbours (SmolLM2 writes ``</calc>.`` as
+    ``</``, ``calc``, ``>.``): no single token of a tag marks its end."""
+
+    def stopped(k: int) -> bool:
+        text = tokenizer.decode(list(token_ids[:k]), skip_special_tokens=True)
+        return any(stop in text for stop in stops)
+
+    if not stops or not stopped(len(token_ids)):
+        return None
+    low, high = 1, len(token_ids)  # the shortest prefix that contains a stop: prefixes only grow
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if stopped(mid) else (mid + 1, high)
+    return low

@@ -5,14 +5,18 @@ Each sample alternates the policy's turns and its environment's replies::
     prompt | turn 1 <calc>12*34</calc> | reply <res>408</res> | turn 2 408</s>
              ^ generated (loss mask 1)   ^ context only (0)     ^ generated (1)
 
-The loop calls ``engine.generate`` once per step on the samples still running, with each one's
+The loop calls ``engine.generate`` once per turn on the samples still running, with each one's
 context so far as its prompt (``n=1`` after the first step), stopping at the end-of-sequence token
-or at the last token of an environment's stop string (a closing tag). A sample whose text then ends
-with a stop string is answered by ``env.step`` (run abandonably, the steps due at once
-concurrently: a raise, a timeout or a malformed call becomes an error reply, counted); one that
-stopped on that token elsewhere (the ``>`` of an opening tag) just continues. A sample ends at
-its answer (the end-of-sequence token), when its environment says done, after ``max_turns`` turns,
-when its response span reaches ``max_tokens``, or when a turn reaches ``max_new_tokens`` without
+or where the turn's decoded text first contains one of the environment's stop strings (a closing
+tag: matched on text, since a BPE tokenizer merges it with its neighbours, ``</calc>.`` ending in
+the one token ``>.``). The turn is cut exactly after the stop string: when its last token runs past
+it (``>.``), that token is replaced by the string's rest re-tokenised (``>``), as context (mask 0,
+log-prob 0: the policy did not sample it), so the ids the trainer sees are the ids the engine is
+given next. The turn's text up to the stop string is then answered by ``env.step`` (run
+abandonably, the steps due at once concurrently: a raise, a timeout or a malformed call becomes an
+error reply, counted). A sample ends at its answer (the end-of-sequence token), when its
+environment says done, after ``max_turns`` turns, when its response span reaches ``max_tokens``
+or a reply does not fit in it (``budget``), or when a turn reaches ``max_new_tokens`` without
 ending.
 
 Sampling stays reproducible per sample, whatever the batching: the first step draws as a
@@ -31,7 +35,7 @@ from functools import partial
 from typing import Any
 
 from rlinf_lightning.engines.rollout import Completion, RolloutEngine, SamplingParams
-from rlinf_lightning.engines.sampling import end_token_ids
+from rlinf_lightning.engines.sampling import end_token_ids, stop_string_end
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.prompts import PromptFormat
 from rlinf_lightning.seeds import row_seed
@@ -150,11 +154,10 @@ class TurnLoop:
             (ids,) = prompt_format.encode(tokenizer, texts[:1])
             prompt_ids.append(ids)
             samples += [_Sample(env, ids, group, j) for j, env in enumerate(envs)]
-        stops = list(getattr(samples[0].env, "stop", ())) if samples else []
+        stops = tuple(getattr(samples[0].env, "stop", ())) if samples else ()
         ends = end_token_ids(tokenizer)
-        stop_ids = ends + [tokenizer(s, add_special_tokens=False)["input_ids"][-1] for s in stops]
         first = replace(params, max_new_tokens=min(params.max_new_tokens, self.max_tokens))
-        outs = engine.generate(prompt_ids, groups, n, first, seed, stop_ids)
+        outs = engine.generate(prompt_ids, groups, n, first, seed, ends, stop=stops)
         firsts = (c for cs in outs for c in cs)
         running = [s for s, c in zip(samples, firsts) if self._advance(s, c, tokenizer, stops, ends, params)]
         running = self._answer(running, tokenizer, metrics)
@@ -166,7 +169,8 @@ class TurnLoop:
                 1,
                 replace(params, max_new_tokens=cap),
                 seed,
-                stop_ids,
+                ends,
+                stop=stops,
             )
             for s in running:
                 s.steps += 1
@@ -189,28 +193,47 @@ class TurnLoop:
         s: _Sample,
         new: Completion,
         tokenizer: Any,
-        stops: list[str],
+        stops: tuple[str, ...],
         ends: list[int],
         params: SamplingParams,
     ) -> bool:
-        """Append a step's tokens to ``s`` (cut to its own caps), marking a finished call as
-        ``pending``; whether ``s`` keeps running."""
+        """Append a turn's tokens to ``s`` (cut to its own caps, and after its first stop string),
+        marking a finished call as ``pending``; whether ``s`` keeps running."""
         cap = self._cap(s, params)
-        tokens = new.token_ids[:cap]
+        tokens, logprobs = new.token_ids[:cap], new.logprobs[:cap]
+        called = stop_string_end(tokenizer, tokens, stops)
+        if called is not None:
+            tokens, logprobs = tokens[:called], logprobs[:called]
         s.tokens += tokens
-        s.logprobs += new.logprobs[:cap]
+        s.logprobs += logprobs
         s.mask += [1] * len(tokens)
-        turn = tokenizer.decode(s.tokens[s.turn_start :], skip_special_tokens=True)
+        if called is not None:
+            s.pending = self._cut_after_stop(s, tokenizer, stops)
+            return True
         if tokens and tokens[-1] in ends:
             return self._end(s, "answer")
-        if any(turn.endswith(stop) for stop in stops):
-            s.pending = turn
-            return True
         if len(s.tokens) >= self.max_tokens:
             return self._end(s, "budget")
-        if len(s.tokens) - s.turn_start >= params.max_new_tokens or not tokens:
-            return self._end(s, "length")
-        return True  # stopped on a stop string's last token inside the turn: go on
+        return self._end(s, "length")  # the turn used its max_new_tokens without ending
+
+    @staticmethod
+    def _cut_after_stop(s: _Sample, tokenizer: Any, stops: tuple[str, ...]) -> str:
+        """The turn's text up to the end of its first stop string (what ``env.step`` reads). When
+        the turn's last token runs past the string (``>.`` for ``</calc>``), it is replaced by the
+        string's rest tokenised alone, as context: the policy sampled ``>.``, not ``>``."""
+        text = tokenizer.decode(s.tokens[s.turn_start :], skip_special_tokens=True)
+        end = min(text.find(stop) + len(stop) for stop in stops if stop in text)
+        if end == len(text):
+            return text
+        head = tokenizer.decode(s.tokens[s.turn_start : -1], skip_special_tokens=True)
+        if not text[:end].startswith(head):  # a token that decodes with its neighbours: kept whole
+            return text[:end]
+        rest = tokenizer(text[len(head) : end], add_special_tokens=False)["input_ids"]
+        del s.tokens[-1], s.logprobs[-1], s.mask[-1]
+        s.tokens += rest
+        s.logprobs += [0.0] * len(rest)
+        s.mask += [0] * len(rest)
+        return text[:end]
 
     def _answer(self, running: list[_Sample], tokenizer: Any, metrics: Metrics) -> list[_Sample]:
         """Run the pending steps of ``running`` at once (each abandoned after ``timeout_s``) and

@@ -251,6 +251,7 @@ class VLLMRolloutEngine(RolloutEngine):
         params: SamplingParams,
         seed: int,
         eos_token_id: int | Sequence[int],
+        stop: Sequence[str] = (),
     ) -> list[list[Completion]]:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
@@ -268,7 +269,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 seed=row_seed(seed, g, 0),
                 stop_token_ids=stops or None,
                 ignore_eos=not stops,  # eos_token_id=-1: always max_new_tokens (benchmarks)
-                detokenize=False,
+                stop=list(stop) or None,  # matched on the detokenized text, as the interface asks
+                detokenize=bool(stop),
             )
             for g in groups
         ]

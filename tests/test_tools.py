@@ -24,7 +24,7 @@ from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.prompts import RAW
 from rlinf_lightning.tasks.data import load_problems, make_arithmetic_splits, operand_multiset
 from rlinf_lightning.tasks.tool_traces import calculator_traces
-from rlinf_lightning.tools import TurnLoop, calculate, environment_factory, final_turn
+from rlinf_lightning.tools import Tool, ToolEnvironment, TurnLoop, calculate, environment_factory, final_turn
 from rlinf_lightning.workflows.padding import trim_padding
 from rlinf_lightning.workflows.reasoning.actor import PolicyLoss
 from rlinf_lightning.workflows.reasoning.rollout import pack_samples
@@ -207,6 +207,9 @@ def test_a_run_goes_on_through_failing_tools(assets, tmp_path):
     task = tiny_task(assets, format_reward="number_format", environment=env, tool_timeout_s=0.1, eval_size=4)
     summary = trainer.fit(LMPolicy(str(assets["sft"]), lr=1e-3), task)
     assert summary["iterations"] == 3
+    calls = sum(m["rollout/tools/calls"] for m in steps.metrics)
+    assert summary["tools"]["timeouts"] == summary["tools"]["calls"] == calls > 0, summary["tools"]
+    assert {"calling", "tool errors", "replies cut"} <= set(task.headline.values())  # the progress line
     for m in steps.metrics:
         assert m["rollout/tools/timeouts"] == m["rollout/tools/calls"] > 0, m
         assert m["rollout/tools/masked_tokens"] > 0 and math.isfinite(m["actor/loss"]), m
@@ -357,3 +360,31 @@ def test_a_closing_tag_merged_with_the_next_character_ends_the_turn(smollm2_dir)
     assert c.mask[tag_end - 1] == 0 and c.logprobs[tag_end - 1] == 0.0  # ">", re-tokenised
     assert final_turn(c) == tok("408<|im_end|>", add_special_tokens=False)["input_ids"]
     assert metrics.compute()["tools/calls"] == 1 and metrics.compute()["tools/ended_answer"] == 1
+
+
+def test_an_error_reply_reaches_the_context_at_the_default_budget(assets, tokenizer, caplog):
+    """The shipped tools recipe's turns (2 of up to 24 tokens) with no ``max_response_tokens``:
+    a 20-token call that times out gets its 39-token error reply and the policy answers after it.
+    A budget with no room for the reply ends the sample there, counted and warned once."""
+    turn = SamplingParams(max_new_tokens=24)
+    task = tiny_task(assets, tools=["calculator"], max_turns=2, sampling=turn)
+    slow = Tool("calculator", lambda arg: time.sleep(30), tag="calc")
+
+    def run(budget: int) -> tuple[list, dict]:
+        loop = TurnLoop(lambda: ToolEnvironment([slow]), 2, budget, timeout_s=0.2)
+        metrics = Metrics()
+        engine = ScriptedTurns(tokenizer, ["<calc>123*456</calc>", "56088</s>"])
+        prompts = ["What is 123*456?"] * 2
+        _, comps = loop.generate(engine, tokenizer, RAW, prompts, [0, 1], 1, turn, 0, metrics)
+        return [c for cs in comps for c in cs], metrics.compute()
+
+    comps, metrics = run(task.turns.max_tokens)
+    assert [tokenizer.decode(c.token_ids) for c in comps] == [
+        "<calc>123*456</calc><res>error: timed out after 0.2 s</res>56088</s>"
+    ] * 2
+    assert metrics["tools/ended_answer"] == 2 and metrics["tools/replies_cut"] == 0
+    with caplog.at_level("WARNING", logger="rlinf_lightning.tools.loop"):
+        comps, metrics = run(48)  # the recipe's budget before: 20 + 39 tokens never fit
+    assert metrics["tools/ended_budget"] == metrics["tools/replies_cut"] == 2
+    assert all("<res>" not in tokenizer.decode(c.token_ids) for c in comps)
+    assert [r.getMessage().count("task.max_response_tokens=48") for r in caplog.records] == [1]

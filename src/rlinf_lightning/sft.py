@@ -100,6 +100,7 @@ def run_sft(
     from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
     from rlinf_lightning.evaluation import greedy_accuracy
     from rlinf_lightning.tools import ToolEnvironment, TurnLoop
+    from rlinf_lightning.tools.loop import default_budget
 
     prompt = PromptFormat(prompt_template, chat_template, system_prompt)
     if problems := prompt.problems():
@@ -162,7 +163,8 @@ def run_sft(
     if env is None:
         acc = greedy_accuracy(engine, tok, prompts, golds, prompt_format=prompt)
     else:
-        loop = TurnLoop(lambda: ToolEnvironment(list(tools)), max_turns, max_turns * max_new_tokens)
+        budget = default_budget(max_turns, max_new_tokens)
+        loop = TurnLoop(lambda: ToolEnvironment(list(tools)), max_turns, budget)
         acc, calling = loop.evaluate(
             engine, tok, prompt, prompts, golds, "math_verify", SamplingParams(max_new_tokens=max_new_tokens)
         )

@@ -83,14 +83,24 @@ class MathTask(Task):
         max_turns: with tools, the policy's turns per sample (a call in the last one gets no reply).
         max_response_tokens: with tools, each sample's budget of response tokens, generated and
             replies together (``sampling.max_new_tokens`` caps each turn); ``None``:
-            ``max_turns`` x ``sampling.max_new_tokens``.
+            ``max_turns`` x ``sampling.max_new_tokens`` + (``max_turns`` - 1) x 64, room for a
+            reply between turns (``tools.loop.default_budget``), error replies included.
         tool_timeout_s: with tools, how long one call may run before it is abandoned and the
             policy is told it timed out (counted in ``rollout/tools/timeouts``).
     """
 
     input_keys = ("prompt", "answer", "group_id")
     eval_metric = "accuracy"
-    headline = {"reward/reward": "reward", "reward/accuracy": "acc"}
+
+    @property
+    def headline(self) -> dict[str, str]:  # type: ignore[override]
+        """The progress line's metrics: reward and accuracy; with tools, also the share of samples
+        that called one, the failed calls and the replies that did not fit."""
+        head = {"reward/reward": "reward", "reward/accuracy": "acc"}
+        if self.tools or self.environment is not None:
+            head |= {"rollout/tools/calling_share": "calling", "rollout/tools/errors": "tool errors",
+                     "rollout/tools/replies_cut": "replies cut"}  # fmt: skip
+        return head
 
     def __init__(
         self,
@@ -182,9 +192,9 @@ class MathTask(Task):
         """The multi-turn loop of ``tools`` / ``environment`` (``None``: single-turn rollouts)."""
         if not self.tools and self.environment is None:
             return None
-        from rlinf_lightning.tools.loop import TurnLoop, environment_factory
+        from rlinf_lightning.tools.loop import TurnLoop, default_budget, environment_factory
 
-        budget = self.max_response_tokens or self.max_turns * self.sampling.max_new_tokens
+        budget = self.max_response_tokens or default_budget(self.max_turns, self.sampling.max_new_tokens)
         return TurnLoop(
             environment_factory(self.environment, self.tools), self.max_turns, budget, self.tool_timeout_s
         )

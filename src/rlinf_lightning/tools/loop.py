@@ -29,6 +29,7 @@ from one policy version (a weight sync lands between calls).
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -42,10 +43,23 @@ from rlinf_lightning.seeds import row_seed
 from rlinf_lightning.tools.environment import ToolEnvironment
 from rlinf_lightning.tools.tool import Outcome, run_abandonable
 
+log = logging.getLogger(__name__)
+
 #: mixed into the seed of a sample's later steps (apart from the first step's stream)
 TURN_SEED = 15485863
 #: why a sample ended, as counted in ``tools/ended_<why>``
 ENDINGS = ("answer", "done", "turns", "budget", "length")
+#: the counts a run's summary adds up over its iterations (``tools/<count>``)
+COUNTS = ("calls", "errors", "timeouts", "malformed", "replies_cut", *(f"ended_{w}" for w in ENDINGS))
+#: the room per reply that the default response budget keeps (``default_budget``): an error reply
+#: fits (``<res>error: timed out after 5 s</res>`` is 37 tokens even for a character tokenizer)
+REPLY_TOKENS = 64
+
+
+def default_budget(max_turns: int, max_new_tokens: int) -> int:
+    """The response budget when a task sets none: every turn at its longest, and a reply of
+    :data:`REPLY_TOKENS` between two turns, so a failed call's error reply reaches the context."""
+    return max_turns * max_new_tokens + (max_turns - 1) * REPLY_TOKENS
 
 
 def step_group(group: int, sample: int, step: int) -> int:
@@ -126,6 +140,7 @@ class TurnLoop:
     max_turns: int
     max_tokens: int
     timeout_s: float = 5.0
+    _warned: bool = field(default=False, init=False, repr=False, compare=False)  # of a cut reply
 
     def generate(
         self,
@@ -145,7 +160,7 @@ class TurnLoop:
         problem), a sample whose environment has a ``reward`` method gets
         ``reward(final turn's text, answer)`` as its completion's ``reward``."""
         metrics = metrics if metrics is not None else Metrics()
-        for counter in ("calls", "errors", "timeouts", "malformed"):
+        for counter in ("calls", "errors", "timeouts", "malformed", "replies_cut"):
             metrics.sum(f"tools/{counter}", 0)
         samples, prompt_ids = [], []
         for problem, group in zip(problems, groups):
@@ -262,6 +277,15 @@ class TurnLoop:
             return self._end(s, "turns")
         ids = tokenizer(str(reply), add_special_tokens=False)["input_ids"]
         if len(s.tokens) + len(ids) >= self.max_tokens:  # no room left to answer after it
+            metrics.sum("tools/replies_cut", 1)
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "a tool reply of %d tokens did not fit in task.max_response_tokens=%d after a "
+                    "%d-token response; the sample ended there unanswered (counted in "
+                    "rollout/tools/replies_cut): raise task.max_response_tokens",
+                    len(ids), self.max_tokens, len(s.tokens),
+                )  # fmt: skip
             return self._end(s, "budget")
         s.tokens += ids
         s.logprobs += [0.0] * len(ids)

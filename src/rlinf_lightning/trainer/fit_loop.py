@@ -38,6 +38,7 @@ from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.launchers.base import merge_metrics
 from rlinf_lightning.strategies import Replan, RunInfo
+from rlinf_lightning.tools.loop import COUNTS as TOOL_COUNTS
 from rlinf_lightning.trainer.ahead import AheadLaunch
 from rlinf_lightning.trainer.failures import RunLog, failure_line
 from rlinf_lightning.trainer.logger_connector import hyperparameters
@@ -73,6 +74,7 @@ class FitLoop:
         self.discarded: list[AheadLaunch] = []
         self.nonfinite: dict[str, int] = {}  # per learning stage, its skipped non-finite steps
         self.restarts = WorkerRestarts(trainer.max_worker_restarts, trainer.auto_resume)
+        self.tools: dict[str, float] = {}  # multi-turn rollouts' counts (tools.loop.COUNTS), summed
         self.config = resolved_config(trainer, policy, task)  # recorded in the run dir, checkpoints, summary
 
     # -- the whole fit ---------------------------------------------------------------------------
@@ -209,6 +211,8 @@ class FitLoop:
             for k, v in metrics.items():
                 if k.endswith("/nonfinite_steps"):
                     self.nonfinite[k.split("/")[0]] = int(v)
+                if k.startswith("rollout/tools/") and k.removeprefix("rollout/tools/") in TOOL_COUNTS:
+                    self.tools[k.removeprefix("rollout/")] = self.tools.get(k.removeprefix("rollout/"), 0) + v
             t.logger_connector.log_metrics(metrics, it)
             calls.call("on_iteration_end", it, metrics)
             self._after_iteration(it)
@@ -449,6 +453,7 @@ class FitLoop:
             "algorithm": type(self.run_spec.algorithm).__name__,
             "nonfinite_steps": self.nonfinite,
             "workers/restarts": self.restarts.count,
+            **({"tools": self.tools} if self.tools else {}),  # counts over this fit's iterations
             "config": self.config,
         }
         counts = ", ".join(f"{int(v)} {k}" for k, v in extras.items() if float(v).is_integer())

@@ -211,8 +211,8 @@ class FitLoop:
             for k, v in metrics.items():
                 if k.endswith("/nonfinite_steps"):
                     self.nonfinite[k.split("/")[0]] = int(v)
-                if k.startswith("rollout/tools/") and k.removeprefix("rollout/tools/") in TOOL_COUNTS:
-                    self.tools[k.removeprefix("rollout/")] = self.tools.get(k.removeprefix("rollout/"), 0) + v
+                if (count := k.removeprefix("rollout/tools/")) in TOOL_COUNTS:
+                    self.tools[count] = self.tools.get(count, 0) + v
             t.logger_connector.log_metrics(metrics, it)
             calls.call("on_iteration_end", it, metrics)
             self._after_iteration(it)

@@ -32,6 +32,7 @@ from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser
 
 from rlinf_lightning.console import install
 from rlinf_lightning.errors import InputError, RunError
+from rlinf_lightning.overrides import fold_object_overrides, unapplied_override
 
 log = logging.getLogger("rlinf_lightning.cli")  # not __name__, which is "__main__" under python -m
 
@@ -409,6 +410,27 @@ def algorithm_names_as_classes(argv: list[str]) -> list[str]:
     return out
 
 
+def _object_problem(sub) -> str | None:
+    """Why an object of the trainer given as ``{class_path, init_args}`` (``trainer.strategy``,
+    ``trainer.launcher``, ``trainer.logger``) cannot be built: its constructor's complaint, named
+    by key (the parser, typing these keys loosely, hides it behind one of its own). Asked only
+    once building the config failed."""
+    import importlib
+
+    from jsonargparse import Namespace
+
+    for key in ("strategy", "launcher", "logger"):
+        spec = sub.get(f"trainer.{key}")
+        if not isinstance(spec, Namespace) or "class_path" not in spec:
+            continue
+        module, _, name = spec.class_path.rpartition(".")
+        try:
+            getattr(importlib.import_module(module), name)(**(spec.get("init_args") or Namespace()).as_dict())
+        except Exception as exc:  # noqa: BLE001 - any failure of the user's object is reported by key
+            return f"trainer.{key}: {spec.class_path}: {type(exc).__name__}: {exc}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if problem := _config_file_problem(argv) or _moved_key_problem(argv):
@@ -416,10 +438,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     argv = algorithm_names_as_classes(argv)
     parser = build_parser()
+    argv = fold_object_overrides(parser, argv)
     try:
         cfg = parser.parse_args(argv)
     except ArgumentError as exc:  # one message, not the whole usage text
         print(f"rlinf: {_with_suggestion(_key_path(str(exc)), parser)}", file=sys.stderr)
+        return 2
+    if problem := unapplied_override(cfg[cfg.command] if cfg.command else cfg):
+        print(f"rlinf: {problem}", file=sys.stderr)
         return 2
     if cfg.quiet and cfg.verbose:
         print("rlinf: --quiet and --verbose contradict each other; give one", file=sys.stderr)
@@ -457,10 +483,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlinf export: {exc}", file=sys.stderr)
             return 2
         return 0
+    try:
+        init = subcommand_parser(parser, cmd).instantiate(sub)
+    except Exception:
+        if (problem := _object_problem(sub)) is None:
+            raise
+        print(f"rlinf {cmd}: {problem}", file=sys.stderr)
+        return 2
     if cmd == "plan":
-        init = subcommand_parser(parser, "plan").instantiate(sub)
         return rank_plans(init, init.profile, init.devices, init.num_nodes, init.speedup, init.top)
-    init = subcommand_parser(parser, "fit").instantiate(sub)
     from rlinf_lightning.flow.channel import ChannelTimeout
     from rlinf_lightning.flow.worker import StageError
     from rlinf_lightning.launchers import WorkerDied

@@ -42,17 +42,21 @@ def _shipped() -> list[tuple[str, str, str, object]]:
     out = []
     for config in sorted(CONFIGS.glob("*.yaml")):
         for key, init in _objects(yaml.safe_load(config.read_text())):
-            arg = next((a for a, v in init.items() if isinstance(v, int | float) and not isinstance(v, bool)), None)
+            arg = next(
+                (a for a, v in init.items() if isinstance(v, int | float) and not isinstance(v, bool)), None
+            )
             if arg is not None:
                 out.append((config.name, key, arg, _changed(init[arg])))
     return out
 
 
 SHIPPED = _shipped()
-TOOLS = "--task.environment={class_path: rlinf_lightning.tools.ToolEnvironment, init_args: {tools: [calculator]}}"
+TOOLS = (
+    "--task.environment={class_path: rlinf_lightning.tools.ToolEnvironment, init_args: {tools: [calculator]}}"
+)
 LOOSE = [  # objects the shipped configs name in comments and docs, on keys typed loosely
-    ("math_grpo_tools_tiny.yaml", [TOOLS, "--task.tools=[]"], "task.environment", "reply_format", "<r>{}</r>"),
-    ("math_grpo_tiny.yaml", [f"--trainer.strategy={{class_path: {AUTO}}}"], "trainer.strategy", "retune_patience", 5),
+    ("math_grpo_tools_tiny.yaml", [TOOLS, "--task.tools=[]"], "task.environment", "reply_format", "<{}>"),
+    ("math_grpo_tiny.yaml", [f"--trainer.strategy={{class_path: {AUTO}}}"], "trainer.strategy", "top", 3),
     ("math_grpo_tiny.yaml", [f"--trainer.logger={{class_path: {CSV}, init_args: {{save_dir: x}}}}"],
      "trainer.logger", "name", "zz"),
 ]  # fmt: skip
@@ -70,7 +74,9 @@ def test_every_shipped_config_has_objects_to_override():
     assert {key for _, key, _, _ in SHIPPED} >= {"trainer.algorithm", "policy", "task"}
 
 
-@pytest.mark.parametrize(("config", "key", "arg", "value"), SHIPPED, ids=[f"{c}:{k}" for c, k, _, _ in SHIPPED])
+@pytest.mark.parametrize(
+    ("config", "key", "arg", "value"), SHIPPED, ids=[f"{c}:{k}" for c, k, _, _ in SHIPPED]
+)
 def test_a_dotted_override_of_a_shipped_object_is_applied(config, key, arg, value):
     cfg = _parsed(config, [f"--{key}.init_args.{arg}={value}"])
     assert _lookup(cfg, f"{key}.init_args.{arg}") == value
@@ -87,8 +93,8 @@ def test_a_dotted_override_of_a_loosely_typed_object_is_applied(config, given, k
 
 
 def test_an_override_that_cannot_be_applied_is_refused(capsys):
-    argv = ["fit", f"--config={CONFIGS / 'math_grpo_tiny.yaml'}", f"--trainer.strategy={{class_path: {AUTO}}}",
-            "--trainer.strategy.retune_patience=5"]  # fmt: skip
+    config, strategy = CONFIGS / "math_grpo_tiny.yaml", f"--trainer.strategy={{class_path: {AUTO}}}"
+    argv = ["fit", f"--config={config}", strategy, "--trainer.strategy.retune_patience=5"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("rlinf: --trainer.strategy.retune_patience=5: not applied to trainer.strategy"), err

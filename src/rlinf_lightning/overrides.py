@@ -122,6 +122,8 @@ def unapplied_override(cfg: Any, prefix: str = "") -> str | None:
         )
     items = cfg.items(branches=True) if isinstance(cfg, Namespace) else []
     for key, value in items:
-        if isinstance(value, NestedArg | Namespace) and (problem := unapplied_override(value, f"{prefix}{key}.")):
+        if isinstance(value, NestedArg | Namespace) and (
+            problem := unapplied_override(value, f"{prefix}{key}.")
+        ):
             return problem
     return None

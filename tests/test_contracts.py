@@ -84,7 +84,7 @@ def tokenizer(assets):
     [
         ("BareString", f"{ENV}: BareString.step must return (reply: str, done: bool), got str '42'"),
         ("NoneStep", f"{ENV}: NoneStep.step must return (reply: str, done: bool), got NoneType None"),
-        ("StrDone", "StrDone.step must return (reply: str, done: bool), got tuple ('<ok>', 'yes')"),
+        ("StrDone", f"{ENV}: StrDone.step must return (reply: str, done: bool), got tuple ('<ok>', 'yes')"),
         ("IntReset", "task.environment: IntReset.reset must return the prompt text (str), got int 14"),
         ("RaisingReset", "task.environment: RaisingReset.reset raised KeyError: 'no such table'"),
         ("TextReward", "task.environment: TextReward.reward must return a number, got str '1.0'"),

@@ -215,3 +215,163 @@ def test_the_chunk_check_reads_the_env_kwargs_time_limit(tmp_path, capsys):
     err = capsys.readouterr().err
     assert status == 2, err
     assert "task.chunk: 5 steps per chunk, longer than CartPole-v1's episodes (4 steps)" in err, err
+
+
+@pytest.fixture(scope="module")
+def fetch_pi0(tmp_path_factory) -> Path:
+    """A tiny π0 sized for FetchReach (13-d state, 4-d actions) with its tokenizer and statistics."""
+    import torch
+
+    from rlinf_lightning.assets import TinyPi0Config, build_tiny_pi0
+    from rlinf_lightning.policies.pi0.norm import NormStats
+
+    path = build_tiny_pi0(tmp_path_factory.mktemp("pi0") / "pi0", TinyPi0Config(max_state_dim=16))
+    NormStats(torch.zeros(13), torch.ones(13), torch.zeros(4), torch.ones(4)).save(path)
+    return path
+
+
+def _pi0_copy(fetch_pi0: Path, tmp: Path, change=None) -> Path:
+    import shutil
+
+    out = tmp / "pi0"
+    shutil.copytree(fetch_pi0, out)
+    if change is not None:
+        change(out)
+    return out
+
+
+def _other_sizes(path: Path) -> None:
+    import torch
+
+    from rlinf_lightning.policies.pi0.norm import NormStats
+
+    NormStats(torch.zeros(5), torch.ones(5), torch.zeros(3), torch.ones(3)).save(path)
+
+
+def _wider_state(path: Path) -> None:
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    config["max_state_dim"] = 24  # the weights were saved for 16
+    (path / "config.json").write_text(json.dumps(config))
+
+
+# (id, how the directory is broken, text the message must contain)
+PI0_DIRS = [
+    ("no norm stats", lambda p: (p / "norm_stats.json").unlink(),
+     "policy.model_path: {dir}: no norm_stats.json, so states and actions would run raw"),
+    ("norm stats of other sizes", _other_sizes,
+     "policy.model_path: its norm_stats.json is for 5-d states and 3-d actions, the env's are 13-d and 4-d"),
+    ("corrupt norm stats", lambda p: (p / "norm_stats.json").write_text("{"),
+     "policy.model_path: {dir}/norm_stats.json: not a readable norm_stats.json (JSONDecodeError"),
+    ("norm stats without actions", lambda p: (p / "norm_stats.json").write_text('{"norm_stats": {}}'),
+     "norm_stats.json: not a readable norm_stats.json (KeyError"),
+    ("no tokenizer", lambda p: (p / "tokenizer.json").unlink(),
+     "policy.model_path: {dir}: no tokenizer.json"),
+    ("weights for another config", _wider_state,
+     "policy.model_path: {dir}: the weights do not match config.json"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("change", "needle"), [c[1:] for c in PI0_DIRS], ids=[c[0] for c in PI0_DIRS])
+def test_a_broken_pi0_directory_is_refused_before_workers_start(fetch_pi0, tmp_path, capsys, change, needle):
+    pi0 = _pi0_copy(fetch_pi0, tmp_path, change)
+    config = Path(__file__).parents[1] / "configs" / "embodied_ppo_pi0_fetchreach.yaml"
+    argv = ["fit", f"--config={config}", f"--trainer.default_root_dir={tmp_path / 'run'}",
+            f"--policy.init_args.model_path={pi0}"]  # fmt: skip
+    status = _status(argv)
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert needle.format(dir=pi0) in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_raw_on_purpose_needs_no_norm_stats(fetch_pi0, tmp_path):
+    from rlinf_lightning.policies import Pi0Policy
+
+    pi0 = _pi0_copy(fetch_pi0, tmp_path, lambda p: (p / "norm_stats.json").unlink())
+    assert Pi0Policy(str(pi0), normalize=False).validate_config() == []
+    assert [k for k, _ in Pi0Policy(str(pi0)).validate_config()] == ["model_path"]
+
+
+def _demos(path: Path, chunk: int = 4, drop: tuple[str, ...] = (), action_dims: int = 3) -> Path:
+    """A FetchReach-shaped demonstration file (8 rows), with ``drop``ped entries or another rank."""
+    import torch
+    from safetensors.torch import save_file
+
+    n = 8
+    action = torch.zeros(n, chunk, 4) if action_dims == 3 else torch.zeros(n, 4)
+    tensors = {
+        "obs.observation": torch.zeros(n, 10), "obs.desired_goal": torch.zeros(n, 3), "action": action,
+        "action_mask": torch.ones(n, chunk, dtype=torch.bool), "episode": torch.zeros(n, dtype=torch.long),
+    }  # fmt: skip
+    meta = {"image_keys": "[]", "state_keys": '["observation", "desired_goal"]'}
+    save_file({k: v for k, v in tensors.items() if k not in drop}, str(path), metadata=meta)
+    return path
+
+
+# (id, subcommand arguments given (tmp_path, assets, π0 dir), text the one line must contain)
+SUBCOMMANDS = [
+    ("sft: missing train file",
+     lambda t, a, p: ["sft", f"--base_model={a['base']}", "--train_path=/nonexistent/train.jsonl"],
+     "rlinf sft: --train_path /nonexistent/train.jsonl: no such file"),
+    ("sft: broken train file",
+     lambda t, a, p: ["sft", f"--base_model={a['base']}", f"--train_path={_write(t / 'd.jsonl', '{1')}"],
+     "rlinf sft: --train_path {tmp}/d.jsonl:1:"),
+    ("sft: unknown tool", lambda t, a, p: ["sft", f"--base_model={a['base']}", "--tools=[calculater]"],
+     "rlinf sft: --tools: unknown tool 'calculater'"),
+    ("sft: no turns", lambda t, a, p: ["sft", f"--base_model={a['base']}", "--tools=[calculator]",
+                                       "--max_turns=0"],
+     "rlinf sft: --max_turns: must be >= 1, got 0"),
+    ("sft: no base model", lambda t, a, p: ["sft", "--base_model=/nonexistent/model"],
+     "rlinf sft: --base_model /nonexistent/model: not a model directory"),
+    ("sft: demos without a mask", lambda t, a, p: ["sft", f"--base_model={p}",
+     f"--train_path={_demos(t / 'd.safetensors', drop=('action_mask',))}"],
+     "rlinf sft: --train_path {tmp}/d.safetensors: not a demonstration file (no action_mask"),
+    ("sft: demos of the wrong shape", lambda t, a, p: ["sft", f"--base_model={p}",
+     f"--train_path={_demos(t / 'd.safetensors', action_dims=2)}"],
+     "d.safetensors: action must be float [N, chunk, action_dim], got torch.float32 [8, 4]"),
+    ("sft: demos of longer chunks than pi0's", lambda t, a, p: ["sft", f"--base_model={p}",
+     f"--train_path={_demos(t / 'd.safetensors', chunk=12)}"],
+     "rlinf sft: --train_path {tmp}/d.safetensors: its demonstrations' chunks are 12 actions, longer than "
+     "the chunk_size 8"),
+    ("demos: no expert", lambda t, a, p: ["demos", "--env=NoSuchEnv-v0"],
+     "rlinf demos: --env NoSuchEnv-v0: no scripted expert"),
+    ("demos: no episodes", lambda t, a, p: ["demos", "--episodes=0", f"--out={t / 'd.safetensors'}"],
+     "rlinf demos: --episodes: must be >= 1, got 0"),
+    ("plan: no devices", lambda t, a, p: [*_plan(t, a), "--devices=0"],
+     "rlinf plan: --devices: must be >= 1, got 0"),
+    ("plan: a negative size", lambda t, a, p: [*_plan(t, a), "--task.rollout_batch_size=-8"],
+     "task.rollout_batch_size"),
+    ("plan: a batch of split groups", lambda t, a, p: [*_plan(t, a), "--task.rollout_batch_size=100"],
+     "use a multiple such as 96"),
+    ("plan: an unknown stage sped up", lambda t, a, p: [*_plan(t, a), "--speedup={rolout: 2}"],
+     "rlinf plan: --speedup: unknown stage 'rolout'; the workflow's stages are rollout"),
+]  # fmt: skip
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def _plan(tmp: Path, assets) -> list[str]:
+    from rlinf_lightning.strategies.auto.profile import Profile, StageCost
+
+    prof = Profile("reasoning", message_s=0.001, launch_s=5.0)
+    prof.stages = {
+        s: StageCost(0.002, 0.0003) for s in ("rollout", "reward", "advantage", "inference", "actor")
+    }
+    config = Path(__file__).parents[1] / "configs" / "math_grpo_tiny.yaml"
+    return ["plan", f"--config={config}", f"--profile={prof.save(tmp / 'profile.json')}",
+            f"--policy.model_path={assets['sft']}", f"--task.train_path={assets['train']}",
+            f"--task.test_path={assets['test']}"]  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "needle"), [c[1:] for c in SUBCOMMANDS], ids=[c[0] for c in SUBCOMMANDS])
+def test_every_subcommand_refuses_a_bad_input_in_one_line(assets, fetch_pi0, tmp_path, capsys, make, needle):
+    status = _status(make(tmp_path, assets, fetch_pi0))
+    captured = capsys.readouterr()
+    assert status == 2, captured.err
+    assert needle.format(tmp=tmp_path) in captured.err and "Traceback" not in captured.err, captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and not captured.out, captured

@@ -31,7 +31,7 @@ from pathlib import Path
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser
 
 from rlinf_lightning.console import install
-from rlinf_lightning.errors import InputError, RunError
+from rlinf_lightning.errors import ConfigError, InputError, RunError
 from rlinf_lightning.overrides import fold_object_overrides, unapplied_override
 
 log = logging.getLogger("rlinf_lightning.cli")  # not __name__, which is "__main__" under python -m
@@ -177,7 +177,20 @@ def rank_plans(init, profile: str, devices: int | None, num_nodes: int | None, s
 
     trainer, policy, task = init.trainer, init.policy, init.task
     run = trainer.run_spec
-    workflow, batch = task.build_workflow(policy, run), task.batch_shape(run)
+    try:  # the config as fit checks it (not the plan: that is for the cluster below), then the cluster
+        trainer.validate()
+        problems = [
+            (f"{s}.{k}", m) for s, o in (("policy", policy), ("task", task)) for k, m in o.validate_config()
+        ]
+        if problems:
+            raise ConfigError(problems)
+        workflow, batch = task.build_workflow(policy, run), task.batch_shape(run)
+    except InputError as exc:
+        print(f"rlinf plan: {exc}", file=sys.stderr)
+        return 2
+    if problem := _cluster_problem(workflow, devices, num_nodes, speedup, top):
+        print(f"rlinf plan: {problem}", file=sys.stderr)
+        return 2
     try:
         if is_curves(profile):
             prof = load_curves(profile, workflow, batch.rollout_batch_size)
@@ -206,6 +219,22 @@ def rank_plans(init, profile: str, devices: int | None, num_nodes: int | None, s
     print(f"placement: {placement_syntax(best)}")
     print(f"micro_batch_size: {best.micro_batch}")
     return 0
+
+
+def _cluster_problem(workflow, devices: int | None, num_nodes: int | None, speedup, top: int) -> str | None:
+    """The first bad option of ``rlinf plan``'s cluster: device and node counts, the speed-ups (a
+    stage named must be one of the workflow's), the number of plans shown."""
+    for key, value in (("devices", devices), ("num_nodes", num_nodes), ("top", top)):
+        if value is not None and value < 1:
+            return f"--{key}: must be >= 1, got {value}"
+    factors = speedup if isinstance(speedup, dict) else {"": speedup}
+    if unknown := sorted(set(factors) - set(workflow.stages) - {""}):
+        return (
+            f"--speedup: unknown stage {unknown[0]!r}; the workflow's stages are {', '.join(workflow.order)}"
+        )
+    if bad := [k for k, v in factors.items() if not v > 0]:
+        return f"--speedup{'.' + bad[0] if bad[0] else ''}: must be > 0, got {factors[bad[0]]}"
+    return None
 
 
 def _function_parser(fn, description: str) -> ArgumentParser:
@@ -464,15 +493,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlinf prepare: {exc}", file=sys.stderr)
             return 2
         return 0
-    if cmd == "sft":
-        from rlinf_lightning.sft import run_sft
+    if cmd in ("sft", "demos"):
+        from rlinf_lightning.sft import record_expert_demos, run_sft
 
-        run_sft(**sub.as_dict())
-        return 0
-    if cmd == "demos":
-        from rlinf_lightning.sft import record_expert_demos
-
-        print(json.dumps(record_expert_demos(**sub.as_dict())))
+        try:
+            result = (run_sft if cmd == "sft" else record_expert_demos)(**sub.as_dict())
+        except InputError as exc:  # checked before any model loads or env starts
+            print(f"rlinf {cmd}: {exc}", file=sys.stderr)
+            return 2
+        if cmd == "demos":
+            print(json.dumps(result))
         return 0
     if cmd == "export":
         from rlinf_lightning.export import export_checkpoint

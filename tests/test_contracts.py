@@ -6,6 +6,7 @@ reply ``"4"``, done ``"2"``) is refused, never unpacked."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,11 @@ import pytest
 from rlinf_lightning import LMPolicy
 from rlinf_lightning.cli import main
 from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
+from rlinf_lightning.flow import BatchShape, Stage, Workflow
+from rlinf_lightning.flow.worker import StageError
+from rlinf_lightning.launchers import LAUNCHERS
 from rlinf_lightning.prompts import RAW
+from rlinf_lightning.strategies import STRATEGIES, Resources
 from rlinf_lightning.tools import TurnLoop, environment_factory
 from rlinf_lightning.tools.environment import ContractError
 
@@ -375,3 +380,37 @@ def test_every_subcommand_refuses_a_bad_input_in_one_line(assets, fetch_pi0, tmp
     assert status == 2, captured.err
     assert needle.format(tmp=tmp_path) in captured.err and "Traceback" not in captured.err, captured.err
     assert len(captured.err.strip().splitlines()) == 1 and not captured.out, captured
+
+
+class _BrokenSetup(Stage):
+    name = "broken"
+
+    def setup(self, ctx):
+        raise OSError("cannot open the device")
+
+    def process(self, batch):
+        return batch
+
+
+class _Engine(Stage):
+    """Like the actor stages: ``teardown`` releases what ``setup`` built."""
+
+    name = "engine"
+
+    def setup(self, ctx):
+        self.engine = object()
+
+    def process(self, batch):
+        return batch
+
+    def teardown(self):
+        del self.engine
+
+
+def test_a_failed_setup_is_not_followed_by_the_teardown_of_stages_never_set_up(caplog):
+    """Before: ``'_Engine' object has no attribute 'engine'``, a second traceback after the first."""
+    wf = Workflow("toy").chain(_BrokenSetup(), _Engine())
+    plan = STRATEGIES.resolve("collocated").plan(wf, Resources(1, threads_per_slot=1), BatchShape(8, 4))
+    with caplog.at_level(logging.WARNING), pytest.raises(StageError, match="cannot open the device"):
+        LAUNCHERS.resolve("inprocess").launch(wf, plan, timeout_s=30)
+    assert not [r for r in caplog.records if "teardown" in r.getMessage()], caplog.text

@@ -180,7 +180,9 @@ def rank_plans(init, profile: str, devices: int | None, num_nodes: int | None, s
     try:  # the config as fit checks it (not the plan: that is for the cluster below), then the cluster
         trainer.validate()
         problems = [
-            (f"{s}.{k}", m) for s, o in (("policy", policy), ("task", task)) for k, m in o.validate_config()
+            (f"{section}.{key}", why)
+            for section, obj in (("policy", policy), ("task", task))
+            for key, why in (obj.validate_config() if hasattr(obj, "validate_config") else [])
         ]
         if problems:
             raise ConfigError(problems)

@@ -374,7 +374,7 @@ def test_an_unreadable_checkpoint_file_is_never_unpickled(tmp_path):
     path.mkdir()
     save_file(model.state_dict(), str(path / "model.safetensors"))
     torch.save(torch.optim.AdamW(model.parameters()).state_dict(), path / "optimizer.pt")
-    (path / "state.json").write_text('{"iteration": 1}')
+    (path / "state.json").write_text('{"iteration": 1, "eval_history": []}')
     marker = tmp_path / "PWNED"
     torch.save({"x": _Payload(str(marker))}, path / "rng.pt")
     with pytest.raises(CheckpointError, match="rng.pt: cannot be loaded safely"):

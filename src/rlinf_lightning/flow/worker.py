@@ -201,7 +201,8 @@ class Worker(SyncEdges):
         import torch
 
         for name, st in self.stages.items():
-            self._set_up.append(name)
+            if name not in self._set_up:  # a restarted worker sets up again
+                self._set_up.append(name)
             self._guard(name, st.setup, self.ctx)
         for name in self.stages:
             self._switch([name], "offload")

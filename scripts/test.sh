@@ -17,6 +17,8 @@ done
 bash scripts/setup.sh
 source .venv/bin/activate
 ruff check .
+# no installed or admitted dependency version with a known advisory (the list is in the script)
+python scripts/advisories.py
 # the documentation site: any warning (a broken link, a missing page) fails; the configuration
 # reference is generated from the code while it builds (docs/hooks/config_reference.py)
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir site

@@ -20,6 +20,9 @@ from rlinf_lightning.policies.model_dir import TOKENIZER_FILES
 from trainer_defaults import cli_fit_args, scaled
 
 HYBRID = "rlinf_lightning.strategies.HybridStrategy"
+AUTO = "rlinf_lightning.strategies.AutoStrategy"
+NEGATIVE = '{"iteration": -3, "eval_history": []}'  # a checkpoint's state.json
+GARBAGE = b"\x07garbage" * 64  # no safetensors header
 TRAIN = "--task.train_path"
 
 
@@ -262,6 +265,31 @@ CASES: list[tuple[str, object, str]] = [
     ("checkpoint of another model", lambda t, a: _checkpoint(t, lambda p: None), "its weights do not fit"),
     ("pickle with code", lambda t, a: _checkpoint(t, _malicious_rng), "rng.pt: cannot be loaded safely"),
     (
+        "checkpoint state without its history",
+        lambda t, a: _checkpoint(t, lambda p: (p / "state.json").write_text('{"iteration": 1}')),
+        "state.json: corrupt ('eval_history' must be a list, got None)",
+    ),
+    (
+        "checkpoint state at a negative iteration",
+        lambda t, a: _checkpoint(t, lambda p: (p / "state.json").write_text(NEGATIVE)),
+        "state.json: corrupt ('iteration' must be an int >= 0, got -3)",
+    ),
+    (
+        "checkpoint adapters' record without its config",
+        lambda t, a: _checkpoint(t, lambda p: (p / "lora.json").write_text('{"base": {}}')),
+        "lora.json: corrupt (no 'config' object",
+    ),
+    (
+        "garbage checkpoint weights",
+        lambda t, a: _checkpoint(t, lambda p: (p / "model.safetensors").write_bytes(GARBAGE)),
+        "model.safetensors: corrupt",
+    ),
+    (
+        "auto strategy by class_path with a bad argument",
+        [f"--trainer.strategy={{class_path: {AUTO}, init_args: {{retune_patience: 0}}}}"],
+        f"trainer.strategy: {AUTO}: ValueError: strategy 'auto': retune_patience must be >= 1, got 0",
+    ),
+    (
         "resume across a change of algorithm",
         lambda t, a: _dapo_run(t, a, resume=True),
         "written by a run with another configuration: trainer.algorithm (DAPO there, GRPO here)",
@@ -346,7 +374,7 @@ def test_an_unreadable_checkpoint_file_is_never_unpickled(tmp_path):
     path.mkdir()
     save_file(model.state_dict(), str(path / "model.safetensors"))
     torch.save(torch.optim.AdamW(model.parameters()).state_dict(), path / "optimizer.pt")
-    (path / "state.json").write_text('{"iteration": 1}')
+    (path / "state.json").write_text('{"iteration": 1, "eval_history": []}')
     marker = tmp_path / "PWNED"
     torch.save({"x": _Payload(str(marker))}, path / "rng.pt")
     with pytest.raises(CheckpointError, match="rng.pt: cannot be loaded safely"):
@@ -368,6 +396,7 @@ FETCH, CARTPOLE = "embodied_ppo_fetchreach.yaml", "embodied_ppo_cartpole.yaml"
 EMBODIED = [
     ("unknown env", "--task.init_args.env=FetchReech-v4", "task.env"),
     ("no envs", "--task.init_args.num_envs=0", "task.num_envs"),
+    ("negative seed", "--trainer.seed=-1", "trainer.seed: must be >= 0, got -1"),
     (
         "unknown env keyword",
         "--task.init_args.env_kwargs={reward_typ: sparse}",
@@ -458,7 +487,8 @@ def test_bad_pi0_input_is_one_message_and_exit_2(tmp_path, assets, capsys, overr
     pi0 = build_tiny_pi0(tmp_path / "pi0", TinyPi0Config(max_state_dim=16))
     config = Path(__file__).parents[1] / "configs" / "embodied_ppo_pi0_fetchreach.yaml"
     argv = ["fit", f"--config={config}", f"--trainer.default_root_dir={tmp_path / 'run'}",
-            f"--policy.init_args.model_path={pi0}", override.format(qwen2=assets["base"])]  # fmt: skip
+            f"--policy.init_args.model_path={pi0}", "--policy.init_args.normalize=false",
+            override.format(qwen2=assets["base"])]  # fmt: skip
     try:
         status = main(argv)
     except SystemExit as exc:

@@ -25,6 +25,7 @@ from rlinf_lightning.tasks import EmbodiedTask
 
 CHUNK, ACTION_DIM, STATE_DIM = 3, 4, 5
 FETCH = {"image_keys": [], "state_keys": ["observation", "desired_goal"]}
+RAW = {"normalize": False}  # the tiny π0 was fitted to no demonstrations: it has no norm_stats.json
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def test_the_tiny_pi0_loads_from_its_directory_and_its_ode_is_sample_actions(pi0
     )  # fmt: skip
     assert out["action"].shape == (3, CHUNK * ACTION_DIM)
     torch.testing.assert_close(out["action"], ode[:, :CHUNK, :ACTION_DIM].reshape(3, -1), atol=1e-6, rtol=0)
-    assert Pi0Policy(pi0_dir).validate_config() == []
+    assert Pi0Policy(pi0_dir, normalize=False).validate_config() == []
 
 
 def test_act_then_evaluate_give_the_same_log_probs_and_values(pi0_dir):
@@ -111,7 +112,7 @@ def test_entry_log_probs_are_the_chunks_joint_one_spread_over_its_entries(pi0_di
     assert a["logprob"].shape == (3, CHUNK * ACTION_DIM) and b["logprob"].shape == (3,)
     joint = a["logprob"].sum(-1) * (entry.num_denoise_steps + 1)
     torch.testing.assert_close(joint, b["logprob"], atol=1e-4, rtol=1e-6)
-    assert Pi0Policy(pi0_dir, logprob_level="token").validate_config()[0][0] == "logprob_level"
+    assert Pi0Policy(pi0_dir, logprob_level="token", **RAW).validate_config()[0][0] == "logprob_level"
 
 
 def test_noise_at_the_last_step_is_a_gaussian_around_the_deterministic_action(pi0_dir):
@@ -145,7 +146,7 @@ def test_noise_at_the_last_step_is_a_gaussian_around_the_deterministic_action(pi
         if "action_in_proj.weight" in n or "noise_head" in n
     }
     assert len(grads) >= 3 and all(g is not None and g.abs().sum() > 0 for g in grads.values()), grads.keys()
-    assert Pi0Policy(pi0_dir, noisy_steps="first").validate_config()[0][0] == "noisy_steps"
+    assert Pi0Policy(pi0_dir, noisy_steps="first", **RAW).validate_config()[0][0] == "noisy_steps"
 
 
 def test_the_value_head_reads_the_value_keys_beside_pi0s_feature(pi0_dir):
@@ -241,7 +242,7 @@ def _fit(
 
     steps = MetricsRecorder()
     task = _task(grpo=isinstance(algorithm, GRPO))
-    policy = Pi0Policy(pi0_dir, lr=1e-3, max_instruction_len=4, **FETCH, **policy_kw)
+    policy = Pi0Policy(pi0_dir, lr=1e-3, max_instruction_len=4, **FETCH, **RAW, **policy_kw)
     trainer = RLTrainer(
         algorithm=algorithm or PPO(update_epochs=1, num_minibatches=2),
         strategy=strategy, launcher=launcher, precision="32-true", devices=2, num_threads=1,
@@ -366,7 +367,7 @@ def test_a_checkpoint_resumes_to_the_same_run(pi0_dir, tmp_path):
         default_root_dir=str(tmp_path / "split"),
         logger=False, enable_progress_bar=False, callbacks=[steps], timeout_s=300,
     )  # fmt: skip
-    trainer.fit(Pi0Policy(pi0_dir, lr=1e-3, max_instruction_len=4, **FETCH), task, ckpt_path="last")
+    trainer.fit(Pi0Policy(pi0_dir, lr=1e-3, max_instruction_len=4, **FETCH, **RAW), task, ckpt_path="last")
     assert any(m["actor/grad_norm"] > 0 for m in full[1])  # some groups disagreed: the weights moved
     # the weights and the episodes are restored exactly: the same gradient at iteration 3
     assert steps.metrics[-1]["actor/grad_norm"] == full[1][-1]["actor/grad_norm"]

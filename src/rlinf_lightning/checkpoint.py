@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from rlinf_lightning.errors import CheckpointError, RunError
 
 LAST = "last"
+LORA_FILE = "lora.json"  # a LoRA checkpoint's adapter config and base identity
 
 
 def _fsync_dir(path: Path) -> None:
@@ -115,7 +116,7 @@ def save_checkpoint(
             if actor_state.get("lr_scheduler") is not None:
                 torch.save(actor_state["lr_scheduler"], tmp / "lr_scheduler.pt")
             if actor_state.get("lora") is not None:
-                (tmp / "lora.json").write_text(json.dumps(actor_state["lora"], indent=1))
+                (tmp / LORA_FILE).write_text(json.dumps(actor_state["lora"], indent=1))
             for name, stage_state in (stage_states or {}).items():
                 (tmp / "stages").mkdir(exist_ok=True)
                 torch.save(stage_state, tmp / "stages" / f"{name}.pt")
@@ -172,11 +173,14 @@ def verify_checkpoint(path: Path) -> None:
         raise CheckpointError(f"--ckpt_path {path}: no such checkpoint directory")
     try:
         state = json.loads((path / "state.json").read_text(encoding="utf-8"))
-        int(state["iteration"])
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not a checkpoint directory (no state.json)") from None
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path / 'state.json'}: corrupt ({type(exc).__name__}: {exc})") from None
+    if why := _state_problem(state):
+        raise CheckpointError(f"{path / 'state.json'}: corrupt ({why})")
+    if (path / LORA_FILE).is_file() and (why := _lora_problem(path / LORA_FILE)):
+        raise CheckpointError(f"{path / LORA_FILE}: corrupt ({why})")
     try:
         with safe_open(str(path / "model.safetensors"), framework="pt") as f:
             list(f.keys())
@@ -188,6 +192,34 @@ def verify_checkpoint(path: Path) -> None:
     for name in needed:
         if not (path / name).is_file():
             raise CheckpointError(f"{path}: partial checkpoint, {name} is missing")
+
+
+def _state_problem(state: Any) -> str | None:
+    """What ``state.json`` lacks that a resume reads: an iteration (an int >= 0) and the
+    evaluation history (a list)."""
+    if not isinstance(state, dict):
+        return f"expected an object, got {type(state).__name__}"
+    iteration = state.get("iteration")
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        return f"'iteration' must be an int >= 0, got {iteration!r}"
+    if not isinstance(state.get("eval_history"), list):
+        return f"'eval_history' must be a list, got {state.get('eval_history')!r}"
+    return None
+
+
+def _lora_problem(file: Path) -> str | None:
+    """What ``lora.json`` lacks that a resume reads: the adapters' ``config`` and their base's
+    ``path`` and ``sha256``."""
+    try:
+        lora = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    base = lora.get("base") if isinstance(lora, dict) else None
+    if not isinstance(lora, dict) or not isinstance(lora.get("config"), dict):
+        return "no 'config' object (the adapters' policy.lora)"
+    if not isinstance(base, dict) or not all(isinstance(base.get(k), str) for k in ("path", "sha256")):
+        return "no 'base' object with 'path' and 'sha256' (the model the adapters were trained on)"
+    return None
 
 
 def _load_pt(path: Path) -> Any:
@@ -236,7 +268,7 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Any], d
     optimizer = _load_pt(path / "optimizer.pt") if (path / "optimizer.pt").is_file() else None
     scheduler = _load_pt(path / "lr_scheduler.pt") if (path / "lr_scheduler.pt").is_file() else None
     state = json.loads((path / "state.json").read_text())
-    lora = json.loads((path / "lora.json").read_text()) if (path / "lora.json").is_file() else None
+    lora = json.loads((path / LORA_FILE).read_text()) if (path / LORA_FILE).is_file() else None
     actor = {"model": model, "optimizer": optimizer, "lr_scheduler": scheduler, "lora": lora}
     return actor, state, _load_pt(path / "rng.pt")
 

@@ -31,7 +31,8 @@ from pathlib import Path
 from jsonargparse import ActionConfigFile, ArgumentError, ArgumentParser
 
 from rlinf_lightning.console import install
-from rlinf_lightning.errors import InputError, RunError
+from rlinf_lightning.errors import ConfigError, InputError, RunError
+from rlinf_lightning.overrides import fold_object_overrides, unapplied_override
 
 log = logging.getLogger("rlinf_lightning.cli")  # not __name__, which is "__main__" under python -m
 
@@ -176,7 +177,22 @@ def rank_plans(init, profile: str, devices: int | None, num_nodes: int | None, s
 
     trainer, policy, task = init.trainer, init.policy, init.task
     run = trainer.run_spec
-    workflow, batch = task.build_workflow(policy, run), task.batch_shape(run)
+    try:  # the config as fit checks it (not the plan: that is for the cluster below), then the cluster
+        trainer.validate()
+        problems = [
+            (f"{section}.{key}", why)
+            for section, obj in (("policy", policy), ("task", task))
+            for key, why in (obj.validate_config() if hasattr(obj, "validate_config") else [])
+        ]
+        if problems:
+            raise ConfigError(problems)
+        workflow, batch = task.build_workflow(policy, run), task.batch_shape(run)
+    except InputError as exc:
+        print(f"rlinf plan: {exc}", file=sys.stderr)
+        return 2
+    if problem := _cluster_problem(workflow, devices, num_nodes, speedup, top):
+        print(f"rlinf plan: {problem}", file=sys.stderr)
+        return 2
     try:
         if is_curves(profile):
             prof = load_curves(profile, workflow, batch.rollout_batch_size)
@@ -205,6 +221,22 @@ def rank_plans(init, profile: str, devices: int | None, num_nodes: int | None, s
     print(f"placement: {placement_syntax(best)}")
     print(f"micro_batch_size: {best.micro_batch}")
     return 0
+
+
+def _cluster_problem(workflow, devices: int | None, num_nodes: int | None, speedup, top: int) -> str | None:
+    """The first bad option of ``rlinf plan``'s cluster: device and node counts, the speed-ups (a
+    stage named must be one of the workflow's), the number of plans shown."""
+    for key, value in (("devices", devices), ("num_nodes", num_nodes), ("top", top)):
+        if value is not None and value < 1:
+            return f"--{key}: must be >= 1, got {value}"
+    factors = speedup if isinstance(speedup, dict) else {"": speedup}
+    if unknown := sorted(set(factors) - set(workflow.stages) - {""}):
+        return (
+            f"--speedup: unknown stage {unknown[0]!r}; the workflow's stages are {', '.join(workflow.order)}"
+        )
+    if bad := [k for k, v in factors.items() if not v > 0]:
+        return f"--speedup{'.' + bad[0] if bad[0] else ''}: must be > 0, got {factors[bad[0]]}"
+    return None
 
 
 def _function_parser(fn, description: str) -> ArgumentParser:
@@ -409,6 +441,27 @@ def algorithm_names_as_classes(argv: list[str]) -> list[str]:
     return out
 
 
+def _object_problem(sub) -> str | None:
+    """Why an object of the trainer given as ``{class_path, init_args}`` (``trainer.strategy``,
+    ``trainer.launcher``, ``trainer.logger``) cannot be built: its constructor's complaint, named
+    by key (the parser, typing these keys loosely, hides it behind one of its own). Asked only
+    once building the config failed."""
+    import importlib
+
+    from jsonargparse import Namespace
+
+    for key in ("strategy", "launcher", "logger"):
+        spec = sub.get(f"trainer.{key}")
+        if not isinstance(spec, Namespace) or "class_path" not in spec:
+            continue
+        module, _, name = spec.class_path.rpartition(".")
+        try:
+            getattr(importlib.import_module(module), name)(**(spec.get("init_args") or Namespace()).as_dict())
+        except Exception as exc:  # noqa: BLE001 - any failure of the user's object is reported by key
+            return f"trainer.{key}: {spec.class_path}: {type(exc).__name__}: {exc}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if problem := _config_file_problem(argv) or _moved_key_problem(argv):
@@ -416,10 +469,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     argv = algorithm_names_as_classes(argv)
     parser = build_parser()
+    argv = fold_object_overrides(parser, argv)
     try:
         cfg = parser.parse_args(argv)
     except ArgumentError as exc:  # one message, not the whole usage text
         print(f"rlinf: {_with_suggestion(_key_path(str(exc)), parser)}", file=sys.stderr)
+        return 2
+    if problem := unapplied_override(cfg[cfg.command] if cfg.command else cfg):
+        print(f"rlinf: {problem}", file=sys.stderr)
         return 2
     if cfg.quiet and cfg.verbose:
         print("rlinf: --quiet and --verbose contradict each other; give one", file=sys.stderr)
@@ -438,15 +495,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlinf prepare: {exc}", file=sys.stderr)
             return 2
         return 0
-    if cmd == "sft":
-        from rlinf_lightning.sft import run_sft
+    if cmd in ("sft", "demos"):
+        from rlinf_lightning.sft import record_expert_demos, run_sft
 
-        run_sft(**sub.as_dict())
-        return 0
-    if cmd == "demos":
-        from rlinf_lightning.sft import record_expert_demos
-
-        print(json.dumps(record_expert_demos(**sub.as_dict())))
+        try:
+            result = (run_sft if cmd == "sft" else record_expert_demos)(**sub.as_dict())
+        except InputError as exc:  # checked before any model loads or env starts
+            print(f"rlinf {cmd}: {exc}", file=sys.stderr)
+            return 2
+        if cmd == "demos":
+            print(json.dumps(result))
         return 0
     if cmd == "export":
         from rlinf_lightning.export import export_checkpoint
@@ -457,10 +515,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlinf export: {exc}", file=sys.stderr)
             return 2
         return 0
+    try:
+        init = subcommand_parser(parser, cmd).instantiate(sub)
+    except Exception:
+        if (problem := _object_problem(sub)) is None:
+            raise
+        print(f"rlinf {cmd}: {problem}", file=sys.stderr)
+        return 2
     if cmd == "plan":
-        init = subcommand_parser(parser, "plan").instantiate(sub)
         return rank_plans(init, init.profile, init.devices, init.num_nodes, init.speedup, init.top)
-    init = subcommand_parser(parser, "fit").instantiate(sub)
     from rlinf_lightning.flow.channel import ChannelTimeout
     from rlinf_lightning.flow.worker import StageError
     from rlinf_lightning.launchers import WorkerDied

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from rlinf_lightning.assets import is_model_dir
+from rlinf_lightning.errors import InputError
 from rlinf_lightning.prompts import PLACEHOLDER, PromptFormat
 from rlinf_lightning.tasks.data import Problem, expression_of, load_problems
 
@@ -88,6 +89,10 @@ def run_sft(
         for k, v in locals().items()
         if k not in ("force", "num_threads", *PROMPT_SETTINGS) and (tools or k not in TOOL_SETTINGS)
     }
+    if problem := _sft_problem(
+        base_model, train_path, test_path, steps, batch_size, eval_size, tools, max_turns
+    ):
+        raise InputError(problem)
     if _is_pi0(base_model):
         from rlinf_lightning.policies.pi0.sft import run_pi0_sft
 
@@ -104,7 +109,7 @@ def run_sft(
 
     prompt = PromptFormat(prompt_template, chat_template, system_prompt)
     if problems := prompt.problems():
-        raise ValueError(f"prompt_template: {problems[0]}")
+        raise InputError(f"--prompt_template: {problems[0]}")
     if is_model_dir(base_model):  # the layout, where it is not the raw text (older caches' layout)
         layout = prompt.render(AutoTokenizer.from_pretrained(base_model), PLACEHOLDER)
         settings.update({"prompt_layout": layout} if layout != PLACEHOLDER else {})
@@ -120,10 +125,6 @@ def run_sft(
         if cached.get("settings") == settings:
             log.info("sft: cached result in %s (held-out accuracy %.3f)", out, cached["eval_accuracy"])
             return cached
-    if not is_model_dir(base_model):
-        raise FileNotFoundError(
-            f"base_model {base_model!r} is not a model directory; run `rlinf prepare` first"
-        )
     if num_threads:
         torch.set_num_threads(num_threads)
     torch.manual_seed(seed)
@@ -194,6 +195,50 @@ def _example(tok: Any, prompt: PromptFormat, problem: Problem, env: Any) -> tupl
     return ids + answer, labels + answer
 
 
+def _sft_problem(
+    base_model: str,
+    train_path: str,
+    test_path: str,
+    steps: int,
+    batch_size: int,
+    eval_size: int,
+    tools: list[str] | None,
+    max_turns: int,
+) -> str | None:
+    """The first bad input of ``rlinf sft``, as one line naming its option, before any model loads:
+    the numbers, the tools, the base model's directory and the data files (read here: a bad
+    record fails now, naming its file and line)."""
+    from rlinf_lightning.tools.tool import TOOLS
+
+    for key, value in (("steps", steps), ("batch_size", batch_size), ("eval_size", eval_size),
+                       ("max_turns", max_turns)):  # fmt: skip
+        if value < 1:
+            return f"--{key}: must be >= 1, got {value}"
+    for tool in tools or []:
+        if tool not in TOOLS:
+            return f"--tools: {TOOLS.unknown_message(tool)}"
+    if not is_model_dir(base_model):
+        return f"--base_model {base_model}: not a model directory (no config.json); run `rlinf prepare` first"
+    pi0 = _is_pi0(base_model)
+    # a π0's held-out demonstrations are optional (a test_path not ending in .safetensors is ignored)
+    paths = [("train_path", train_path)] + [("test_path", test_path)] * (
+        not pi0 or test_path.endswith(".safetensors")
+    )
+    for key, path in paths:
+        if not any(ch in str(path) for ch in "*?[") and not Path(path).is_file():
+            return f"--{key} {path}: no such file"
+        try:
+            if pi0:
+                from rlinf_lightning.policies.pi0.demos import load_demos
+
+                load_demos(path)
+            else:
+                load_problems(path)
+        except InputError as exc:
+            return f"--{key} {exc}"
+    return None
+
+
 def _is_pi0(path: str) -> bool:
     config = Path(path) / "config.json"
     return config.is_file() and json.loads(config.read_text()).get("model_type") == "pi0"
@@ -225,8 +270,11 @@ def record_expert_demos(
 
     load_plugins()  # plugins add experts for their envs (rlinf-maniskill: PickCube-v1)
     if env not in EXPERTS:
-        raise ValueError(
-            f"env: no scripted expert for {env!r} (there is one for {', '.join(sorted(EXPERTS))})"
+        raise InputError(
+            f"--env {env}: no scripted expert for it (there is one for {', '.join(sorted(EXPERTS))})"
         )
+    for key, value in (("episodes", episodes), ("chunk", chunk)):
+        if value < 1:
+            raise InputError(f"--{key}: must be >= 1, got {value}")
     batch = make_env(env, episodes, **(env_kwargs or {}))
     return record_demos(batch, EXPERTS[env], chunk, out, seed=seed, env=env)

@@ -86,7 +86,10 @@ class GymEnvBatch(EnvBatch):
                 f"env {env_id!r}: action space {space} is not served (Box, Discrete, MultiDiscrete "
                 "or MultiBinary)"
             )
-        spec = self.env.spec
+        # the sub-envs' spec: a time limit given in ``kwargs`` (``max_episode_steps``) is theirs,
+        # while the vector env's spec keeps the registered one
+        envs = getattr(self.env, "envs", None)
+        spec = envs[0].spec if envs else self.env.spec
         self.max_episode_steps = spec.max_episode_steps if spec is not None else None
 
     def reset(self, seed: int | list[int]) -> TensorDict:

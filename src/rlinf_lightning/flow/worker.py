@@ -121,6 +121,7 @@ class Worker(SyncEdges):
         self._batons = {t.slot: queues[t.inbox] for t in self.slot_turns}
         self._queues = queues
         self._holding: set[int] = set()  # shared slots whose baton this worker holds
+        self._set_up: list[str] = []  # stages whose setup began: only those are torn down
         self._pending_sync: dict[str, tuple[str, Any]] = {}  # stage -> (source, state) to apply in its turn
         self.iteration = 0  # the iteration being run (the version this worker's sync sources send)
         self.finished = 0  # the last iteration run to its end (after a lost worker: kept or run again)
@@ -200,6 +201,8 @@ class Worker(SyncEdges):
         import torch
 
         for name, st in self.stages.items():
+            if name not in self._set_up:  # a restarted worker sets up again
+                self._set_up.append(name)
             self._guard(name, st.setup, self.ctx)
         for name in self.stages:
             self._switch([name], "offload")
@@ -213,8 +216,11 @@ class Worker(SyncEdges):
         }
 
     def teardown(self) -> None:
-        """Each stage's ``teardown``; errors are reported, not raised (the run is ending)."""
-        for name, st in self.stages.items():
+        """The ``teardown`` of each stage whose setup began (one whose setup never ran, because an
+        earlier one failed, holds nothing to release); errors are reported, not raised (the run
+        is ending)."""
+        for name in self._set_up:
+            st = self.stages[name]
             try:
                 st.teardown()
             except Exception:

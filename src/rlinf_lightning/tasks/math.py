@@ -179,7 +179,11 @@ class MathTask(Task):
     def _turn_problems(self) -> list[tuple[str, str]]:
         from rlinf_lightning.tools.loop import environment_problems
 
-        problems = environment_problems(self.environment, self.tools)
+        try:  # the environment's reset is tried on the first training problem (read by now)
+            first = self.train[0].prompt if self.environment is not None else None
+        except (DataError, IndexError, OSError):
+            first = None  # the data's own problem is reported by key
+        problems = environment_problems(self.environment, self.tools, first)
         for key in ("max_turns", "max_response_tokens"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 problems.append((key, f"must be >= 1, got {getattr(self, key)}"))

@@ -19,7 +19,67 @@ keep state across the sample's turns. :class:`ToolEnvironment` is the one ``task
 
 from __future__ import annotations
 
+import numbers
+from typing import Any
+
+from rlinf_lightning.errors import RunError
 from rlinf_lightning.tools.tool import TOOLS, MalformedCall, Tool
+
+#: each method of the contract, as a broken-contract message states it
+CONTRACT = {
+    "reset": "return the prompt text (str)",
+    "step": "return (reply: str, done: bool)",
+    "reward": "return a number",
+}
+
+
+class ContractError(RunError):
+    """An environment broke its contract while the run was going: one line naming the contract,
+    the class and what it returned (a stage ends the run with it, with no traceback)."""
+
+
+def _got(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def broken(env: Any, method: str, value: Any) -> str:
+    """``"LookupCalc.step must return (reply: str, done: bool), got str '42'"``."""
+    return f"{type(env).__qualname__}.{method} must {CONTRACT[method]}, got {_got(value)}"
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy's too
+
+
+def checked_reset(env: Any, problem: str) -> str:
+    """``env.reset(problem)``, or :class:`ContractError` when it raises or returns no text."""
+    try:
+        text = env.reset(problem)
+    except Exception as exc:  # noqa: BLE001 - the user's code: named, not a stage traceback
+        raise ContractError(
+            f"task.environment: {type(env).__qualname__}.reset raised {type(exc).__name__}: {exc} "
+            f"(problem {problem[:60]!r})"
+        ) from exc
+    if not isinstance(text, str):
+        raise ContractError(f"task.environment: {broken(env, 'reset', text)}")
+    return text
+
+
+def checked_step(env: Any, value: Any) -> tuple[str, bool]:
+    """What ``env.step`` returned, as ``(reply, done)``, or :class:`ContractError` when it is not
+    a pair of a string and a bool (a bare string ``"42"`` would unpack as reply ``"4"``, done ``"2"``)."""
+    pair = isinstance(value, tuple | list) and len(value) == 2
+    if not (pair and isinstance(value[0], str) and _is_bool(value[1])):
+        raise ContractError(f"task.environment: {broken(env, 'step', value)}")
+    return value[0], bool(value[1])
+
+
+def checked_reward(env: Any, value: Any) -> float:
+    """What ``env.reward`` returned, as a float, or :class:`ContractError`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ContractError(f"task.environment: {broken(env, 'reward', value)}")
+    return float(value)
 
 
 class Environment:

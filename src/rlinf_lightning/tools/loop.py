@@ -40,7 +40,7 @@ from rlinf_lightning.engines.sampling import end_token_ids, stop_string_end
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.prompts import PromptFormat
 from rlinf_lightning.seeds import row_seed
-from rlinf_lightning.tools.environment import ToolEnvironment
+from rlinf_lightning.tools.environment import ToolEnvironment, checked_reset, checked_reward, checked_step
 from rlinf_lightning.tools.tool import Outcome, run_abandonable
 
 log = logging.getLogger(__name__)
@@ -85,27 +85,48 @@ def environment_factory(spec: dict[str, Any] | None, tools: list[str]) -> Callab
     return lambda: cls(**kwargs)
 
 
-def environment_problems(spec: Any, tools: list[str]) -> list[tuple[str, str]]:
-    """``(key, problem)`` for an environment that cannot be built (checked before any worker
-    starts: the class imports, it has ``step``, and an instance builds), or unknown tools."""
+def environment_problems(spec: Any, tools: list[str], problem: str | None = None) -> list[tuple[str, str]]:
+    """``(key, problem)`` for an environment that cannot be built or breaks its contract (checked
+    before any worker starts: the class imports, it has ``step``, an instance builds, and its
+    ``reset`` of ``problem``, the first training problem, returns the prompt text), or unknown tools."""
     from rlinf_lightning.tools.tool import TOOLS
 
     problems = [("tools", TOOLS.unknown_message(t)) for t in tools if t not in TOOLS]
-    if spec is None:
-        return problems
+    why = _environment_problem(spec, tools, problem) if spec is not None else None
+    return problems + ([("environment", why)] if why else [])
+
+
+def _environment_problem(spec: Any, tools: list[str], problem: str | None) -> str | None:
+    from rlinf_lightning.tools.environment import broken
+
     if tools:
-        return problems + [("environment", "set task.tools or task.environment, not both "
-                            "(an environment builds its own tools)")]  # fmt: skip
-    if not isinstance(spec, dict) or "class_path" not in spec:
-        return problems + [("environment", f"must be {{class_path, init_args}}, got {spec!r}")]
+        return "set task.tools or task.environment, not both (an environment builds its own tools)"
+    if not isinstance(spec, dict) or not isinstance(spec.get("class_path"), str):
+        return f"must be {{class_path, init_args}}, got {spec!r}"
+    if extra := sorted(set(spec) - {"class_path", "init_args"}):
+        return (
+            f"{extra[0]!r} is not class_path or init_args: an argument of the class goes under "
+            f"init_args (--task.environment.init_args.{extra[0]}=...)"
+        )
+    path = spec["class_path"]
     try:
-        env = environment_factory(spec, tools)()
+        factory = environment_factory(spec, tools)
+    except (ImportError, AttributeError, ValueError) as exc:
+        return f"cannot import {path!r} ({type(exc).__name__}: {exc}); give an importable module.Class"
+    try:
+        env = factory()
     except Exception as exc:  # noqa: BLE001 - the user's class: any failure is reported by key
-        return problems + [("environment", f"cannot build {spec['class_path']}: {type(exc).__name__}: {exc}")]
-    missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
-    if missing:
-        problems.append(("environment", f"{spec['class_path']} has no {' or '.join(missing)} method"))
-    return problems
+        return f"cannot build {path}: {type(exc).__name__}: {exc}"
+    if missing := [m for m in ("reset", "step") if not callable(getattr(env, m, None))]:
+        return f"{path} has no {' or '.join(missing)} method"
+    if problem is None:
+        return None
+    try:
+        text = env.reset(problem)
+    except Exception as exc:  # noqa: BLE001
+        what = f"{type(env).__qualname__}.reset raised {type(exc).__name__}: {exc}"
+        return f"{what} on the first training problem {problem[:60]!r}"
+    return None if isinstance(text, str) else broken(env, "reset", text)
 
 
 @dataclass
@@ -165,7 +186,7 @@ class TurnLoop:
         samples, prompt_ids = [], []
         for problem, group in zip(problems, groups):
             envs = [self.environment() for _ in range(n)]
-            texts = [env.reset(problem) for env in envs]  # each env starts; the first's text is the prompt
+            texts = [checked_reset(env, problem) for env in envs]  # the first's text is the prompt
             (ids,) = prompt_format.encode(tokenizer, texts[:1])
             prompt_ids.append(ids)
             samples += [_Sample(env, ids, group, j) for j, env in enumerate(envs)]
@@ -200,7 +221,7 @@ class TurnLoop:
                 reward = getattr(s.env, "reward", None)
                 if callable(reward):
                     text = tokenizer.decode(final_turn(c), skip_special_tokens=True)
-                    c.reward = float(reward(text, answers[i // n]))
+                    c.reward = checked_reward(s.env, reward(text, answers[i // n]))
         return prompt_ids, [completions[i : i + n] for i in range(0, len(completions), n)]
 
     def _advance(
@@ -262,7 +283,7 @@ class TurnLoop:
         s.calls, s.pending = s.calls + 1, None
         metrics.sum("tools/calls", 1)
         if outcome.status == "ok":
-            reply, done = outcome.value
+            reply, done = checked_step(s.env, outcome.value)
             if done:
                 return self._end(s, "done")
         else:

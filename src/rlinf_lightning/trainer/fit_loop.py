@@ -82,9 +82,13 @@ class FitLoop:
         """The fit; a stage that stops the run or runs out of memory ends it with a
         :class:`RunError` of one line, its traceback in ``run.log`` (``trainer.failures``)."""
         t = self.trainer
-        resume = self._read_checkpoint(ckpt_path)
-        if not ckpt_path and not t.allow_config_change and (problem := collision(t.ckpt_dir, self.config)):
+        # a new run, or one resuming a checkpoint from elsewhere (another run's), must not write
+        # into a directory that holds a run of another configuration; one resuming its own
+        # directory's checkpoint is judged against that checkpoint (``_read_checkpoint``)
+        own = ckpt_path and resolve_checkpoint(ckpt_path, t.ckpt_dir).parent.resolve() == t.ckpt_dir.resolve()
+        if not own and not t.allow_config_change and (problem := collision(t.ckpt_dir, self.config)):
             raise ConfigError([problem])
+        resume = self._read_checkpoint(ckpt_path)
         t.default_root_dir.mkdir(parents=True, exist_ok=True)
         (t.default_root_dir / "config.yaml").write_text(yaml.safe_dump(self.config, sort_keys=False))
         self.run_log = RunLog(t.default_root_dir)

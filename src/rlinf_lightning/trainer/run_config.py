@@ -154,9 +154,10 @@ def algorithm_text(algorithm: Any) -> str:
 
 
 def collision(ckpt_dir: Path, config: dict[str, Any]) -> tuple[str, str] | None:
-    """``("trainer.default_root_dir", problem)`` when a new run (not resuming) would write into
-    a directory whose newest checkpoint a run of another configuration wrote (one that changes
-    the update; a checkpoint that recorded none, from an older version, is not judged)."""
+    """``("trainer.default_root_dir", problem)`` when a run, new or resuming (from a checkpoint
+    anywhere), would write into a directory whose newest checkpoint a run of another configuration
+    wrote (one that changes the update; a checkpoint that recorded none, from an older version, is
+    not judged)."""
     pointer = ckpt_dir / LAST
     if not pointer.is_file():
         return None

@@ -237,7 +237,8 @@ class RLTrainer:
         for key in positive:
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 p.append((f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}"))
-        for key in ("eval_every", "ckpt_every", "num_threads", "max_staleness", "max_worker_restarts"):
+        nonnegative = ("eval_every", "ckpt_every", "num_threads", "max_staleness", "max_worker_restarts")
+        for key in (*nonnegative, "seed"):  # seed: numpy's and gymnasium's take none below 0
             if getattr(self, key) < 0:
                 p.append((f"trainer.{key}", f"must be >= 0, got {getattr(self, key)}"))
         if self.timeout_s <= 0:

@@ -205,7 +205,8 @@ class TrainStage(Stage):
         self.engine.offload()
 
     def teardown(self) -> None:
-        self.engine.shutdown()
+        if hasattr(self, "engine"):  # not when building it failed
+            self.engine.shutdown()
 
     @property
     def sharded(self) -> bool:

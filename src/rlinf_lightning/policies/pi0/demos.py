@@ -113,17 +113,52 @@ def record_demos(
 
 def load_demos(path: str | Path) -> tuple[TensorDict, dict[str, str]]:
     """A demo file as a ``TensorDict`` of batch ``[N]`` (``obs`` a nested one, ``action``,
-    ``action_mask``, ``episode``) and its metadata."""
+    ``action_mask``, ``episode``) and its metadata; :class:`DataError` naming the file and what
+    in it does not follow the format (the module docstring)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    with safe_open(str(path), "pt") as f:
-        meta = dict(f.metadata() or {})
-    tensors = load_file(str(path))
+    from rlinf_lightning.errors import DataError
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = dict(f.metadata() or {})
+        tensors = load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 (safetensors raises its own error types)
+        raise DataError(
+            f"{path}: not a readable safetensors file ({exc}); write it with rlinf demos"
+        ) from None
     missing = [k for k in ("action", "action_mask", "episode") if k not in tensors]
     if missing:
-        raise ValueError(f"{path}: not a demonstration file (no {', '.join(missing)})")
+        raise DataError(f"{path}: not a demonstration file (no {', '.join(missing)}; rlinf demos writes one)")
+    if why := _format_problem(tensors, meta):
+        raise DataError(f"{path}: {why}")
     n = tensors["action"].shape[0]
     obs = TensorDict({k[4:]: v for k, v in tensors.items() if k.startswith("obs.")}, batch_size=[n])
     rest = {k: tensors[k] for k in ("action", "action_mask", "episode")}
     return TensorDict({"obs": obs, **rest}, batch_size=[n]), meta
+
+
+def _format_problem(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str | None:
+    """What in a demonstration file's tensors and metadata breaks the format, or ``None``."""
+    action, mask = tensors["action"], tensors["action_mask"]
+    if action.dim() != 3 or not action.is_floating_point():
+        return f"action must be float [N, chunk, action_dim], got {action.dtype} {list(action.shape)}"
+    n, chunk = action.shape[:2]
+    if mask.dtype != torch.bool or list(mask.shape) != [n, chunk]:
+        return f"action_mask must be bool [{n}, {chunk}] (N, chunk), got {mask.dtype} {list(mask.shape)}"
+    if list(tensors["episode"].shape) != [n]:
+        return f"episode must be [{n}], got {list(tensors['episode'].shape)}"
+    obs = {k[4:]: v for k, v in tensors.items() if k.startswith("obs.")}
+    if not obs:
+        return "no observation entries (obs.<key>)"
+    if bad := [k for k, v in obs.items() if v.dim() == 0 or v.shape[0] != n]:
+        return f"obs.{bad[0]} has {list(obs[bad[0]].shape)}, not {n} rows like action"
+    for key in ("image_keys", "state_keys"):
+        try:
+            names = json.loads(meta.get(key, "[]" if key == "image_keys" else '["state"]'))
+        except ValueError:
+            return f"metadata {key} is not a JSON list: {meta[key]!r}"
+        if not isinstance(names, list) or any(k not in obs for k in names):
+            return f"metadata {key} names {names!r}, but the observation entries are {sorted(obs)}"
+    return None

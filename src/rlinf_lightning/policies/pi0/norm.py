@@ -51,14 +51,36 @@ class NormStats:
 
     @classmethod
     def load(cls, directory: str | Path) -> NormStats | None:
-        """The statistics saved in ``directory``, or ``None`` where it has none."""
+        """The statistics saved in ``directory``, or ``None`` where it has none; ``ValueError``
+        naming the file when it is not readable as such (openpi's layout, positive deviations)."""
         path = Path(directory) / NORM_FILE
         if not path.is_file():
             return None
-        stats = json.loads(path.read_text())["norm_stats"]
-        state, actions = stats["state"], stats["actions"]
-        return cls(*(torch.tensor(v, dtype=torch.float32) for v in (
-            state["mean"], state["std"], actions["mean"], actions["std"])))  # fmt: skip
+        try:
+            stats = json.loads(path.read_text(encoding="utf-8"))["norm_stats"]
+            state, actions = stats["state"], stats["actions"]
+            out = cls(*(torch.tensor(v, dtype=torch.float32) for v in (
+                state["mean"], state["std"], actions["mean"], actions["std"])))  # fmt: skip
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise ValueError(
+                f"{path}: not a readable {NORM_FILE} ({type(exc).__name__}: {exc}); expected "
+                '{"norm_stats": {"state": {"mean": [...], "std": [...]}, "actions": {...}}}, '
+                "as rlinf sft writes it"
+            ) from None
+        for what, mean, std in (
+            ("state", out.state_mean, out.state_std),
+            ("actions", out.action_mean, out.action_std),
+        ):
+            if (
+                mean.dim() != 1
+                or mean.shape != std.shape
+                or not bool((std > 0).all() and mean.isfinite().all())
+            ):
+                raise ValueError(
+                    f"{path}: its {what} mean and std must be lists of one length, the std positive and "
+                    "everything finite; write it again with rlinf sft"
+                )
+        return out
 
     def save(self, directory: str | Path) -> None:
         stats = {

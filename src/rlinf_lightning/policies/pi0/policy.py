@@ -32,12 +32,12 @@ from tensordict import TensorDict
 from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.policies.lora import LoRA, lora_problems
 from rlinf_lightning.policies.module import RLModule, instructions
+from rlinf_lightning.policies.pi0.directory import HEADS_FILE, directory_problems, norm_size_problem
 from rlinf_lightning.policies.pi0.flow import LOGPROB_LEVELS, NOISY_STEPS, flow_noise_logprob
 from rlinf_lightning.policies.pi0.net import Pi0Net
-from rlinf_lightning.policies.pi0.norm import NORM_FILE, NormStats
+from rlinf_lightning.policies.pi0.norm import NormStats
 
 DEFAULT_INSTRUCTION = "do the task"
-HEADS_FILE = "rl_heads.safetensors"  # noise and value heads, beside a saved π0
 
 
 def read_pi0_config(model_path: str) -> dict[str, Any]:
@@ -60,7 +60,8 @@ class Pi0Policy(RLModule):
         model_path: a ``PI0ForConditionalGeneration.save_pretrained`` directory with its tokenizer
             (``tokenizer.json``); a ``rl_heads.safetensors`` there (written by
             :meth:`save_pretrained`) restores the noise and value heads, else they start new; a
-            ``norm_stats.json`` there standardises the state and the actions, else they are raw.
+            ``norm_stats.json`` there standardises the state and the actions (required: see
+            ``normalize``).
         num_denoise_steps: Euler steps ``K`` of the chain (πRL: 4).
         noise_std_range: ``[σ_min, σ_max]`` of the learned per-step noise (πRL: 0.08, 0.16).
         logprob_level: what PPO's ratio is taken of. ``"entry"`` (RLinf's default,
@@ -99,6 +100,10 @@ class Pi0Policy(RLModule):
         lora: LoRA adapters instead of full fine-tuning; targets may be module names (``q_proj``:
             every one) or patterns over full names (``pi0.model.dit.*_proj``: the action expert
             only). The noise and value heads train in full.
+        normalize: standardise the state and the actions with ``model_path``'s
+            ``norm_stats.json``, which must be there and fit the env (``rlinf sft`` writes it);
+            ``false``: run on raw states and actions (a π0 that was never fitted to demonstrations,
+            e.g. ``rlinf prepare``'s tiny one).
     """
 
     #: what ``act`` returns that ``evaluate`` reads back: the denoising chain ``[K+1, H, D]``
@@ -125,6 +130,7 @@ class Pi0Policy(RLModule):
         state_keys: tuple[str, ...] = ("state",),
         action_dim: int | None = None,
         lora: LoRA | None = None,
+        normalize: bool = True,
     ) -> None:
         super().__init__()
         self.model_path = model_path
@@ -140,6 +146,7 @@ class Pi0Policy(RLModule):
         self.image_keys, self.state_keys = list(image_keys), list(state_keys)
         self.action_dim = action_dim
         self.lora = lora
+        self.normalize = normalize
         self.chunk: int | None = None  # from the env (configure_spaces)
         self.obs_dim: int | None = None
         self.model: Pi0Net | None = None
@@ -155,6 +162,8 @@ class Pi0Policy(RLModule):
             read_pi0_config(self.model_path)
         except ValueError as exc:
             problems.append(("model_path", str(exc)))
+        else:
+            problems += [("model_path", p) for p in directory_problems(self.model_path, self.normalize)]
         if self.num_denoise_steps < 1:
             problems.append(("num_denoise_steps", f"must be >= 1, got {self.num_denoise_steps}"))
         low, high = (list(self.noise_std_range) + [0, 0])[:2]
@@ -214,6 +223,8 @@ class Pi0Policy(RLModule):
         )  # fmt: skip
         if problems := [(key, why) for bad, key, why in checks if bad]:
             raise ConfigError(problems[:1])
+        if self.normalize and (why := norm_size_problem(self.model_path, state_dim, action_dim)):
+            raise ConfigError([("policy.model_path", why)])
         self.chunk, self.action_dim, self.obs_dim = chunk, action_dim, state_dim
 
     def configure_model(self) -> None:
@@ -226,16 +237,7 @@ class Pi0Policy(RLModule):
         from transformers import PI0Config, PI0ForConditionalGeneration, PreTrainedTokenizerFast
 
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(self.model_path)
-        self.norm = NormStats.load(self.model_path)
-        if self.norm is not None and (len(self.norm.state_mean), len(self.norm.action_mean)) != (
-            self.obs_dim,
-            self.action_dim,
-        ):
-            raise ValueError(
-                f"policy.model_path: its {NORM_FILE} is for {len(self.norm.state_mean)}-d states and "
-                f"{len(self.norm.action_mean)}-d actions, the env's are {self.obs_dim}-d and "
-                f"{self.action_dim}-d"
-            )
+        self.norm = NormStats.load(self.model_path) if self.normalize else None  # sizes: configure_spaces
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             if torch.empty(0).device.type == "meta":  # parameter_count / LoRA probes: no weights read

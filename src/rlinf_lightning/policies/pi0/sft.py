@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 
+from rlinf_lightning.errors import InputError
 from rlinf_lightning.policies.pi0.demos import load_demos
 from rlinf_lightning.policies.pi0.norm import NormStats
-from rlinf_lightning.policies.pi0.policy import Pi0Policy
+from rlinf_lightning.policies.pi0.policy import Pi0Policy, read_pi0_config
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +57,26 @@ def _beta_sample(u: torch.Tensor, config: Any) -> torch.Tensor:
     return u ** (1.0 / config.time_sampling_beta_alpha)
 
 
-def _policy_for(base_model: str, demos: TensorDict, meta: dict[str, str]) -> Pi0Policy:
+def _policy_for(base_model: str, demos: TensorDict, meta: dict[str, str], source: str = "") -> Pi0Policy:
+    """The π0 of ``base_model`` sized for the demonstrations (read from ``source``): demonstrations
+    it cannot take (chunks longer than its ``chunk_size``, a state over its ``max_state_dim``) are
+    an :class:`InputError` naming ``rlinf sft``'s option, before the model loads."""
     policy = Pi0Policy(base_model, image_keys=json.loads(meta.get("image_keys", "[]")),
                        state_keys=json.loads(meta.get("state_keys", '["state"]')))  # fmt: skip
     policy.default_instruction = meta.get("instruction") or policy.default_instruction
-    policy.configure_spaces(demos["obs"][:2], tuple(demos["action"].shape[1:]))
+    chunk, size = demos["action"].shape[1], read_pi0_config(base_model)["chunk_size"]
+    if chunk > size:
+        raise InputError(
+            f"--train_path {source}: its demonstrations' chunks are {chunk} actions, longer than the "
+            f"chunk_size {size} of the π0 in --base_model {base_model}; record them with "
+            f"rlinf demos --chunk {size}"
+        )
+    try:
+        policy.configure_spaces(demos["obs"][:2], tuple(demos["action"].shape[1:]))
+    except ValueError as exc:
+        raise InputError(
+            f"--train_path {source}: the π0 in --base_model {base_model} cannot take them: {exc}"
+        ) from None
     policy.configure_model()
     return policy
 
@@ -81,7 +97,7 @@ def run_pi0_sft(
     reported."""
     settings = {k: v for k, v in locals().items()}
     demos, meta = load_demos(train_path)
-    policy = _policy_for(base_model, demos, meta)
+    policy = _policy_for(base_model, demos, meta, train_path)
     state = torch.cat([demos["obs"][k].reshape(len(demos), -1).float() for k in policy.state_keys], -1)
     policy.norm = NormStats.of(state, demos["action"].float(), demos["action_mask"])
     model = policy.model.pi0

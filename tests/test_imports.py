@@ -12,7 +12,7 @@ PACKAGE = "rlinf_lightning"
 
 #: lowest first; a top-level module or subpackage may import only from earlier layers (and itself)
 LAYERS = [
-    {"errors", "registry", "judge", "prompts", "assets", "seeds", "console", "malloc"},
+    {"errors", "registry", "judge", "prompts", "assets", "seeds", "console", "malloc", "overrides"},
     {"flow"},
     {"algorithms", "checkpoint", "envs", "loggers", "rewards", "policies", "pretrained"},
     {"engines"},

@@ -65,6 +65,10 @@ _NONNEGATIVE = Range(0.0)
 _POSITIVE_INT = Range(1, integer=True)
 
 #: option name -> its range, for every algorithm that has an option of that name
+#: options that name a file: no range; the workflow reads the file before workers start and names
+#: the option when it cannot (e.g. ``trainer.algorithm.demo_path``)
+FILE_OPTIONS = frozenset({"demo_path"})
+
 OPTION_RANGES: dict[str, Range] = {
     # policy losses
     "clip_eps": Range(0.0, open_low=True, why="the ratio's clip range below 1"),
@@ -107,6 +111,11 @@ OPTION_RANGES: dict[str, Range] = {
     "learning_starts": Range(0, integer=True, why="0: update from the first transitions"),
     "updates_per_step": Range(0.0, open_low=True, why="updates per env step; a learner needs some"),
     "init_alpha": Range(0.0, open_low=True, why="the entropy temperature at the start"),
+    "target_entropy": Range(
+        high=0.0, nullable=True,
+        why="null: -|A|; a tanh-squashed policy's entropy is at most |A| ln 2, so a target near or above it "
+        "makes the temperature grow without end",
+    ),  # fmt: skip
     "critic_subset": Range(1, integer=True, nullable=True, why="null: every critic"),
     "actor_aggregate": Range(choices=("min", "mean")),
     "demo_ratio": _FRACTION,

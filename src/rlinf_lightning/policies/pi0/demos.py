@@ -55,13 +55,16 @@ def record_demos(
     path: str | Path,
     seed: int = 0,
     instruction: str = "reach the goal",
-    state_keys: tuple[str, ...] = ("observation", "desired_goal"),
+    state_keys: tuple[str, ...] | None = None,
     image_keys: tuple[str, ...] = (),
     env: str = "",
 ) -> dict[str, Any]:
     """Run ``expert`` for one episode in each env of ``batch`` (reset with ``seed + i``; closed
     after) and write every step with its next ``chunk`` actions to ``path`` (the format above;
-    ``env`` names the env in its metadata); returns the expert's success rate and the rows."""
+    ``env`` names the env in its metadata); returns the expert's success rate and the rows.
+    ``state_keys`` (the metadata's, what π0 reads as its state) default to a goal env's
+    ``observation`` and ``desired_goal`` (gymnasium-robotics' Fetch tasks), else to every entry
+    that is not an image (ManiSkill's ``state``)."""
     from safetensors.torch import save_file
 
     episodes = batch.num_envs
@@ -103,6 +106,9 @@ def record_demos(
     next_seq = next_seq.exclude("instruction") if "instruction" in next_seq.keys() else next_seq
     tensors |= {f"next_obs.{k}": v.reshape(n * length, *v.shape[2:]).contiguous()
                 for k, v in next_seq.items()}
+    if state_keys is None:
+        goal_env = [k for k in ("observation", "desired_goal") if k in obs_seq.keys()]
+        state_keys = goal_env or [k for k in sorted(obs_seq.keys()) if k not in image_keys]
     meta = {"instruction": instruction, "env": env, "state_keys": json.dumps(list(state_keys)),
             "image_keys": json.dumps(list(image_keys))}  # fmt: skip
     path = Path(path)

@@ -7,16 +7,20 @@ from __future__ import annotations
 import pytest
 
 from rlinf_lightning.algorithms import GRPO
+from rlinf_lightning.engines.rollout import SamplingParams
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.flow.budget import USEFUL_TOKENS, LayerShape, actor_cost
 from rlinf_lightning.policies import LMPolicy
 from rlinf_lightning.policies.chunked_head import LogitMap
 from rlinf_lightning.workflows.reasoning.actor import ActorStage
+from rlinf_lightning.workflows.specs import BudgetSpec, RolloutSpec, RunSpec
 
 GIB = 2**30
 QWEN_05B = LayerShape(hidden=896, intermediate=4864, layers=24, vocab=151936)
 QWEN_05B_PARAMS = 494_032_768
 H200_BYTES = 150_754_820_096  # torch.cuda.get_device_properties(0).total_memory on the H200
+#: samples of up to 256 new tokens after prompts of up to 64, 32 prompt groups an iteration
+ROLLOUT = RolloutSpec(sampling=SamplingParams(max_new_tokens=256), prompts=32, max_prompt_tokens=64)
 
 
 def test_the_predictor_is_within_15_percent_of_the_h200_peaks():
@@ -35,8 +39,7 @@ def test_the_predictor_is_within_15_percent_of_the_h200_peaks():
 def test_the_budget_for_a_141_gb_device_predicts_at_most_80_percent(qwen_dir):
     policy = LMPolicy(str(qwen_dir))
     assert policy.parameter_count() == QWEN_05B_PARAMS
-    actor = ActorStage(policy, GRPO(), TrainSpec("single", {}, "bf16-mixed"), 1.0, None, None, 256, 32,
-                       max_prompt_tokens=64)  # fmt: skip
+    actor = ActorStage(policy, RunSpec(GRPO(), TrainSpec("single", {}, "bf16-mixed")), ROLLOUT)
     budget = actor.choose_budget("cuda:0", 0.8 * H200_BYTES, 1, 256)
     assert budget.peak <= 0.8 * H200_BYTES
     parts = actor.memory("cuda:0", 1, 256, budget=budget)
@@ -52,8 +55,7 @@ def test_the_budget_for_a_141_gb_device_predicts_at_most_80_percent(qwen_dir):
 
 def test_a_small_device_turns_checkpointing_on_and_a_tiny_one_is_refused(qwen_dir):
     policy = LMPolicy(str(qwen_dir))
-    actor = ActorStage(policy, GRPO(), TrainSpec("single", {}, "bf16-mixed"), 1.0, None, None, 256, 32,
-                       max_prompt_tokens=64)  # fmt: skip
+    actor = ActorStage(policy, RunSpec(GRPO(), TrainSpec("single", {}, "bf16-mixed")), ROLLOUT)
     static = sum(p.nbytes for p in actor.memory("cuda:0", 1, 256))
     budget = actor.choose_budget("cuda:0", static + 8 * GIB, 1, 256)  # 8 GiB beside the state
     assert budget.checkpointing and budget.checkpointing_chosen and USEFUL_TOKENS <= budget.tokens
@@ -80,7 +82,7 @@ def test_on_fsdp_the_budget_counts_whole_logits(qwen_dir):
     for engine in ("single", "fsdp"):
         train = TrainSpec(engine, {}, "bf16-mixed")
         policy = LMPolicy(str(qwen_dir))
-        actor = ActorStage(policy, GRPO(), train, 1.0, None, None, 256, 32, max_prompt_tokens=64)
+        actor = ActorStage(policy, RunSpec(GRPO(), train), ROLLOUT)
         costs[engine] = actor.budget_cost("cuda:0", 0.0, False)
     assert costs["fsdp"].per_token > costs["single"].per_token + 4 * QWEN_05B.vocab  # the logits a token
     assert costs["fsdp"].fixed == 0 < costs["single"].fixed  # no chunk
@@ -88,8 +90,8 @@ def test_on_fsdp_the_budget_counts_whole_logits(qwen_dir):
 
 def test_a_configured_budget_is_kept_and_its_peak_counted(qwen_dir):
     policy = LMPolicy(str(qwen_dir), logit_chunk_tokens=None)
-    actor = ActorStage(policy, GRPO(), TrainSpec("single", {}, "bf16-mixed"), 1.0, None, 32768, 256, 32,
-                       max_prompt_tokens=64)  # fmt: skip
+    train = TrainSpec("single", {}, "bf16-mixed")
+    actor = ActorStage(policy, RunSpec(GRPO(), train), ROLLOUT, BudgetSpec(max_tokens=32768))
     assert actor.choose_budget("cuda:0", 1 * GIB, 1, 256) is None and actor.max_tokens == 32768
     parts = actor.memory("cuda:0", 1, 256)
     assert "32,768 tokens (task.train_max_tokens_per_micro_batch)" in parts[-1].what

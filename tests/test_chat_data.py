@@ -121,11 +121,11 @@ def test_rollout_stage_generates_from_the_chat_prompt(chat_model):
     from rlinf_lightning.flow.stage import StageContext
     from rlinf_lightning.policies import LMPolicy
     from rlinf_lightning.workflows.reasoning.rollout import RolloutStage
+    from rlinf_lightning.workflows.specs import RolloutSpec, RunSpec
 
     fmt = PromptFormat("{prompt} Answer:")
-    stage = RolloutStage(
-        LMPolicy(str(chat_model)), "hf", SamplingParams(max_new_tokens=4), 2, 0, prompt_format=fmt
-    )
+    spec = RolloutSpec(sampling=SamplingParams(max_new_tokens=4), prompt_format=fmt)
+    stage = RolloutStage(LMPolicy(str(chat_model)), RunSpec(), spec)
     stage.setup(StageContext())
     batch = TensorDict({"prompt": ["1+1?"], "answer": ["2"], "group_id": [0]}, batch_size=[1])
     out = stage.process(batch)

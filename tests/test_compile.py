@@ -11,11 +11,16 @@ import torch
 
 from rlinf_lightning.algorithms import GRPO
 from rlinf_lightning.engines import HFRolloutEngine
+from rlinf_lightning.engines.rollout import SamplingParams
 from rlinf_lightning.engines.train import TrainSpec, compile_seconds
 from rlinf_lightning.flow.stage import StageContext
 from rlinf_lightning.policies import LMPolicy
 from rlinf_lightning.workflows.reasoning.actor import ActorStage
+from rlinf_lightning.workflows.specs import RolloutSpec, RunSpec
 from test_lora import _rollout
+
+#: the samples' temperature (the rollout's)
+T08 = RolloutSpec(sampling=SamplingParams(temperature=0.8))
 
 
 @pytest.mark.slow
@@ -29,7 +34,7 @@ def test_a_compiled_actor_trains_as_eager_and_reports_compile_seconds(assets):
     results = {}
     for compiled in (False, True):
         spec = TrainSpec("single", compile=compiled)
-        actor = ActorStage(LMPolicy(str(assets["sft"]), lr=1e-3), GRPO(), spec, 0.8, None)
+        actor = ActorStage(LMPolicy(str(assets["sft"]), lr=1e-3), RunSpec(GRPO(), spec), T08)
         actor.setup(StageContext())
         actor.begin_iteration(1)
         metrics, grads = [], None

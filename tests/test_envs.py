@@ -8,6 +8,7 @@ import torch
 
 from rlinf_lightning.envs import make_env
 from rlinf_lightning.envs.time_aware import TimeAware
+from rlinf_lightning.errors import ConfigError
 
 
 def test_a_gymnasium_id_steps_as_an_env_batch():
@@ -123,5 +124,5 @@ def test_time_aware_shows_the_elapsed_time_and_ends_the_episode_at_the_limit():
         env.close()
     endless = make_env("FetchReachDense-v4", 1)
     endless.max_episode_steps = None  # as an env without a time limit declares
-    with pytest.raises(ValueError, match="time_aware needs an env with a time limit"):
+    with pytest.raises(ConfigError, match="task.time_aware: needs an env with a time limit"):
         TimeAware(endless)

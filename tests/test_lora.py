@@ -25,12 +25,15 @@ from rlinf_lightning.policies.lora import LoRA, save_adapters, save_merged
 from rlinf_lightning.policies.vla import TinyVLA
 from rlinf_lightning.workflows.reasoning.actor import ActorStage
 from rlinf_lightning.workflows.reasoning.rollout import pack_samples
+from rlinf_lightning.workflows.specs import RolloutSpec, RunSpec
 from trainer_defaults import logged_metrics, tiny_task, tiny_trainer_kwargs
 
 PROMPTS = ["What is 1+2?=", "What is 33+44?=", "What is 7+40?=", "What is 25+25?="]
 # the HF engine's KV-cached log-probs against the actor's full forward; full fine-tuning's gap is
 # float32 rounding (~1e-6), and the merged weights add rounding of the same order
 LOGPROB_TOLERANCE = 3e-5
+#: the samples' temperature (the rollout's)
+T08 = RolloutSpec(sampling=SamplingParams(temperature=0.8))
 
 
 def _rollout(engine: HFRolloutEngine, tok, temperature: float = 0.8, seed: int = 0) -> TensorDict:
@@ -45,7 +48,7 @@ def _rollout(engine: HFRolloutEngine, tok, temperature: float = 0.8, seed: int =
 
 
 def _actor(path, lora: LoRA | None, lr: float = 1e-2) -> ActorStage:
-    stage = ActorStage(LMPolicy(str(path), lr=lr, lora=lora), GRPO(), TrainSpec("single"), 0.8, None)
+    stage = ActorStage(LMPolicy(str(path), lr=lr, lora=lora), RunSpec(GRPO(), TrainSpec("single")), T08)
     stage.setup(StageContext())
     stage.begin_iteration(1)  # as a worker does before the first micro-batch
     return stage
@@ -82,8 +85,9 @@ def test_only_adapters_train_and_the_rollout_matches_the_actor_after_a_sync(asse
 
 
 def test_the_memory_estimate_counts_optimizer_state_for_adapters_only(assets):
-    full = ActorStage(LMPolicy(str(assets["sft"])), GRPO(), TrainSpec("single"), 1.0, None)
-    lora = ActorStage(LMPolicy(str(assets["sft"]), lora=LoRA(rank=8)), GRPO(), TrainSpec("single"), 1.0, None)
+    run = RunSpec(GRPO(), TrainSpec("single"))
+    full = ActorStage(LMPolicy(str(assets["sft"])), run, RolloutSpec())
+    lora = ActorStage(LMPolicy(str(assets["sft"]), lora=LoRA(rank=8)), run, RolloutSpec())
     n = full.policy.parameter_count()
     trainable = lora.policy.trainable_parameter_count()
     actor = _actor(assets["sft"], LoRA(rank=8))
@@ -283,7 +287,7 @@ def _launch_actor(assets, engine: str, replicas: int):
     from rlinf_lightning.strategies import STRATEGIES, Resources
 
     policy = LMPolicy(str(assets["sft"]), lr=1e-2, lora=LoRA(rank=4, alpha=8))
-    actor = ActorStage(policy, GRPO(), TrainSpec(engine), 0.8, None)
+    actor = ActorStage(policy, RunSpec(GRPO(), TrainSpec(engine)), T08)
     wf = Workflow("train").chain(actor).role("train", "actor")
     plan = STRATEGIES.resolve("collocated").plan(
         wf, Resources(replicas, threads_per_slot=1), BatchShape(16, 8)

@@ -26,6 +26,7 @@ from rlinf_lightning.policies.model_dir import config_shapes
 from rlinf_lightning.strategies import STRATEGIES, HybridStrategy, Resources
 from rlinf_lightning.tasks.data import make_arithmetic_splits
 from rlinf_lightning.workflows.reasoning.actor import ActorStage
+from rlinf_lightning.workflows.specs import RolloutSpec, RunSpec
 from trainer_defaults import cli_fit_args, scaled
 
 
@@ -69,7 +70,7 @@ def test_actor_estimate_is_what_its_engine_allocates(tiny, precision, per_parame
     are autocast's bf16 weight copies, alive only inside a forward and backward, so they are not
     measured here."""
     policy = LMPolicy(str(tiny["sft"]))
-    actor = ActorStage(policy, GRPO(), TrainSpec("single", {}, precision), 1.0, None)
+    actor = ActorStage(policy, RunSpec(GRPO(), TrainSpec("single", {}, precision)), RolloutSpec())
     estimate = actor.memory_bytes("cpu", 1, 8)
     assert estimate == policy.parameter_count() * per_parameter
 

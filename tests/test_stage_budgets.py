@@ -11,6 +11,7 @@ import pytest
 
 from rlinf_lightning import RLTrainer
 from rlinf_lightning.algorithms import GRPO, PPO
+from rlinf_lightning.engines.rollout import SamplingParams
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.flow.token_budget import TokenBudget
@@ -19,25 +20,28 @@ from rlinf_lightning.workflows.critic import CriticStage
 from rlinf_lightning.workflows.reasoning.actor import ActorStage
 from rlinf_lightning.workflows.reasoning.advantage import AdvantageStage
 from rlinf_lightning.workflows.reasoning.inference import InferenceStage
+from rlinf_lightning.workflows.specs import BudgetSpec, RolloutSpec, RunSpec
 from trainer_defaults import MetricsRecorder, tiny_task, tiny_trainer_kwargs
 
 GIB = 2**30
 H200_BYTES = 150_754_820_096  # torch.cuda.get_device_properties(0).total_memory on the H200
 USABLE = 0.8 * H200_BYTES
 BF16_MIXED = TrainSpec("single", {}, "bf16-mixed")
+#: samples of up to 256 new tokens after prompts of up to 64, 32 prompt groups an iteration
+ROLLOUT = RolloutSpec(sampling=SamplingParams(max_new_tokens=256), prompts=32, max_prompt_tokens=64)
 
 
 def _critic(model_dir, max_tokens=None) -> CriticStage:
     ppo = PPO().on_tokens()
-    return CriticStage(ValueModel(str(model_dir)), AdvantageStage(ppo, 256), BF16_MIXED, None, max_tokens,
-                       32, 0, max_prompt_tokens=64, horizon=256)  # fmt: skip
+    advantage, run = AdvantageStage(ppo, 256), RunSpec(ppo, BF16_MIXED)
+    return CriticStage(ValueModel(str(model_dir)), advantage, run, ROLLOUT, BudgetSpec(max_tokens=max_tokens))
 
 
 def test_the_inference_budget_on_a_141_gb_device_is_larger_than_the_actors(qwen_dir, caplog):
     """4,096 samples of 64 + 256 tokens a message, so that neither budget is the whole message."""
     policy = LMPolicy(str(qwen_dir))
-    actor = ActorStage(policy, GRPO(kl_coef=0.01), BF16_MIXED, 1.0, None, None, 256, 32, max_prompt_tokens=64)
-    inference = InferenceStage(policy, GRPO(kl_coef=0.01), 1.0, None, max_prompt_tokens=64, horizon=256)
+    actor = ActorStage(policy, RunSpec(GRPO(kl_coef=0.01), BF16_MIXED), ROLLOUT)
+    inference = InferenceStage(policy, RunSpec(GRPO(kl_coef=0.01)), ROLLOUT)
     with caplog.at_level(logging.INFO, logger="rlinf_lightning.flow.budget"):
         actors = actor.choose_budget("cuda:0", USABLE, 1, 4096)
         chosen = inference.choose_budget("cuda:0", USABLE, 1, 4096)
@@ -53,14 +57,13 @@ def test_the_inference_budget_on_a_141_gb_device_is_larger_than_the_actors(qwen_
     assert inference.max_tokens is None and inference.memory("cuda:0", 1, 4096)[-1].what.startswith("float32")
 
     # without a KL term there is no reference, so nothing to size
-    idle = InferenceStage(policy, GRPO(), 1.0, None, max_prompt_tokens=64, horizon=256)
+    idle = InferenceStage(policy, RunSpec(GRPO()), ROLLOUT)
     assert idle.choose_budget("cuda:0", USABLE, 1, 4096) is None
 
 
 def test_a_critic_budget_is_chosen_and_logged_and_its_peak_counted(qwen_dir, caplog):
     critic = _critic(qwen_dir)
-    actor = ActorStage(LMPolicy(str(qwen_dir), logit_chunk_tokens=None), GRPO(), BF16_MIXED, 1.0, None, None,
-                       256, 32, max_prompt_tokens=64)  # fmt: skip
+    actor = ActorStage(LMPolicy(str(qwen_dir), logit_chunk_tokens=None), RunSpec(GRPO(), BF16_MIXED), ROLLOUT)
     with caplog.at_level(logging.INFO, logger="rlinf_lightning.flow.budget"):
         chosen = critic.choose_budget("cuda:0", USABLE, 1, 4096)
         actors = actor.choose_budget("cuda:0", USABLE, 1, 4096)
@@ -96,13 +99,14 @@ def test_a_small_device_turns_the_critics_checkpointing_on_unless_configured(qwe
     kept = critic.choose_budget("cuda:0", static + 4 * GIB, 1, 256)
     assert not kept.checkpointing and kept.tokens < chosen.tokens
     # the inference stage trains nothing: it never offers checkpointing
-    inference = InferenceStage(LMPolicy(str(qwen_dir)), GRPO(kl_coef=0.01), 1.0, None, max_prompt_tokens=64)
+    rollout = RolloutSpec(sampling=SamplingParams(max_new_tokens=1), max_prompt_tokens=64)
+    inference = InferenceStage(LMPolicy(str(qwen_dir)), RunSpec(GRPO(kl_coef=0.01)), rollout)
     assert inference.checkpointing_options() == [False] and not inference.checkpointing_configured()
 
 
 def test_a_stage_that_cannot_fit_one_sample_is_refused_naming_its_key(qwen_dir):
     policy = LMPolicy(str(qwen_dir))
-    inference = InferenceStage(policy, GRPO(kl_coef=0.01), 1.0, None, max_prompt_tokens=64, horizon=256)
+    inference = InferenceStage(policy, RunSpec(GRPO(kl_coef=0.01)), ROLLOUT)
     key, why = inference.choose_budget("cuda:0", 2.5 * GIB, 1, 256)  # the weights and little else
     assert key == "task.inference_max_tokens_per_micro_batch" and "\n" not in why
     assert why.startswith("not one sample of 320 tokens fits the inference's device")
@@ -118,8 +122,9 @@ def test_the_plans_memory_check_refuses_an_inference_that_cannot_fit(assets, tmp
     policy = LMPolicy(str(assets["sft"]))
     task = tiny_task(assets, train_micro_batch_size=None, train_max_tokens_per_micro_batch=4096)
     trainer = RLTrainer(**tiny_trainer_kwargs(tmp_path, algorithm=GRPO(kl_coef=0.01)))
-    inference = InferenceStage(policy, GRPO(kl_coef=0.01), 1.0, None, 64, 16)
-    state = sum(p.nbytes for p in ActorStage(policy, GRPO(), TrainSpec(), 1.0, None).memory("cpu", 1, 16))
+    rollout = RolloutSpec(sampling=SamplingParams(max_new_tokens=16), max_prompt_tokens=64)
+    inference = InferenceStage(policy, RunSpec(GRPO(kl_coef=0.01)), rollout)
+    state = sum(p.nbytes for p in ActorStage(policy, RunSpec(GRPO()), RolloutSpec()).memory("cpu", 1, 16))
     state += sum(p.nbytes for p in inference.memory("cpu", 1, 16))
     monkeypatch.setattr(memory, "host_memory", lambda: int(state / 0.8) + 4096)
     with pytest.raises(ConfigError) as info:
@@ -170,7 +175,8 @@ def test_an_inference_cut_by_its_budget_gives_the_whole_forwards_log_probs(asset
     batch = TensorDict(pack_samples(prompts, completions, pad_id=0), batch_size=[6])
     out = {}
     for budget in (None, 24):
-        stage = InferenceStage(LMPolicy(str(assets["sft"])), GRPO(kl_coef=0.01), 1.0, budget)
+        run, budgets = RunSpec(GRPO(kl_coef=0.01)), BudgetSpec(max_tokens=budget)
+        stage = InferenceStage(LMPolicy(str(assets["sft"])), run, RolloutSpec(), budgets)
         stage.setup(StageContext("cpu"))
         out[budget] = stage.process(batch.clone())["ref_logprobs"] * batch["response_mask"]
     assert torch.allclose(out[None], out[24], atol=1e-5) and out[24].abs().sum() > 0

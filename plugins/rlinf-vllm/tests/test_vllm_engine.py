@@ -122,10 +122,12 @@ def test_a_lora_actors_merged_weights_sync_partially_and_match(assets, engine):
     from rlinf_lightning.flow.stage import StageContext
     from rlinf_lightning.policies.lora import LoRA
     from rlinf_lightning.workflows.reasoning.actor import ActorStage
+    from rlinf_lightning.workflows.specs import RolloutSpec, RunSpec
 
     lora = LoRA(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
     policy = LMPolicy(str(assets["sft"]), lr=1e-2, lora=lora)
-    actor = ActorStage(policy, GRPO(), TrainSpec("single"), 0.8, None)
+    rollout = RolloutSpec(sampling=SamplingParams(temperature=0.8))
+    actor = ActorStage(policy, RunSpec(GRPO(), TrainSpec("single")), rollout)
     actor.setup(StageContext())
     tok = actor.policy.load_tokenizer()
     ids = _ids(tok)

@@ -37,10 +37,57 @@ DEFAULT_READS = frozenset({"rewards", "group_ids"})
 
 class Algorithm:
     """Base of every algorithm: a dataclass whose fields are its options (``algorithms.options``
-    checks their ranges). ``reads`` names the inputs it needs from the workflow."""
+    checks their ranges). ``reads`` names the inputs it needs from the workflow.
+
+    The attributes below are what the workflows read; their values here are "off" (one update,
+    no KL, no correction), so an algorithm declares only the options it has, and a workflow reads
+    each one plainly. An object that is no subclass is checked once, when the workflow is built
+    (:func:`interface_problems`)."""
 
     reads: frozenset[str] = DEFAULT_READS
     needs_reference: bool = False
+    # -- the reasoning workflow's actor, advantage and critic stages --------------------------
+    kl_coef: float = 0.0
+    kl_in_reward: bool = False
+    kl_target: float | None = None
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None
+    off_policy_correction: str = "none"
+    norm_adv: bool = False
+    ppo_epochs: int = 1
+    num_mini_batches: int = 1
+    updates_per_batch: int = 1
+    overlong_buffer: float = 0.0
+    max_sampling_rounds: int = 0
+    critic_warmup: int = 0
+    value_clip: float | None = None
+    vf_coef: float = 1.0
+    # -- the embodied workflow's actor (env steps) ------------------------------------------------
+    update_epochs: int = 1
+    num_minibatches: int = 1
+    target_kl: float | None = None
+
+    def on_tokens(self) -> Algorithm:
+        """These options as the reasoning workflow runs them, one step per token (itself here;
+        PPO's env-step options become a token-level algorithm)."""
+        return self
+
+
+#: what a workflow reads of an algorithm: :class:`Algorithm`'s declared attributes and methods
+INTERFACE: tuple[str, ...] = (*Algorithm.__annotations__, "on_tokens")
+
+
+def interface_problems(algorithm: Any) -> list[tuple[str, str]]:
+    """``[("trainer.algorithm", problem)]`` naming the declared attributes ``algorithm`` lacks
+    (:data:`INTERFACE`); empty for every :class:`Algorithm`."""
+    missing = [name for name in INTERFACE if not hasattr(algorithm, name)]
+    if not missing:
+        return []
+    why = (
+        f"{type(algorithm).__name__} lacks {', '.join(missing)}; subclass "
+        "rlinf_lightning.algorithms.Algorithm (its defaults switch each off)"
+    )
+    return [("trainer.algorithm", why)]
 
 
 def reads(*names: str) -> Callable[[F], F]:
@@ -66,7 +113,7 @@ def unserved(
 ) -> list[tuple[str, str]]:
     """``[("trainer.algorithm", problem)]`` when ``algorithm`` reads an input the ``workflow``
     does not provide (``fix`` says how to provide it); empty when it is served."""
-    missing = sorted(set(getattr(algorithm, "reads", DEFAULT_READS)) - set(provided))
+    missing = sorted(set(algorithm.reads) - set(provided))
     if not missing:
         return []
     what = "; ".join(f"{m} ({INPUTS.get(m, 'undeclared')})" for m in missing)

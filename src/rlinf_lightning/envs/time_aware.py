@@ -16,6 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.envs.base import EnvBatch, Step
+from rlinf_lightning.errors import ConfigError
 
 #: the observation entry: ``[num_envs, 1]`` float32, steps taken in the episode / its time limit
 TIME_KEY = "time"
@@ -28,7 +29,8 @@ class TimeAware(EnvBatch):
     def __init__(self, env: EnvBatch) -> None:
         if env.max_episode_steps is None:
             env.close()
-            raise ValueError("time_aware needs an env with a time limit (max_episode_steps)")
+            why = "needs an env with a time limit (max_episode_steps); set it in task.env_kwargs"
+            raise ConfigError([("task.time_aware", why)])
         self.env = env
         self.num_envs, self.action_shape = env.num_envs, env.action_shape
         self.action_low, self.action_high = env.action_low, env.action_high

@@ -11,6 +11,7 @@ from tensordict import TensorDict
 
 if TYPE_CHECKING:
     from rlinf_lightning.policies.lora import LoRA
+    from rlinf_lightning.policies.model_dir import CausalLMShape
 
 #: parameter dtypes a policy (``LMPolicy.dtype``) or a rollout engine (``task.rollout_dtype``) takes
 DTYPES = ("float32", "bfloat16", "float16")
@@ -39,6 +40,9 @@ class RLModule(torch.nn.Module):
     #: ``action``): what the action was drawn through, e.g. a flow policy's denoising chain. The
     #: embodied workflow carries them from the rollout to the actor with each sample.
     replay_keys: tuple[str, ...] = ()
+    #: tokens per pass through the lm head when a language-model policy takes response log-probs
+    #: in chunks (``LMPolicy``); ``None``: whole (what the memory estimates assume)
+    logit_chunk_tokens: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -119,6 +123,11 @@ class RLModule(torch.nn.Module):
         count = sum(p.numel() for p in probe.parameters())
         self.__dict__["_parameter_count"] = (key, count)
         return count
+
+    def architecture(self) -> CausalLMShape | None:
+        """A language model's parameters and attention shape, for the rollout's KV-cache estimate
+        (``LMPolicy`` reads its config.json); ``None``: not a causal LM, or unknown."""
+        return None
 
     def forward_logprobs(self, batch: TensorDict, temperature: float = 1.0) -> torch.Tensor:
         """Log-probs ``[B, T]`` of the batch's response tokens under the current parameters."""

@@ -1,43 +1,20 @@
 """Task: what a run trains on. It owns its workflow, its iteration inputs and its evaluation, so
 the trainer drives any task the same way (Lightning's ``LightningModule`` owns ``training_step``;
-here the task owns the macro flow). A task never sees the trainer: it gets a :class:`RunSpec`,
-the few facts of the run it needs."""
+here the task owns the macro flow). A task never sees the trainer: it gets a :class:`RunSpec`
+(``workflows.specs``), the few facts of the run it needs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tensordict import TensorDict
 
-from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.workflow import Workflow
+from rlinf_lightning.workflows.specs import RunSpec
 
 if TYPE_CHECKING:
     from rlinf_lightning.launchers.base import Runtime
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What the trainer tells a task about the run (frozen: a task reads it, never changes it).
-
-    Attributes:
-        algorithm: the resolved algorithm object (``trainer.algorithm``).
-        train: how the task's learning stage trains: engine, its options, precision.
-        seed: seeds data order, sampling and initialisation (``trainer.seed``).
-        micro_batch_size: samples per message between stages, as requested
-            (``trainer.micro_batch_size``; ``None``: the strategy chooses).
-        max_staleness: how many versions the rollout's weights may lag behind the synchronous
-            flow's (``trainer.max_staleness``): the workflow's weight sync takes it as its
-            ``staleness``, its learner checks it against the versions its samples carry.
-    """
-
-    algorithm: Any = None
-    train: TrainSpec = field(default_factory=TrainSpec)
-    seed: int = 0
-    micro_batch_size: int | None = None
-    max_staleness: int = 0
 
 
 class Task:

@@ -161,9 +161,10 @@ class EmbodiedTask(Task):
             obs, shape, choices = self._spaces(run.seed)
         except TypeError as exc:
             raise ConfigError([("task.env_kwargs", f"{self.env}: {exc}")]) from exc
-        except ValueError as exc:  # an action space no policy here serves, or no time limit
-            key = "task.time_aware" if "time_aware" in str(exc) else "task.env"
-            raise ConfigError([(key, str(exc))]) from exc
+        except ConfigError:  # the env named its key (task.time_aware without a time limit)
+            raise
+        except ValueError as exc:  # an action space no policy here serves
+            raise ConfigError([("task.env", str(exc))]) from exc
         if self._horizon is not None and self.chunk > self._horizon:
             why = f"{self.chunk} steps per chunk, longer than {self.env}'s episodes ({self._horizon} steps)"
             raise ConfigError([("task.chunk", why)])

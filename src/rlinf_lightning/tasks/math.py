@@ -18,8 +18,9 @@ from rlinf_lightning.flow.batch import BatchShape
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.policies.value import ValueModel
 from rlinf_lightning.prompts import PromptFormat
-from rlinf_lightning.tasks.base import RunSpec, Task
+from rlinf_lightning.tasks.base import Task
 from rlinf_lightning.tasks.data import Problem, is_pattern, load_problems
+from rlinf_lightning.workflows.specs import BudgetSpec, ReasoningSpec, RolloutSpec, RunSpec
 
 if TYPE_CHECKING:
     from rlinf_lightning.launchers.base import Runtime
@@ -312,32 +313,32 @@ class MathTask(Task):
         from rlinf_lightning.workflows.reasoning import reasoning_workflow
 
         self._check_token_budget(policy)
-        return reasoning_workflow(
-            policy=policy,
-            algorithm=run.algorithm,
-            rollout=self.rollout,
-            rollout_dtype=self.rollout_dtype,
-            rollout_engine_options=self.rollout_engine_options,
-            train=run.train,
+        return reasoning_workflow(policy, run, self.workflow_spec(policy))
+
+    def workflow_spec(self, policy: Any) -> ReasoningSpec:
+        """This task's keys as the reasoning workflow reads them, built once per workflow (the
+        training problems are the reserve of an algorithm with dynamic sampling)."""
+        rollout = RolloutSpec(
+            engine=self.rollout,
+            dtype=self.rollout_dtype,
+            engine_options=self.rollout_engine_options,
             sampling=self.sampling,
             group_size=self.group_size,
-            prompts_per_iteration=self.rollout_batch_size // self.group_size,
-            train_micro_batch_size=self.train_micro_batch_size,
-            train_max_tokens_per_micro_batch=self.train_max_tokens_per_micro_batch,
-            inference_max_tokens_per_micro_batch=self.inference_max_tokens_per_micro_batch,
-            reward=self.reward,
-            format_reward=self.format_reward,
-            format_weight=self.format_weight,
-            seed=run.seed,
-            max_staleness=run.max_staleness,
+            prompts=self.rollout_batch_size // self.group_size,
             prompt_format=self.prompt_format,
             max_prompt_tokens=self.longest_prompt_tokens(policy),
             eval_prompts=len(self.test),
-            train_problems=[(p.prompt, p.answer) for p in self.train]
-            if getattr(run.algorithm, "max_sampling_rounds", 0)
-            else None,
-            critic=self.critic,
             turns=self.turns,
+        )
+        return ReasoningSpec(
+            rollout=rollout,
+            actor=BudgetSpec(self.train_micro_batch_size, self.train_max_tokens_per_micro_batch),
+            inference=BudgetSpec(max_tokens=self.inference_max_tokens_per_micro_batch),
+            reward=self.reward,
+            format_reward=self.format_reward,
+            format_weight=self.format_weight,
+            critic=self.critic,
+            train_problems=tuple((p.prompt, p.answer) for p in self.train),
         )
 
     def _check_token_budget(self, policy: Any) -> None:

@@ -30,7 +30,7 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.algorithms.losses import aggregate, clipped_value_loss, masked_mean
-from rlinf_lightning.engines.train import TrainSpec, resolve_train_engine
+from rlinf_lightning.engines.train import resolve_train_engine
 from rlinf_lightning.flow.batch import LOSS_MASK
 from rlinf_lightning.flow.budget import Budget, LayerShape, StepCost, critic_cost
 from rlinf_lightning.flow.metrics import Metrics
@@ -39,6 +39,7 @@ from rlinf_lightning.flow.token_budget import TokenBudget
 from rlinf_lightning.policies.value import ValueModel
 from rlinf_lightning.workflows.mini_batches import mini_batch_steps
 from rlinf_lightning.workflows.padding import micro_batches
+from rlinf_lightning.workflows.specs import BudgetSpec, RolloutSpec, RunSpec
 from rlinf_lightning.workflows.training import TrainStage
 
 if TYPE_CHECKING:
@@ -80,8 +81,8 @@ def _values_of(critic: ValueModel, mb: TensorDict) -> torch.Tensor:
 class CriticStage(TokenBudget, TrainStage):
     """Hosts ``critic`` (a :class:`~rlinf_lightning.policies.ValueModel`) in a train engine and
     ``advantage`` (the workflow's ``AdvantageStage``, whose algorithm reads values) within it; see
-    the module docstring. ``micro_batch_size`` / ``max_tokens``: its forward/backward sizes;
-    ``max_prompt_tokens`` + ``horizon``: its longest sample (for a chosen budget)."""
+    the module docstring. ``budget``: its forward/backward sizes; ``rollout``: its samples' groups
+    per iteration and longest prompt and response (for a chosen budget)."""
 
     name = "critic"
     cost_hint = 0.6  # a forward per sample and the update: about the actor's share, less sampling
@@ -98,21 +99,17 @@ class CriticStage(TokenBudget, TrainStage):
         self,
         critic: ValueModel,
         advantage: AdvantageStage,
-        train: TrainSpec,
-        micro_batch_size: int | None,
-        max_tokens: int | None,
-        prompts_per_iteration: int,
-        seed: int,
-        max_prompt_tokens: int | None = None,
-        horizon: int = 1,
+        run: RunSpec,
+        rollout: RolloutSpec,
+        budget: BudgetSpec,
     ) -> None:
-        super().__init__(critic, train)
-        self.max_prompt_tokens, self.horizon = max_prompt_tokens, horizon
+        super().__init__(critic, run.train)
+        self.max_prompt_tokens, self.horizon = rollout.max_prompt_tokens, rollout.horizon
         self.advantage, self.algorithm = advantage, advantage.algorithm
         self.kl_in_reward = advantage.kl_in_reward
         self.in_keys = ("input_ids", "attention_mask", *(k for k in advantage.in_keys if k != "values"))
-        self.micro_batch_size, self.max_tokens = micro_batch_size, max_tokens
-        self.prompts_per_iteration, self.seed = prompts_per_iteration, seed
+        self.micro_batch_size, self.max_tokens = budget.micro_batch_size, budget.max_tokens
+        self.prompts_per_iteration, self.seed = rollout.prompts, run.seed
 
     def check_placement(self, replicas: int, own_process: bool) -> list[tuple[str, str]]:
         if resolve_train_engine(self.train_engine, replicas) == "fsdp":
@@ -157,9 +154,7 @@ class CriticStage(TokenBudget, TrainStage):
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         self.advantage.setup(ctx)
-        self.loss = ValueLoss(
-            getattr(self.algorithm, "value_clip", None), getattr(self.algorithm, "vf_coef", 1.0)
-        )
+        self.loss = ValueLoss(self.algorithm.value_clip, self.algorithm.vf_coef)
         self.metrics = Metrics()
 
     def begin_iteration(self, iteration: int) -> None:

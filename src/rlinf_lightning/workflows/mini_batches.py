@@ -49,7 +49,7 @@ def mini_batch_steps(
     """For each of the algorithm's ``ppo_epochs x num_mini_batches`` optimizer steps, the parts of
     ``kept`` (micro-batches with ``group_id``, the prompt's position in the stream) that it trains
     on (possibly none on this replica)."""
-    epochs, per_pass = getattr(algorithm, "ppo_epochs", 1), getattr(algorithm, "num_mini_batches", 1)
+    epochs, per_pass = algorithm.ppo_epochs, algorithm.num_mini_batches
     first = (iteration - 1) * prompts_per_iteration
     for epoch in range(epochs):
         g = torch.Generator().manual_seed(row_seed(seed, iteration, epoch))

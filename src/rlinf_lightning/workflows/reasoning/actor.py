@@ -10,7 +10,6 @@ from tensordict import TensorDict
 
 from rlinf_lightning.algorithms.losses import kl_penalty
 from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE, resolve_rollout_dtype
-from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.flow.batch import LOSS_MASK
 from rlinf_lightning.flow.budget import Budget, LayerShape, StepCost, actor_cost
 from rlinf_lightning.flow.metrics import Metrics
@@ -21,6 +20,7 @@ from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.workflows.mini_batches import mini_batch_steps
 from rlinf_lightning.workflows.padding import micro_batches
 from rlinf_lightning.workflows.reasoning.advantage import adapted_kl_coef
+from rlinf_lightning.workflows.specs import NO_BUDGET, BudgetSpec, RolloutSpec, RunSpec
 from rlinf_lightning.workflows.training import TrainStage, policy_dtype
 
 #: the truncated-importance-sampling cap a bf16 rollout chosen by ``rollout_dtype: auto`` turns on
@@ -40,17 +40,17 @@ class PolicyLoss:
 
     def __init__(self, algorithm: Any, temperature: float, horizon: int | None = None) -> None:
         self.algorithm, self.temperature, self.horizon = algorithm, temperature, horizon
-        self.kl_coef = getattr(algorithm, "kl_coef", 0.0)
+        self.kl_coef = algorithm.kl_coef
 
     def __call__(self, policy: LMPolicy, mb: TensorDict):
         entropy = None
-        if getattr(self.algorithm, "entropy_coef", 0.0) > 0:  # an entropy bonus: with its gradient
+        if self.algorithm.entropy_coef > 0:  # an entropy bonus: with its gradient
             logp, entropy = policy.forward_logprobs(mb, self.temperature, with_entropy=True)
         else:
             logp = policy.forward_logprobs(mb, self.temperature)
         if "old_logprobs" in mb.keys():
             old = mb["old_logprobs"]
-        elif getattr(self.algorithm, "tis_cap", None) is not None:
+        elif self.algorithm.tis_cap is not None:
             old = logp.detach()  # one step per batch: the actor's log-probs before it
         else:
             old = mb["rollout_logprobs"]
@@ -93,6 +93,10 @@ class ActorStage(TokenBudget, TrainStage):
     importance sampling at :data:`AUTO_TIS_CAP`, correcting the log-prob mismatch the faster
     rollout brings; an explicit ``rollout_dtype`` leaves the algorithm as configured.
 
+    ``run.algorithm`` is the one the workflow runs; ``rollout`` says what the samples are (their
+    temperature, longest prompt and response, prompt groups per iteration, the rollout's dtype);
+    ``budget`` cuts its forward/backward passes.
+
     With neither ``task.train_micro_batch_size`` nor ``task.train_max_tokens_per_micro_batch`` set,
     the plan's memory check chooses its token budget (:class:`TokenBudget`, ``flow.budget``:
     ``actor_cost``), with activation checkpointing where the budget without it would be small and
@@ -119,33 +123,19 @@ class ActorStage(TokenBudget, TrainStage):
     )
 
     def __init__(
-        self,
-        policy: LMPolicy,
-        algorithm: Any,
-        train: TrainSpec,
-        temperature: float,
-        train_micro_batch_size: int | None,
-        train_max_tokens: int | None = None,
-        horizon: int = 1,
-        prompts_per_iteration: int = 1,
-        seed: int = 0,
-        max_staleness: int = 0,
-        rollout_dtype: str | None = None,
-        max_prompt_tokens: int | None = None,
+        self, policy: LMPolicy, run: RunSpec, rollout: RolloutSpec, budget: BudgetSpec = NO_BUDGET
     ) -> None:
-        super().__init__(policy, train, max_staleness)
-        self.max_prompt_tokens = max_prompt_tokens
-        self.rollout_dtype = rollout_dtype
-        self.algorithm, self.temperature = algorithm, temperature
-        self.train_micro_batch_size, self.max_tokens = train_micro_batch_size, train_max_tokens
-        self.horizon, self.prompts_per_iteration, self.seed = horizon, prompts_per_iteration, seed
-        self.updates = getattr(algorithm, "updates_per_batch", 1)
-        self.keeps_batch = self.updates > 1 or getattr(algorithm, "norm_adv", False)
+        super().__init__(policy, run.train, run.max_staleness)
+        algorithm = run.algorithm
+        self.algorithm, self.seed, self.temperature = algorithm, run.seed, rollout.temperature
+        self.max_prompt_tokens, self.rollout_dtype = rollout.max_prompt_tokens, rollout.dtype
+        self.horizon, self.prompts_per_iteration = rollout.horizon, rollout.prompts
+        self.train_micro_batch_size, self.max_tokens = budget.micro_batch_size, budget.max_tokens
+        self.updates = algorithm.updates_per_batch
+        self.keeps_batch = self.updates > 1 or algorithm.norm_adv
         self.end_per_sample = self.keeps_batch  # then every pass runs at the end of the iteration
         self.adaptive_kl = (
-            algorithm.needs_reference
-            and not getattr(algorithm, "kl_in_reward", False)
-            and getattr(algorithm, "kl_target", None) is not None
+            algorithm.needs_reference and not algorithm.kl_in_reward and algorithm.kl_target is not None
         )
         if algorithm.needs_reference:
             self.in_keys = (*self.in_keys, "ref_logprobs")
@@ -171,7 +161,7 @@ class ActorStage(TokenBudget, TrainStage):
         residual, compute = self.step_dtype_bytes(device)
         prompt = self.max_prompt_tokens or 0
         # an FSDP2-sharded lm head takes the whole logits (``LMPolicy.forward_logprobs``)
-        chunk = None if self.train_engine == "fsdp" else getattr(self.policy, "logit_chunk_tokens", None)
+        chunk = None if self.train_engine == "fsdp" else self.policy.logit_chunk_tokens
         return actor_cost(
             shape,
             static,
@@ -186,8 +176,8 @@ class ActorStage(TokenBudget, TrainStage):
     def setup(self, ctx: StageContext) -> None:
         super().setup(ctx)
         alg = self.algorithm
-        corrected = getattr(alg, "off_policy_correction", "none") != "none"  # weights the same tokens
-        if self.rollout_dtype == AUTO_ROLLOUT_DTYPE and getattr(alg, "tis_cap", 0) is None and not corrected:
+        corrected = alg.off_policy_correction != "none"  # weights the same tokens
+        if self.rollout_dtype == AUTO_ROLLOUT_DTYPE and alg.tis_cap is None and not corrected:
             policy = policy_dtype(self.policy)
             if resolve_rollout_dtype(self.rollout_dtype, self.precision, ctx.device, policy) != policy:
                 self.algorithm = dataclasses.replace(self.algorithm, tis_cap=AUTO_TIS_CAP)
@@ -209,12 +199,12 @@ class ActorStage(TokenBudget, TrainStage):
 
     def engine_info(self) -> dict[str, Any]:
         """The train engine's, and the truncated-importance-sampling cap in force (``None``: off)."""
-        return {**super().engine_info(), "tis_cap": getattr(self.algorithm, "tis_cap", None)}
+        return {**super().engine_info(), "tis_cap": self.algorithm.tis_cap}
 
     def begin_iteration(self, iteration: int) -> None:
         super().begin_iteration(iteration)
         self.iteration, self.buffer = iteration, []
-        self.warming_up = iteration <= getattr(self.algorithm, "critic_warmup", 0)
+        self.warming_up = iteration <= self.algorithm.critic_warmup
 
     def process(self, batch: TensorDict) -> None:
         self.check_staleness(self.iteration, batch["policy_version"], self.metrics)
@@ -276,9 +266,9 @@ class ActorStage(TokenBudget, TrainStage):
             b["advantage"] = ((b["advantage"] - mean) / (std + 1e-8)) * b[LOSS_MASK]
 
     def _update_on_kept_batch(self, metrics: Metrics) -> None:
-        if getattr(self.algorithm, "norm_adv", False):
+        if self.algorithm.norm_adv:
             self._whiten()
-        if self.updates > 1 or getattr(self.algorithm, "tis_cap", None) is not None:
+        if self.updates > 1 or self.algorithm.tis_cap is not None:
             for b in self.buffer:  # the behaviour policy: the actor before its first step
                 b["row"] = torch.arange(len(b))
                 chunks = micro_batches(b, self.train_micro_batch_size, self.max_tokens)

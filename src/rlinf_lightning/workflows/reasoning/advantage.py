@@ -30,17 +30,17 @@ class AdvantageStage(Stage):
 
     def __init__(self, algorithm: Any, horizon: int) -> None:
         self.algorithm, self.horizon = algorithm, horizon
-        self.kl_in_reward = algorithm.needs_reference and getattr(algorithm, "kl_in_reward", False)
+        self.kl_in_reward = algorithm.needs_reference and algorithm.kl_in_reward
         self.in_keys = ("reward", "group_id", LOSS_MASK) + (
             ("rollout_logprobs", "ref_logprobs") if self.kl_in_reward else ()
         )
         if "values" in algorithm.reads:  # written by the critic stage that hosts this one
             self.in_keys += ("values",)
-        self.adaptive_kl = self.kl_in_reward and getattr(algorithm, "kl_target", None) is not None
+        self.adaptive_kl = self.kl_in_reward and algorithm.kl_target is not None
 
     def setup(self, ctx: StageContext) -> None:
         self.ctx, self.metrics = ctx, Metrics()
-        self.kl_coef = getattr(self.algorithm, "kl_coef", 0.0)
+        self.kl_coef = self.algorithm.kl_coef
         self.kl_seen = torch.zeros(2, dtype=torch.float64)  # sum of per-token KL, tokens
 
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart]:
@@ -53,7 +53,7 @@ class AdvantageStage(Stage):
         alg, mask = self.algorithm, batch[LOSS_MASK]
         rewards = batch["reward"]
         check_finite(self.name, self.iteration, "rewards", rewards)
-        if getattr(alg, "overlong_buffer", 0.0) > 0:
+        if alg.overlong_buffer > 0:
             penalty = alg.overlong_penalty_of(mask.sum(-1), self.horizon)
             rewards = rewards + penalty
             self.metrics.mean("overlong_penalty", float(penalty.mean()), len(penalty))
@@ -96,7 +96,7 @@ def adapted_kl_coef(ctx: StageContext, algorithm: Any, coef: float, seen: torch.
     """The KL coefficient for the next iteration: ``coef`` unless ``kl_target`` is set, then
     adapted to the mean per-token KL ``seen`` (``[sum, tokens]``, summed over the replicas so every
     replica, and every plan, gets the same coefficient)."""
-    if getattr(algorithm, "kl_target", None) is None:
+    if algorithm.kl_target is None:
         return coef
     total = seen.clone()
     ctx.all_reduce([total])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -17,6 +16,7 @@ from rlinf_lightning.flow.token_budget import TokenBudget
 from rlinf_lightning.policies.chunked_head import LogitMap
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.workflows.padding import token_budget_split
+from rlinf_lightning.workflows.specs import NO_BUDGET, BudgetSpec, RolloutSpec, RunSpec
 
 
 class InferenceStage(TokenBudget, Stage):
@@ -36,16 +36,11 @@ class InferenceStage(TokenBudget, Stage):
     working_what = "a forward's activations and logits"
 
     def __init__(
-        self,
-        policy: LMPolicy,
-        algorithm: Any,
-        temperature: float,
-        max_tokens: int | None = None,
-        max_prompt_tokens: int | None = None,
-        horizon: int = 1,
+        self, policy: LMPolicy, run: RunSpec, rollout: RolloutSpec, budget: BudgetSpec = NO_BUDGET
     ) -> None:
-        self.policy, self.algorithm, self.temperature = policy, algorithm, temperature
-        self.max_tokens, self.max_prompt_tokens, self.horizon = max_tokens, max_prompt_tokens, horizon
+        self.policy, self.algorithm, self.temperature = policy, run.algorithm, rollout.temperature
+        self.max_tokens, self.max_prompt_tokens = budget.max_tokens, rollout.max_prompt_tokens
+        self.horizon = rollout.horizon
 
     def memory(
         self, device: str, replicas: int, micro_batch: int, budget: Budget | None = None
@@ -73,7 +68,7 @@ class InferenceStage(TokenBudget, Stage):
             shape,
             static,
             dtype=dtype_bytes(self.policy.dtype),  # the reference runs in its dtype, no autocast
-            logit_chunk=getattr(self.policy, "logit_chunk_tokens", None),
+            logit_chunk=self.policy.logit_chunk_tokens,
             mapped_logits=not LogitMap.from_dir(self.policy.model_path).identity,
             response_fraction=self.horizon / (prompt + self.horizon),
         )

@@ -4,7 +4,6 @@ them into one padded batch; DAPO's dynamic sampling replaces groups without sign
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -19,11 +18,11 @@ from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.policies.lora import lora_of
-from rlinf_lightning.prompts import PromptFormat
 from rlinf_lightning.rewards import RewardInput
 from rlinf_lightning.seeds import row_seed
-from rlinf_lightning.tools.loop import TurnLoop, final_turn
+from rlinf_lightning.tools.loop import final_turn
 from rlinf_lightning.workflows.reasoning.reward import RewardStage
+from rlinf_lightning.workflows.specs import RolloutSpec, RunSpec
 
 
 def pack_samples(
@@ -79,9 +78,10 @@ class RolloutStage(Stage):
     exchange with its environment (tool replies masked out of the loss); its ``completion`` is the
     final turn's text, the answer the reward reads.
 
-    ``dtype`` is ``task.rollout_dtype``: ``auto`` follows the actor's ``precision`` on this
-    stage's device (``engines.precision.resolve_rollout_dtype``). ``max_prompt_tokens`` (the task's
-    longest prompt) and ``eval_prompts`` (how many it evaluates on) only size the memory estimate.
+    ``spec.dtype`` is ``task.rollout_dtype``: ``auto`` follows the actor's ``precision`` on this
+    stage's device (``engines.precision.resolve_rollout_dtype``). ``spec.max_prompt_tokens`` (the
+    task's longest prompt) and ``spec.eval_prompts`` (how many it evaluates on) only size the
+    memory estimate.
     """
 
     name = "rollout"
@@ -102,27 +102,14 @@ class RolloutStage(Stage):
     def __init__(
         self,
         policy: LMPolicy,
-        engine: str,
-        sampling: SamplingParams,
-        group_size: int,
-        seed: int,
-        prompt_format: PromptFormat | None = None,
-        dtype: str | None = None,
-        max_prompt_tokens: int | None = None,
-        eval_prompts: int = 0,
-        engine_options: dict[str, Any] | None = None,
+        run: RunSpec,
+        spec: RolloutSpec,
         dynamic_sampling: DynamicSampling | None = None,
-        precision: str = "32-true",
-        turns: TurnLoop | None = None,
     ) -> None:
-        self.policy, self.engine_name, self.sampling = policy, engine, sampling
-        self.turns = turns
-        self.dynamic_sampling = dynamic_sampling
-        self.engine_options = dict(engine_options or {})
-        self.group_size, self.seed = group_size, seed
-        self.prompt_format = prompt_format or PromptFormat()
-        self.dtype_setting, self.precision = dtype, precision
-        self.max_prompt_tokens, self.eval_prompts = max_prompt_tokens, eval_prompts
+        self.policy, self.spec, self.dynamic_sampling = policy, spec, dynamic_sampling
+        self.seed, self.precision = run.seed, run.train.precision
+        self.sampling, self.group_size, self.turns = spec.sampling, spec.group_size, spec.turns
+        self.prompt_format = spec.prompt_format
 
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
         """The weights in the rollout dtype, and the KV cache of the largest batch it generates:
@@ -130,15 +117,13 @@ class RolloutStage(Stage):
         dim x dtype bytes``, rows being the larger of a micro-batch's samples and an evaluation
         batch. Not counted: the logits and sampling buffers of a step, and what an engine reserves
         beyond this (vLLM takes ``gpu_memory_utilization`` of the device)."""
-        architecture = getattr(self.policy, "architecture", None)  # an LMPolicy's; unknown otherwise
-        shape = architecture() if architecture is not None else None
+        shape = self.policy.architecture()
         if shape is None:
             return None
         dtype = self.dtype(device)
         size = dtype_bytes(dtype)
-        rows = max(micro_batch, min(self.eval_prompts, EVAL_BATCH_SIZE))
-        response = self.sampling.max_new_tokens if self.turns is None else self.turns.max_tokens
-        tokens = (self.max_prompt_tokens or 0) + response
+        rows = max(micro_batch, min(self.spec.eval_prompts, EVAL_BATCH_SIZE))
+        tokens = (self.spec.max_prompt_tokens or 0) + self.spec.horizon
         kv = rows * tokens * shape.layers * 2 * shape.kv_heads * shape.head_dim * size
         fix = None if size <= 2 else "task.rollout_dtype=bfloat16 (half the rollout's memory)"
         return [
@@ -160,13 +145,14 @@ class RolloutStage(Stage):
 
     def dtype(self, device: str) -> str:
         """The engine's dtype on ``device``."""
-        return resolve_rollout_dtype(self.dtype_setting, self.precision, device, self.policy.dtype)
+        return resolve_rollout_dtype(self.spec.dtype, self.precision, device, self.policy.dtype)
 
     def setup(self, ctx: StageContext) -> None:
         self.tokenizer = self.policy.load_tokenizer()
         self.end_ids = end_token_ids(self.tokenizer)
-        self.engine = ROLLOUT_ENGINES.get(self.engine_name)(
-            self.policy.model_path, device=ctx.device, dtype=self.dtype(ctx.device), **self.engine_options
+        engine, dtype = ROLLOUT_ENGINES.get(self.spec.engine), self.dtype(ctx.device)
+        self.engine = engine(
+            self.policy.model_path, device=ctx.device, dtype=dtype, **self.spec.engine_options
         )
         self.metrics = Metrics()
         if self.dynamic_sampling is not None:

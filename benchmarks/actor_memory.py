@@ -58,13 +58,16 @@ class PeakMemory:
 
 def _stage(model: Path, device: str, budget: int | None, chunk: int | None, prompt: int, new: int):
     from rlinf_lightning.algorithms import GRPO
+    from rlinf_lightning.engines.rollout import SamplingParams
     from rlinf_lightning.engines.train import TrainSpec
     from rlinf_lightning.policies import LMPolicy
     from rlinf_lightning.workflows.reasoning.actor import ActorStage
+    from rlinf_lightning.workflows.specs import BudgetSpec, RolloutSpec, RunSpec
 
     policy = LMPolicy(str(model), lr=1e-6, logit_chunk_tokens=chunk)
     spec = TrainSpec("single", {}, "auto")  # bf16-mixed on a GPU; float32 on a CPU without bf16
-    return ActorStage(policy, GRPO(), spec, 1.0, None, budget, new, max_prompt_tokens=prompt)
+    rollout = RolloutSpec(sampling=SamplingParams(max_new_tokens=new), max_prompt_tokens=prompt)
+    return ActorStage(policy, RunSpec(GRPO(), spec), rollout, BudgetSpec(max_tokens=budget))
 
 
 def bench_defaults(model: Path, args, batch, device_bytes: int) -> dict:
@@ -104,6 +107,7 @@ def other_stages(model: Path, args, batch, device_bytes: int) -> dict:
     forward; a critic step). On a CPU each is measured after the actor's step, whose freed memory the
     process keeps and reuses, so these peaks read low there."""
     from rlinf_lightning.algorithms import GRPO, PPO
+    from rlinf_lightning.engines.rollout import SamplingParams
     from rlinf_lightning.engines.train import TrainSpec
     from rlinf_lightning.flow.budget import DEVICE_FRACTION
     from rlinf_lightning.flow.stage import StageContext
@@ -112,22 +116,17 @@ def other_stages(model: Path, args, batch, device_bytes: int) -> dict:
     from rlinf_lightning.workflows.padding import micro_batches
     from rlinf_lightning.workflows.reasoning.advantage import AdvantageStage
     from rlinf_lightning.workflows.reasoning.inference import InferenceStage
+    from rlinf_lightning.workflows.specs import BudgetSpec, RolloutSpec, RunSpec
 
     prompt = int(batch["attention_mask"].shape[-1] - batch["response_mask"].shape[-1])
     new, spec = args.new_tokens, TrainSpec("single", {}, "auto")
+    rollout = RolloutSpec(sampling=SamplingParams(max_new_tokens=new), max_prompt_tokens=prompt)
+    ppo = PPO().on_tokens()
     stages = {
-        "inference": InferenceStage(LMPolicy(str(model)), GRPO(kl_coef=0.01), 1.0, None, prompt, new),
+        "inference": InferenceStage(LMPolicy(str(model)), RunSpec(GRPO(kl_coef=0.01)), rollout),
         "critic": CriticStage(
-            ValueModel(str(model)),
-            AdvantageStage(PPO().on_tokens(), new),
-            spec,
-            None,
-            None,
-            1,
-            0,
-            prompt,
-            new,
-        ),  # fmt: skip
+            ValueModel(str(model)), AdvantageStage(ppo, new), RunSpec(ppo, spec), rollout, BudgetSpec()
+        ),
     }
     data = batch.clone()
     data["values"] = torch.zeros(data["response_mask"].shape)

@@ -16,10 +16,10 @@ def actor_stage(model: Path, engine: str, device: str, max_tokens: int | None):
     from rlinf_lightning.flow.stage import StageContext
     from rlinf_lightning.policies import LMPolicy
     from rlinf_lightning.workflows.reasoning.actor import ActorStage
+    from rlinf_lightning.workflows.specs import BudgetSpec, RolloutSpec, RunSpec
 
-    stage = ActorStage(
-        LMPolicy(str(model), lr=1e-6), GRPO(), TrainSpec(engine, {}, "bf16-mixed"), 1.0, None, max_tokens
-    )
+    run = RunSpec(GRPO(), TrainSpec(engine, {}, "bf16-mixed"))
+    stage = ActorStage(LMPolicy(str(model), lr=1e-6), run, RolloutSpec(), BudgetSpec(max_tokens=max_tokens))
     stage.setup(StageContext(device=device, num_threads=torch.get_num_threads()))
     return stage
 

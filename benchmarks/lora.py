@@ -66,10 +66,11 @@ def state_and_speed(model: Path, lora: bool, steps: int) -> dict[str, float]:
     from rlinf_lightning.policies import LMPolicy
     from rlinf_lightning.policies.lora import LoRA
     from rlinf_lightning.workflows.reasoning.actor import ActorStage
+    from rlinf_lightning.workflows.specs import RolloutSpec, RunSpec
 
     precision = resolve_precision("auto", "cpu")
     policy = LMPolicy(str(model), lr=1e-5, lora=LoRA(rank=RANK, alpha=ALPHA) if lora else None)
-    actor = ActorStage(policy, GRPO(), TrainSpec("single", precision=precision), 1.0, None)
+    actor = ActorStage(policy, RunSpec(GRPO(), TrainSpec("single", precision=precision)), RolloutSpec())
     n, trainable = policy.parameter_count(), policy.trainable_parameter_count()
     weights = 4 * n  # float32 weights: the part of the estimate that is not gradients and Adam state
     estimate = sum(p.nbytes for p in actor.memory("cpu", 1, 64)) - weights

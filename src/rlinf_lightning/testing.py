@@ -146,6 +146,7 @@ def checkpoint_one_update(
     from rlinf_lightning.trainer.run_config import resolved_config
     from rlinf_lightning.workflows.reasoning.actor import ActorStage
     from rlinf_lightning.workflows.reasoning.rollout import pack_samples
+    from rlinf_lightning.workflows.specs import RolloutSpec, RunSpec
 
     policy = LMPolicy(str(model_dir), lr=1e-2, lora=lora)
     tok = policy.load_tokenizer()
@@ -156,7 +157,7 @@ def checkpoint_one_update(
     batch = TensorDict(pack_samples(ids, outs, tok.pad_token_id), batch_size=[4])
     batch["advantage"] = torch.tensor([1.0, -1.0, -1.0, 1.0])
     batch["policy_version"] = torch.zeros(4, dtype=torch.long)
-    actor = ActorStage(policy, GRPO(), TrainSpec("single"), 1.0, None)
+    actor = ActorStage(policy, RunSpec(GRPO(), TrainSpec("single")), RolloutSpec())
     actor.setup(StageContext())
     actor.begin_iteration(1)
     actor.process(batch)

@@ -397,11 +397,11 @@ def test_an_algorithm_reading_what_the_embodied_workflow_lacks_is_refused_naming
     error = _refusal(PPO(kl_coef=0.1), EmbodiedTask(DISCRETE_ENV), policy)  # PPO's KL is for tokens
     assert error.keys == ["trainer.algorithm"] and "PPO reads ref_logprobs" in str(error)
 
-    class Custom:  # says nothing of what it reads
+    class Custom:  # says nothing of what it reads, nor has the options the workflow reads
         def compute_advantages(self, *args): ...
 
     error = _refusal(Custom(), task, policy)
-    assert error.keys == ["trainer.algorithm"] and "Custom declares no `reads`" in str(error)
+    assert error.keys == ["trainer.algorithm"] and "Custom lacks reads, needs_reference" in str(error)
 
 
 def test_a_policy_that_cannot_serve_the_envs_actions_is_refused_naming_the_env_and_the_space():

@@ -36,7 +36,7 @@ from rlinf_lightning.seeds import row_seed
 STOP_CHECK_EVERY = 8
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     """How completions are drawn. ``temperature=0`` is greedy (used for evaluation).
 

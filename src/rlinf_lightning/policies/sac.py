@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Protocol, runtime_checkable
 
 import torch
 from tensordict import TensorDict
@@ -81,6 +82,25 @@ class SACNet(nn.Module):
         self.critics = _critics(num_critics, obs_dim + action_dim, hidden_sizes, layer_norm)
         self.target = copy.deepcopy(self.critics).requires_grad_(False)
         self.log_alpha = nn.Parameter(torch.tensor(0.0))  # the learner sets the algorithm's init_alpha
+
+
+@runtime_checkable
+class SoftActorCritic(Protocol):
+    """What the off-policy learner (``workflows/offpolicy``) calls on a policy: features of an
+    observation, a squashed-Gaussian sample, the critics' values and their Polyak targets.
+    :class:`SACPolicy` is one; the workflow checks a policy against it once, when it is built."""
+
+    num_critics: int
+
+    def features(self, obs: TensorDict) -> torch.Tensor: ...
+
+    def sample(self, x: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def q(
+        self, x: torch.Tensor, action: torch.Tensor, net: str = "critics", frozen: bool = False
+    ) -> torch.Tensor: ...
+
+    def update_targets(self, tau: float) -> None: ...
 
 
 class SACPolicy(RLModule):

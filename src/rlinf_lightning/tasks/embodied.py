@@ -19,6 +19,7 @@ from rlinf_lightning.workflows.embodied import advantage_mode, embodied_workflow
 from rlinf_lightning.workflows.embodied.env import EVAL_SEED
 from rlinf_lightning.workflows.mini_batches import split_problem
 from rlinf_lightning.workflows.offpolicy import is_off_policy
+from rlinf_lightning.workflows.specs import EmbodiedSpec
 
 if TYPE_CHECKING:
     from rlinf_lightning.launchers.base import Runtime
@@ -151,7 +152,7 @@ class EmbodiedTask(Task):
             why = f"{self.group_size} does not cut task.num_envs={self.num_envs} into whole groups"
             raise ConfigError([("task.group_size", why)])
         samples = f"task.num_envs={self.num_envs} x task.steps={self.steps}"
-        count = getattr(run.algorithm, "num_minibatches", 1)
+        count = run.algorithm.num_minibatches
         if split := split_problem(
             "trainer.algorithm.num_minibatches", count, self.num_envs * self.steps, samples
         ):
@@ -180,19 +181,19 @@ class EmbodiedTask(Task):
         if is_off_policy(run.algorithm):
             from rlinf_lightning.workflows.offpolicy import build_offpolicy
 
-            return build_offpolicy(self, policy, run, obs, shape)
-        return embodied_workflow(
-            policy=policy,
-            algorithm=run.algorithm,
+            return build_offpolicy(policy, run, self.workflow_spec(run), obs, shape)
+        return embodied_workflow(policy, run, self.workflow_spec(run))
+
+    def workflow_spec(self, run: RunSpec) -> EmbodiedSpec:
+        """This task's keys as the embodied workflows read them (envs grouped only for GRPO over
+        episodes)."""
+        return EmbodiedSpec(
             env=self.env,
             env_kwargs=self._env_kwargs,
             num_envs=self.num_envs,
             steps=self.steps,
             chunk=self.chunk,
             group_size=self.group_size if self._episodic(run) else 1,
-            train=run.train,
-            seed=run.seed,
-            max_staleness=run.max_staleness,
             rollout_dtype=self.rollout_dtype,
             train_micro_batch_size=self.train_micro_batch_size,
         )

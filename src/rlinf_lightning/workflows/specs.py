@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE
 from rlinf_lightning.engines.rollout import SamplingParams
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.policies.value import ValueModel
@@ -120,3 +121,29 @@ class ReasoningSpec:
         """The critic's micro-batches: its own sample count, else the actor's settings."""
         own = self.critic.train_micro_batch_size if self.critic is not None else None
         return BudgetSpec(own or self.actor.micro_batch_size, self.actor.max_tokens)
+
+
+@dataclass(frozen=True)
+class EmbodiedSpec:
+    """What the embodied workflows (on-policy and off-policy) are built from besides the policy
+    and the run (EmbodiedTask's keys).
+
+    Attributes:
+        env: the env's name (``task.env``).
+        env_kwargs: what every env is made with (``task.env_kwargs``, and ``task.time_aware``'s switch).
+        num_envs: envs stepped in parallel (``task.num_envs``).
+        steps: actions per env per iteration (``task.steps``).
+        chunk: env steps per action (``task.chunk``).
+        group_size: envs per group sharing a reset seed, for GRPO over episodes (1: no groups).
+        rollout_dtype: the rollout's autocast dtype (``task.rollout_dtype``).
+        train_micro_batch_size: samples per forward/backward in the actor (``task.train_micro_batch_size``).
+    """
+
+    env: str
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    num_envs: int = 1
+    steps: int = 1
+    chunk: int = 1
+    group_size: int = 1
+    rollout_dtype: str | None = AUTO_ROLLOUT_DTYPE
+    train_micro_batch_size: int | None = None

@@ -24,15 +24,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE
-from rlinf_lightning.engines.train import TrainSpec
+from rlinf_lightning.algorithms.contract import interface_problems
 from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.flow.batch import LOSS_MASK
+from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.policies.module import RLModule
 from rlinf_lightning.workflows.embodied.actor import EpisodeGRPOLoss, PPOActorStage, PPOLoss
 from rlinf_lightning.workflows.embodied.advantage import EpisodeAdvantageStage, GAEStage
 from rlinf_lightning.workflows.embodied.env import EnvStage
 from rlinf_lightning.workflows.embodied.rollout import EnvRolloutStage
+from rlinf_lightning.workflows.specs import EmbodiedSpec, RunSpec
 
 #: what the workflow gives an algorithm, by the way it computes advantages: GAE over each step's
 #: reward with the critic's values, or one score per episode compared within a group of envs
@@ -44,9 +45,11 @@ PROVIDES = {
 
 def advantage_mode(algorithm: Any) -> str:
     """The ``PROVIDES`` entry that serves ``algorithm`` (``gae`` when it reads values, else
-    ``episodes``); a :class:`ConfigError` naming what it reads that neither provides."""
-    reads = frozenset(getattr(algorithm, "reads", ()))
-    name = type(algorithm).__name__
+    ``episodes``); a :class:`ConfigError` naming what it reads that neither provides, or the
+    declared attributes it lacks (``algorithms.contract.Algorithm``)."""
+    if problems := interface_problems(algorithm):
+        raise ConfigError(problems)
+    reads, name = frozenset(algorithm.reads), type(algorithm).__name__
     if not reads:
         raise ConfigError([("trainer.algorithm", f"{name} declares no `reads` (the inputs it needs)")])
     mode = "gae" if "values" in reads else "episodes"
@@ -57,42 +60,26 @@ def advantage_mode(algorithm: Any) -> str:
     return mode
 
 
-def embodied_workflow(
-    *,
-    policy: RLModule,
-    algorithm: Any,
-    env: str,
-    env_kwargs: dict[str, Any] | None,
-    num_envs: int,
-    steps: int,
-    chunk: int,
-    group_size: int,
-    train: TrainSpec,
-    seed: int,
-    max_staleness: int = 0,
-    rollout_dtype: str | None = AUTO_ROLLOUT_DTYPE,
-    train_micro_batch_size: int | None = None,
-) -> Any:
+def embodied_workflow(policy: RLModule, run: RunSpec, spec: EmbodiedSpec) -> Workflow:
     """PPO (an algorithm reading values: GAE) or GRPO over episodes, by :func:`advantage_mode`."""
-    from rlinf_lightning.flow.workflow import Workflow
-
+    algorithm, seed, steps, chunk = run.algorithm, run.seed, spec.steps, spec.chunk
     ppo = advantage_mode(algorithm) == "gae"
-    replay = tuple(getattr(policy, "replay_keys", ()))
+    replay = tuple(policy.replay_keys)
     advantage = GAEStage(algorithm, replay) if ppo else EpisodeAdvantageStage(algorithm, replay)
     loss = PPOLoss(algorithm) if ppo else EpisodeGRPOLoss(algorithm)
+    samples = spec.num_envs * steps
     actor = PPOActorStage(
-        policy, algorithm, loss, train, num_envs * steps, seed, max_staleness, train_micro_batch_size
+        policy, algorithm, loss, run.train, samples, seed, run.max_staleness, spec.train_micro_batch_size
+    )
+    env = EnvStage(
+        spec.env, spec.env_kwargs, steps, chunk, seed, spec.group_size, episodic=not ppo, replay_keys=replay
     )
     return (
         Workflow("embodied")
-        .chain(
-            EnvStage(env, env_kwargs, steps, chunk, seed, group_size, episodic=not ppo, replay_keys=replay),
-            advantage,
-            actor,
-        )
-        .add(EnvRolloutStage(policy, seed, chunk, rollout_dtype, train.precision))
+        .chain(env, advantage, actor)
+        .add(EnvRolloutStage(policy, seed, chunk, spec.rollout_dtype, run.train.precision))
         .loop("env", "rollout", turns=steps + 1)
-        .sync("actor", "rollout", "weights", staleness=max_staleness)
+        .sync("actor", "rollout", "weights", staleness=run.max_staleness)
         .role("train", "actor")
         .role("evaluate", "rollout")
     )

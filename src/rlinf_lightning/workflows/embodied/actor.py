@@ -102,10 +102,8 @@ class PPOActorStage(TrainStage):
         self.algorithm, self.loss, self.total_samples, self.seed = algorithm, loss, total_samples, seed
         self.micro_batch_size = micro_batch_size
         self.in_keys = loss.in_keys
-        self.update_epochs = getattr(algorithm, "update_epochs", 1)
-        self.num_minibatches = getattr(algorithm, "num_minibatches", 1)
-        self.norm_adv = getattr(algorithm, "norm_adv", False)
-        self.target_kl = getattr(algorithm, "target_kl", None)
+        self.update_epochs, self.num_minibatches = algorithm.update_epochs, algorithm.num_minibatches
+        self.norm_adv, self.target_kl = algorithm.norm_adv, algorithm.target_kl
 
     def budget(self, micro_batch: int) -> tuple[str, tuple[str, ...]]:
         minibatch = -(-self.total_samples // self.num_minibatches)
@@ -174,7 +172,7 @@ class PPOActorStage(TrainStage):
                 data["proximal_logprob"] = torch.cat([lp.cpu() for lp, _ in proximal])
                 data["proximal_value"] = torch.cat([v.cpu() for _, v in proximal])
         loss = self.loss
-        if self.iteration <= getattr(self.algorithm, "critic_warmup", 0):
+        if self.iteration <= self.algorithm.critic_warmup:
             loss = PPOLoss(self.algorithm, critic_only=True)
             metrics.mean("warmup", 1.0)
         epochs = 0

@@ -18,12 +18,13 @@ from typing import Any
 from tensordict import TensorDict
 
 from rlinf_lightning.algorithms.sac import SAC
-from rlinf_lightning.engines.precision import AUTO_ROLLOUT_DTYPE
-from rlinf_lightning.engines.train import TrainSpec
+from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.policies.module import RLModule
+from rlinf_lightning.policies.sac import SoftActorCritic
 from rlinf_lightning.workflows.embodied.rollout import EnvRolloutStage
 from rlinf_lightning.workflows.offpolicy.env import TransitionEnvStage
 from rlinf_lightning.workflows.offpolicy.learner import OffPolicyLearnerStage
+from rlinf_lightning.workflows.specs import EmbodiedSpec, RunSpec
 
 
 def is_off_policy(algorithm: Any) -> bool:
@@ -32,35 +33,31 @@ def is_off_policy(algorithm: Any) -> bool:
 
 
 def offpolicy_workflow(
-    *,
     policy: RLModule,
-    algorithm: SAC,
-    env: str,
-    env_kwargs: dict[str, Any] | None,
-    steps: int,
-    chunk: int,
-    train: TrainSpec,
-    seed: int,
+    run: RunSpec,
+    spec: EmbodiedSpec,
     transition_bytes: int,
     demos: TensorDict | None = None,
-    max_staleness: int = 0,
-    rollout_dtype: str | None = AUTO_ROLLOUT_DTYPE,
-) -> Any:
-    from rlinf_lightning.flow.workflow import Workflow
-
-    learner = OffPolicyLearnerStage(policy, algorithm, train, transition_bytes, demos, seed, max_staleness)
+) -> Workflow:
+    """The env, rollout and learner stages for ``run.algorithm`` (a :class:`SAC`);
+    ``transition_bytes`` sizes the replay buffer's memory, ``demos`` fill its second buffer."""
+    learner = OffPolicyLearnerStage(
+        policy, run.algorithm, run.train, transition_bytes, demos, run.seed, run.max_staleness
+    )
     return (
         Workflow("offpolicy")
-        .chain(TransitionEnvStage(env, env_kwargs, steps, chunk, seed), learner)
-        .add(EnvRolloutStage(policy, seed, chunk, rollout_dtype, train.precision))
-        .loop("env", "rollout", turns=steps + 1)
-        .sync("actor", "rollout", "weights", staleness=max_staleness)
+        .chain(TransitionEnvStage(spec.env, spec.env_kwargs, spec.steps, spec.chunk, run.seed), learner)
+        .add(EnvRolloutStage(policy, run.seed, spec.chunk, spec.rollout_dtype, run.train.precision))
+        .loop("env", "rollout", turns=spec.steps + 1)
+        .sync("actor", "rollout", "weights", staleness=run.max_staleness)
         .role("train", "actor")
         .role("evaluate", "rollout")
     )
 
 
-def build_offpolicy(task: Any, policy: RLModule, run: Any, obs: TensorDict, shape: tuple[int, ...]) -> Any:
+def build_offpolicy(
+    policy: RLModule, run: RunSpec, spec: EmbodiedSpec, obs: TensorDict, shape: tuple[int, ...]
+) -> Workflow:
     """The off-policy workflow of an :class:`~rlinf_lightning.tasks.EmbodiedTask` whose policy
     has been sized from the env (``obs``: one observation; ``shape``: a policy call's actions);
     what the policy and algorithm cannot do together, and a demo file that cannot serve, are one
@@ -72,33 +69,19 @@ def build_offpolicy(task: Any, policy: RLModule, run: Any, obs: TensorDict, shap
     from rlinf_lightning.workflows.offpolicy.replay import transition_bytes
 
     algorithm: SAC = run.algorithm
-    problems = []
-    for method in ("sample", "q", "update_targets"):
-        if not callable(getattr(policy, method, None)):
-            problems.append(("policy", f"{type(policy).__name__} has no {method}(): SAC trains a SACPolicy"))
-    critics = getattr(policy, "num_critics", 0)
+    if not isinstance(policy, SoftActorCritic):
+        names = ("features", "sample", "q", "update_targets", "num_critics")
+        missing = ", ".join(m for m in names if not hasattr(policy, m))
+        why = f"{type(policy).__name__} lacks {missing}: SAC trains a SACPolicy (a SoftActorCritic)"
+        raise ConfigError([("policy", why)])
+    critics = policy.num_critics
     if algorithm.critic_subset is not None and algorithm.critic_subset > critics:
         why = f"{algorithm.critic_subset} critics for the target, but policy.num_critics is {critics}"
-        problems.append(("trainer.algorithm.critic_subset", why))
-    if problems:
-        raise ConfigError(problems)
+        raise ConfigError([("trainer.algorithm.critic_subset", why)])
     demos = None
     if algorithm.demo_path is not None:
         try:
             demos = load_demo_transitions(algorithm.demo_path, obs)
         except (OSError, ValueError) as exc:
             raise ConfigError([("trainer.algorithm.demo_path", str(exc))]) from exc
-    return offpolicy_workflow(
-        policy=policy,
-        algorithm=algorithm,
-        env=task.env,
-        env_kwargs=task._env_kwargs,
-        steps=task.steps,
-        chunk=task.chunk,
-        train=run.train,
-        seed=run.seed,
-        transition_bytes=transition_bytes(obs, math.prod(shape)),
-        demos=demos,
-        max_staleness=run.max_staleness,
-        rollout_dtype=task.rollout_dtype,
-    )
+    return offpolicy_workflow(policy, run, spec, transition_bytes(obs, math.prod(shape)), demos)

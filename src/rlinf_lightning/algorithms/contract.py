@@ -72,9 +72,18 @@ class Algorithm:
         PPO's env-step options become a token-level algorithm)."""
         return self
 
+    def compute_advantages(self, *args: Any, **kwargs: Any) -> Any:
+        """The advantages of a batch (its signature is the workflow's: ``PolicyGradient``'s for
+        tokens and episodes, ``PPO``'s for env steps)."""
+        raise NotImplementedError(f"{type(self).__name__} computes no advantages")
+
+    def loss(self, *args: Any, **kwargs: Any) -> Any:
+        """``(loss_sum, count, metrics)`` of a micro-batch (signatures as :meth:`compute_advantages`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no loss")
+
 
 #: what a workflow reads of an algorithm: :class:`Algorithm`'s declared attributes and methods
-INTERFACE: tuple[str, ...] = (*Algorithm.__annotations__, "on_tokens")
+INTERFACE: tuple[str, ...] = (*Algorithm.__annotations__, "on_tokens", "compute_advantages", "loss")
 
 
 def interface_problems(algorithm: Any) -> list[tuple[str, str]]:

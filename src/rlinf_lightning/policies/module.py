@@ -43,6 +43,8 @@ class RLModule(torch.nn.Module):
     #: tokens per pass through the lm head when a language-model policy takes response log-probs
     #: in chunks (``LMPolicy``); ``None``: whole (what the memory estimates assume)
     logit_chunk_tokens: int | None = None
+    #: the dtype name its weights are built in (``LMPolicy`` and ``ValueModel`` take it as an option)
+    dtype: str = "float32"
 
     def __init__(self) -> None:
         super().__init__()
@@ -123,6 +125,13 @@ class RLModule(torch.nn.Module):
         count = sum(p.numel() for p in probe.parameters())
         self.__dict__["_parameter_count"] = (key, count)
         return count
+
+    def configure_spaces(
+        self, obs: TensorDict, action_shape: tuple[int, ...], action_choices: tuple[int, ...] | None = None
+    ) -> None:
+        """Size the network from one env observation and a policy call's action shape (see the
+        class docstring); a policy with fixed sizes needs nothing."""
+        return None
 
     def architecture(self) -> CausalLMShape | None:
         """A language model's parameters and attention shape, for the rollout's KV-cache estimate

@@ -169,15 +169,14 @@ class EmbodiedTask(Task):
         if self._horizon is not None and self.chunk > self._horizon:
             why = f"{self.chunk} steps per chunk, longer than {self.env}'s episodes ({self._horizon} steps)"
             raise ConfigError([("task.chunk", why)])
-        if hasattr(policy, "configure_spaces"):
-            try:
-                policy.configure_spaces(obs, shape, action_choices=choices)
-            except ConfigError as exc:  # the policy named the key at fault
-                raise ConfigError([(key, f"{why} (env {self.env})") for key, why in exc.problems]) from exc
-            except ValueError as exc:
-                space = f"continuous {shape[1:]}" if choices is None else f"discrete, choices {choices}"
-                why = f"{self.env} (actions: {space}) does not suit {type(policy).__name__}: {exc}"
-                raise ConfigError([("task.env", why)]) from exc
+        try:
+            policy.configure_spaces(obs, shape, action_choices=choices)
+        except ConfigError as exc:  # the policy named the key at fault
+            raise ConfigError([(key, f"{why} (env {self.env})") for key, why in exc.problems]) from exc
+        except ValueError as exc:
+            space = f"continuous {shape[1:]}" if choices is None else f"discrete, choices {choices}"
+            why = f"{self.env} (actions: {space}) does not suit {type(policy).__name__}: {exc}"
+            raise ConfigError([("task.env", why)]) from exc
         if is_off_policy(run.algorithm):
             from rlinf_lightning.workflows.offpolicy import build_offpolicy
 

@@ -37,9 +37,8 @@ log = logging.getLogger(__name__)
 
 
 def policy_dtype(policy: RLModule) -> str:
-    """The dtype name a policy's weights are built in: its ``dtype`` (``LMPolicy``), else float32."""
-    dtype = getattr(policy, "dtype", None)
-    return dtype if isinstance(dtype, str) else "float32"
+    """The dtype name a policy's weights are built in (``RLModule.dtype``)."""
+    return policy.dtype
 
 
 class TrainStage(Stage):

@@ -177,7 +177,9 @@ class ActorStage(TokenBudget, TrainStage):
         super().setup(ctx)
         alg = self.algorithm
         corrected = alg.off_policy_correction != "none"  # weights the same tokens
-        if self.rollout_dtype == AUTO_ROLLOUT_DTYPE and alg.tis_cap is None and not corrected:
+        # only an algorithm with a tis_cap option of its own applies one (not the base's declared off)
+        has_cap = dataclasses.is_dataclass(alg) and any(f.name == "tis_cap" for f in dataclasses.fields(alg))
+        if self.rollout_dtype == AUTO_ROLLOUT_DTYPE and has_cap and alg.tis_cap is None and not corrected:
             policy = policy_dtype(self.policy)
             if resolve_rollout_dtype(self.rollout_dtype, self.precision, ctx.device, policy) != policy:
                 self.algorithm = dataclasses.replace(self.algorithm, tis_cap=AUTO_TIS_CAP)

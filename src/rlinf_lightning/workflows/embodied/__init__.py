@@ -67,10 +67,7 @@ def embodied_workflow(policy: RLModule, run: RunSpec, spec: EmbodiedSpec) -> Wor
     replay = tuple(policy.replay_keys)
     advantage = GAEStage(algorithm, replay) if ppo else EpisodeAdvantageStage(algorithm, replay)
     loss = PPOLoss(algorithm) if ppo else EpisodeGRPOLoss(algorithm)
-    samples = spec.num_envs * steps
-    actor = PPOActorStage(
-        policy, algorithm, loss, run.train, samples, seed, run.max_staleness, spec.train_micro_batch_size
-    )
+    actor = PPOActorStage(policy, run, spec, loss)
     env = EnvStage(
         spec.env, spec.env_kwargs, steps, chunk, seed, spec.group_size, episodic=not ppo, replay_keys=replay
     )

@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.policies.module import RLModule
 from rlinf_lightning.seeds import row_seed
+from rlinf_lightning.workflows.specs import EmbodiedSpec, RunSpec
 from rlinf_lightning.workflows.training import TrainStage
 
 
@@ -88,19 +88,12 @@ class PPOActorStage(TrainStage):
     end_per_sample = True  # every pass runs at the end, on the samples this replica kept
 
     def __init__(
-        self,
-        policy: RLModule,
-        algorithm: Any,
-        loss: PPOLoss | EpisodeGRPOLoss,
-        train: TrainSpec,
-        total_samples: int,
-        seed: int = 0,
-        max_staleness: int = 0,
-        micro_batch_size: int | None = None,
+        self, policy: RLModule, run: RunSpec, spec: EmbodiedSpec, loss: PPOLoss | EpisodeGRPOLoss
     ) -> None:
-        super().__init__(policy, train, max_staleness)
-        self.algorithm, self.loss, self.total_samples, self.seed = algorithm, loss, total_samples, seed
-        self.micro_batch_size = micro_batch_size
+        super().__init__(policy, run.train, run.max_staleness)
+        algorithm = run.algorithm
+        self.algorithm, self.loss, self.seed = algorithm, loss, run.seed
+        self.total_samples, self.micro_batch_size = spec.num_envs * spec.steps, spec.train_micro_batch_size
         self.in_keys = loss.in_keys
         self.update_epochs, self.num_minibatches = algorithm.update_epochs, algorithm.num_minibatches
         self.norm_adv, self.target_kl = algorithm.norm_adv, algorithm.target_kl

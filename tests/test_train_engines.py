@@ -15,6 +15,7 @@ from rlinf_lightning.policies import LMPolicy
 from rlinf_lightning.strategies import STRATEGIES, Resources
 from rlinf_lightning.workflows.reasoning.actor import ActorStage
 from rlinf_lightning.workflows.reasoning.rollout import pack_samples
+from rlinf_lightning.workflows.specs import RolloutSpec, RunSpec
 from trainer_defaults import scaled
 
 
@@ -57,7 +58,7 @@ def batches(assets) -> list[TensorDict]:
 
 def _launch(name: str, assets, replicas: int, stage: type[ActorStage] = Actor):
     """The actor alone, collocated over ``replicas`` replicas (one process each)."""
-    actor = stage(LMPolicy(str(assets["sft"]), lr=1e-3), GRPO(), TrainSpec(name), 1.0, None)
+    actor = stage(LMPolicy(str(assets["sft"]), lr=1e-3), RunSpec(GRPO(), TrainSpec(name)), RolloutSpec())
     wf = Workflow("train").chain(actor).role("train", "actor")
     plan = STRATEGIES.resolve("collocated").plan(
         wf, Resources(replicas, threads_per_slot=1), BatchShape(12, 4)

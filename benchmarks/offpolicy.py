@@ -139,6 +139,7 @@ def pickcube(steps: int = 300, updates: int = 50) -> dict:
             "terminated": torch.zeros(n, dtype=torch.bool),
             "noise": torch.randn(n, 2, policy.action_dim),
             "critic_subset": torch.arange(2).expand(n, 2),
+            "update_actor": torch.ones(n, dtype=torch.bool),
         },
         batch_size=[n],
     )

@@ -1,4 +1,4 @@
-"""The off-policy embodied flow (SAC, RLPD) as stages:
+"""The off-policy embodied flow (SAC, RLPD, CrossQ) as stages:
 
     env shards -> env <-> rollout (a loop: steps + 1 turns) -> actor (learner, replay buffer)
     actor ==weights==> rollout                                                  (sync)
@@ -27,7 +27,7 @@ from rlinf_lightning.workflows.offpolicy.learner import OffPolicyLearnerStage
 
 
 def is_off_policy(algorithm: Any) -> bool:
-    """Whether ``algorithm`` learns from a replay buffer (SAC and its presets)."""
+    """Whether ``algorithm`` learns from a replay buffer (SAC and its presets, RLPD and CrossQ)."""
     return isinstance(algorithm, SAC)
 
 
@@ -73,9 +73,16 @@ def build_offpolicy(task: Any, policy: RLModule, run: Any, obs: TensorDict, shap
 
     algorithm: SAC = run.algorithm
     problems = []
-    for method in ("sample", "q", "update_targets"):
+    for method in ("sample", "q", "update_targets")[: 3 if algorithm.target_critics else 2]:
         if not callable(getattr(policy, method, None)):
             problems.append(("policy", f"{type(policy).__name__} has no {method}(): SAC trains a SACPolicy"))
+    if not problems and getattr(policy, "target_critics", True) != algorithm.target_critics:
+        name = type(algorithm).__name__
+        why = (f"{name} learns without target critics, from batch-normalized ones: use "
+               "rlinf_lightning.policies.CrossQPolicy" if not algorithm.target_critics else
+               f"{name} moves target critics, {type(policy).__name__} has none: use "
+               "rlinf_lightning.policies.SACPolicy")  # fmt: skip
+        problems.append(("policy", why))
     critics = getattr(policy, "num_critics", 0)
     if algorithm.critic_subset is not None and algorithm.critic_subset > critics:
         why = f"{algorithm.critic_subset} critics for the target, but policy.num_critics is {critics}"

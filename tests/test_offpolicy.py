@@ -426,6 +426,7 @@ def test_the_buffer_holds_the_transitions_in_env_order_whatever_order_the_shards
         ({"buffer_capacity": 0}, "trainer.algorithm.buffer_capacity", "must be >= 1"),
         ({"demo_ratio": 1.5, "demo_path": "d.safetensors"}, "trainer.algorithm.demo_ratio", "<= 1"),
         ({"demo_ratio": -0.1}, "trainer.algorithm.demo_ratio", ">= 0"),
+        ({"policy_delay": 0}, "trainer.algorithm.policy_delay", "must be >= 1"),
     ],
 )
 def test_a_bad_key_is_one_line_naming_it(options, key, text):

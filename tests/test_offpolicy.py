@@ -255,14 +255,14 @@ def _saved(state):
 # -- runs through the trainer -------------------------------------------------------------------------
 
 
-def _fit(root, strategy="collocated", launcher="inprocess", devices=1, iterations=3, **algo):
+def _fit(root, strategy="collocated", launcher="inprocess", devices=1, iterations=3, crossq=False, **algo):
     from trainer_defaults import MetricsRecorder
 
     steps = MetricsRecorder()
     options = {"batch_size": 16, "learning_starts": 0, "updates_per_step": 0.5, "tau": 0.1, **algo}
     task = EmbodiedTask(ENV, env_kwargs={"max_episode_steps": 4}, num_envs=4, steps=6, eval_episodes=2)
     trainer = RLTrainer(
-        algorithm=SAC(**options),
+        algorithm=(CrossQ if crossq else SAC)(**options),
         strategy=strategy,
         launcher=launcher,
         precision="32-true",
@@ -275,7 +275,9 @@ def _fit(root, strategy="collocated", launcher="inprocess", devices=1, iteration
         callbacks=[steps],
         timeout_s=120,
     )
-    summary = trainer.fit(SACPolicy(hidden_sizes=(16, 16), actor_lr=1e-2, critic_lr=1e-2), task)
+    sizes = {"hidden_sizes": (16, 16), "actor_lr": 1e-2, "critic_lr": 1e-2}
+    policy = CrossQPolicy(critic_hidden_sizes=(16, 16), **sizes) if crossq else SACPolicy(**sizes)
+    summary = trainer.fit(policy, task)
     last = root / "checkpoints" / (root / "checkpoints" / "last").read_text()
     return summary, steps.metrics, load_file(str(last / "model.safetensors")), last
 
@@ -317,6 +319,22 @@ def test_three_iterations_are_the_same_updates_under_every_plan(tmp_path, refere
         for it, (m, r) in enumerate(zip(metrics, ref_metrics, strict=True)):
             for key in ("actor/loss", "actor/critic_loss", "actor/alpha", "env/return"):
                 assert m[key] == pytest.approx(r[key], abs=1e-5), (name, launcher, it, key)
+        assert max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights) <= 1e-5, name
+
+
+def test_crossq_takes_the_same_updates_under_every_plan(tmp_path):
+    """CrossQ's updates, its batch-norm running statistics included, are the same whether the
+    learner shares a worker with the envs or has its own slot."""
+    runs = {name: _fit(tmp_path / name, strategy, "inprocess", devices, crossq=True, policy_delay=2)
+            for name, (strategy, devices) in PLANS.items()}  # fmt: skip
+    _, ref_metrics, ref_weights, _ = runs["collocated"]
+    assert "critics.0.running_var" in ref_weights and "target.0.weight" not in ref_weights
+    assert float((ref_weights["critics.0.running_mean"]).abs().max()) > 0  # the statistics moved
+    for name, (_, metrics, weights, _) in runs.items():
+        for m, r in zip(metrics, ref_metrics, strict=True):
+            for key in ("actor/loss", "actor/critic_loss", "env/return"):
+                assert m[key] == pytest.approx(r[key], abs=1e-5), (name, key)
+        assert weights.keys() == ref_weights.keys()
         assert max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights) <= 1e-5, name
 
 

@@ -39,8 +39,9 @@ class SACLoss:
         self.gamma, self.aggregate = algorithm.gamma, algorithm.actor_aggregate
         self.target_entropy = target_entropy
 
-    def next_values(self, policy: RLModule, x: torch.Tensor, next_x: torch.Tensor, mb: TensorDict):
-        """``(Q_i(s, a) [E, B], the target critics' values at (s', a') [E, B], a' log-probs [B])``."""
+    def critic_values(self, policy: RLModule, x: torch.Tensor, next_x: torch.Tensor, mb: TensorDict):
+        """``Q_i(s, a)`` ``[E, B]``, the values the target reads at ``(s', a')`` ``[E, B]`` (here
+        the target critics') and ``log pi(a'|s')`` ``[B]``."""
         with torch.no_grad():
             next_action, next_logprob = policy.sample(next_x, mb["noise"][:, 0])
             next_q = policy.q(next_x, next_action, net="target")
@@ -50,7 +51,7 @@ class SACLoss:
         log_alpha = policy.model.log_alpha
         alpha = log_alpha.exp().detach()
         x, next_x = policy.features(mb["obs"]), policy.features(mb["next_obs"])
-        q, next_q, next_logprob = self.next_values(policy, x, next_x, mb)
+        q, next_q, next_logprob = self.critic_values(policy, x, next_x, mb)
         with torch.no_grad():
             next_q = next_q.gather(0, mb["critic_subset"][0][:, None].expand(-1, len(x))).min(0).values
             target = critic_target(mb["reward"], mb["terminated"], next_q, next_logprob, alpha, self.gamma)
@@ -72,7 +73,7 @@ class CrossQLoss(SACLoss):
     """:class:`SACLoss` without targets: ``(s, a)`` and ``(s', a')`` through the (batch-normalized)
     critics as one batch, so its statistics cover both; the next values under a stop-gradient."""
 
-    def next_values(self, policy: RLModule, x: torch.Tensor, next_x: torch.Tensor, mb: TensorDict):
+    def critic_values(self, policy: RLModule, x: torch.Tensor, next_x: torch.Tensor, mb: TensorDict):
         with torch.no_grad():
             next_action, next_logprob = policy.sample(next_x, mb["noise"][:, 0])
         both = policy.q(torch.cat([x, next_x]), torch.cat([mb["action"], next_action]))

@@ -223,6 +223,7 @@ def main() -> None:
     args = ap.parse_args()
     result: dict = {"load_at_start": os.getloadavg()[0]}
     if args.bound:
+        os.environ["OMP_NUM_THREADS"] = "1"  # before torch and the simulator load: one thread each
         result["pickcube_bound"] = bound_pickcube(3.0 if args.quick else args.seconds, args.utd)
         _print_bound(result["pickcube_bound"])
     else:

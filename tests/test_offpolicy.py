@@ -322,6 +322,26 @@ def test_three_iterations_are_the_same_updates_under_every_plan(tmp_path, refere
         assert max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights) <= 1e-5, name
 
 
+@pytest.mark.parametrize("launcher", ["inprocess", pytest.param("processes", marks=pytest.mark.slow)])
+def test_a_learner_on_two_replicas_takes_the_updates_of_one(tmp_path, reference, launcher):
+    """Each replica writes every replica's transitions into its buffer and takes a slice of each
+    batch; the engine sums the gradients: the updates of one learner, to rounding."""
+    _, ref_metrics, ref_weights, _ = reference
+    _, metrics, weights, _ = _fit(tmp_path, CollocatedStrategy(replicas=2), launcher, devices=2)
+    assert [m["env/return"] for m in metrics] == pytest.approx([r["env/return"] for r in ref_metrics])
+    assert max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "key"),
+    [(CrossQ(), "trainer.strategy"), (SAC(policy_delay=2), "trainer.algorithm.policy_delay")],
+)
+def test_a_learner_on_two_replicas_refuses_what_a_batch_slice_cannot_do(algorithm, key):
+    stage = OffPolicyLearnerStage(_policy(), algorithm, TrainSpec(), 64)
+    assert [k for k, _ in stage.check_placement(2, own_process=False)] == [key]
+    assert stage.check_placement(1, own_process=False) == []
+
+
 def test_crossq_takes_the_same_updates_under_every_plan(tmp_path):
     """CrossQ's updates, its batch-norm running statistics included, are the same whether the
     learner shares a worker with the envs or has its own slot."""

@@ -124,11 +124,18 @@ class OffPolicyLearnerStage(TrainStage):
         self.demo_rows = round(algorithm.batch_size * algorithm.demo_ratio) if demos is not None else 0
 
     def check_placement(self, replicas: int, own_process: bool) -> list[tuple[str, str]]:
-        if replicas > 1:
-            why = (f"the off-policy learner trains on one replica, the plan gives it {replicas}; "
-                   "use trainer.devices=1, or a placement with `actor` on one slot")  # fmt: skip
-            return [("trainer.strategy", why)]
-        return super().check_placement(replicas, own_process)
+        """On several replicas each takes a slice of every batch, gradients summed by the engine:
+        not CrossQ (its batch statistics would be a slice's) nor a policy delay (the engine
+        gives the actor a zero gradient between its updates, and Adam moves on zeros)."""
+        problems = []
+        if replicas > 1 and isinstance(self.algorithm, CrossQ):
+            why = (f"CrossQ normalizes over the whole batch, the plan gives the learner {replicas} "
+                   "replicas: use trainer.devices=1, or a placement with `actor` on one slot")  # fmt: skip
+            problems.append(("trainer.strategy", why))
+        elif replicas > 1 and self.algorithm.policy_delay > 1:
+            why = f"a learner on {replicas} replicas updates the actor at every update: set it to 1"
+            problems.append(("trainer.algorithm.policy_delay", why))
+        return problems + super().check_placement(replicas, own_process)
 
     def memory(self, device: str, replicas: int, micro_batch: int) -> list[MemoryPart] | None:
         """The train state (:meth:`TrainStage.memory`) and the replay buffer at its capacity (and
@@ -159,9 +166,22 @@ class OffPolicyLearnerStage(TrainStage):
         self.trajectories.append(batch.select(*TRANSITION_KEYS, "env_id"))
         return None
 
+    def _gathered(self) -> TensorDict:
+        """This iteration's trajectories, every replica's: each replica of a data-parallel learner
+        receives only its shards, and writes all of them into its own buffer, so that every
+        replica's buffer, and every update's batch, is the one a single learner would have."""
+        mine = torch.cat(self.trajectories) if self.trajectories else None
+        if self.ctx.replicas == 1:
+            return mine
+        import torch.distributed as dist
+
+        parts: list[TensorDict | None] = [None] * self.ctx.replicas
+        dist.all_gather_object(parts, mine, group=self.ctx.process_group())
+        return torch.cat([p for p in parts if p is not None])
+
     def _transitions(self) -> TensorDict:
         """This iteration's transitions, step by step, env by env within a step."""
-        data = torch.cat(self.trajectories)
+        data = self._gathered()
         data = data[data["env_id"].argsort()]
         n, steps = data["reward"].shape
         return TensorDict(
@@ -181,7 +201,7 @@ class OffPolicyLearnerStage(TrainStage):
         subset = torch.randperm(self.policy.num_critics, generator=g)[: self.subset]
         batch["critic_subset"] = subset.expand(n, -1)
         batch["update_actor"] = torch.full((n,), self.updates % self.algorithm.policy_delay == 0)
-        return batch
+        return batch[self.ctx.replica :: self.ctx.replicas]  # the engine sums the replicas' gradients
 
     def end_iteration(self) -> Metrics:
         metrics = self.metrics

@@ -1,14 +1,16 @@
-"""Off-policy embodied RL (issue 60): SAC on FetchReachDense-v4 against today's PPO recipe, the
+"""Off-policy embodied RL (issue 60): SAC and CrossQ on FetchReachDense-v4 against today's PPO recipe, the
 per-step costs of ManiSkill PickCube-v1 and the bound they put on a 300k-step run, and the
 throughput of the collocated and actor-learner plans.
 
-    python benchmarks/offpolicy.py [--parts sac ppo plans] [--seeds 0 1] [--quick]
+    python benchmarks/offpolicy.py [--parts sac crossq ppo plans] [--seeds 0 1] [--quick]
     OMP_NUM_THREADS=1 python benchmarks/offpolicy.py --bound pickcube [--seconds 30] [--utd 1]
 
 - ``sac``: ``rlinf fit`` on ``configs/embodied_sac_fetchreach.yaml`` per seed (the seeds side by
   side, one process each, one thread each): the held-out success curve (32 deterministic episodes
   every 2,000 env steps), the env steps at which it first reaches 0.95, the final success within
   20,000 env steps, wall time. The bar: >= 0.95 within 20,000 env steps on every seed.
+- ``crossq``: the same for ``configs/embodied_crossq_fetchreach.yaml`` (the same envs, steps
+  and budget), against the same bar.
 - ``ppo``: the same for ``configs/embodied_ppo_fetchreach.yaml`` (seed 0, evaluated every 5
   iterations of 1,024 env steps): the env steps today's PPO recipe needs for 0.95.
 - ``plans``: the same short SAC run on FetchReach (6 iterations of 8 envs x 50 steps, one update
@@ -41,6 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SAC_CONFIG = ROOT / "configs" / "embodied_sac_fetchreach.yaml"
+CROSSQ_CONFIG = ROOT / "configs" / "embodied_crossq_fetchreach.yaml"  # the same envs and steps
 PPO_CONFIG = ROOT / "configs" / "embodied_ppo_fetchreach.yaml"
 SAC_ENVS, SAC_STEPS = 8, 50  # the SAC config's envs and steps per env per iteration
 PPO_STEPS_PER_ITERATION = 16 * 64
@@ -76,11 +79,12 @@ def _curve(root: Path, per_iteration: int) -> dict:
             "wall_s": round(summary["wall_s"], 1)}  # fmt: skip
 
 
-def sac(seeds: list[int], work: Path) -> dict:
-    procs = {s: _fit(SAC_CONFIG, work / f"sac{s}", f"--trainer.seed={s}") for s in seeds}
+def sac(seeds: list[int], work: Path, config: Path = SAC_CONFIG) -> dict:
+    """The held-out success curve of ``config`` per seed, the seeds side by side."""
+    procs = {s: _fit(config, work / f"{config.stem}{s}", f"--trainer.seed={s}") for s in seeds}
     for s, p in procs.items():
         _wait(p, f"SAC seed {s}")
-    return {str(s): _curve(work / f"sac{s}", SAC_ENVS * SAC_STEPS) for s in seeds}
+    return {str(s): _curve(work / f"{config.stem}{s}", SAC_ENVS * SAC_STEPS) for s in seeds}
 
 
 def ppo(work: Path) -> dict:
@@ -210,9 +214,12 @@ def bound_pickcube(seconds: float = 30.0, utd: float = 1.0, num_envs: int = 16) 
     return out
 
 
+PARTS = ["sac", "crossq", "ppo", "plans"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", nargs="+", choices=["sac", "ppo", "plans"], default=["sac", "ppo", "plans"])
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run (under 2 minutes): the plans part only, 2 iterations of 10 steps "
@@ -234,16 +241,19 @@ def main() -> None:
                 t0 = time.perf_counter()
                 if part == "sac":
                     result["sac_fetchreach"] = sac(args.seeds, work)
+                elif part == "crossq":
+                    result["crossq_fetchreach"] = sac(args.seeds, work, CROSSQ_CONFIG)
                 elif part == "ppo":
                     result["ppo_fetchreach"] = ppo(work)
                 elif part == "plans":
                     result["plans"] = plans(work, 2, 10) if args.quick else plans(work)
                 print(part, round(time.perf_counter() - t0, 1), "s:", result, flush=True)
-    if "sac_fetchreach" in result:
-        runs = result["sac_fetchreach"].values()
-        result["sac_passed"] = all(
-            r["steps_to_0.95"] is not None and r["steps_to_0.95"] <= 20_000 for r in runs
-        )
+    for name in ("sac", "crossq"):
+        if f"{name}_fetchreach" in result:
+            runs = result[f"{name}_fetchreach"].values()
+            result[f"{name}_passed"] = all(
+                r["steps_to_0.95"] is not None and r["steps_to_0.95"] <= 20_000 for r in runs
+            )
     result["quick"] = args.quick
     result["load_at_end"] = os.getloadavg()[0]
     print(json.dumps(result))

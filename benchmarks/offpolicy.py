@@ -1,22 +1,30 @@
-"""Off-policy embodied RL (issue 60): SAC on FetchReachDense-v4 against today's PPO recipe, the
+"""Off-policy embodied RL (issue 60): SAC and CrossQ on FetchReachDense-v4 against today's PPO recipe, the
 per-step costs of ManiSkill PickCube-v1 and the bound they put on a 300k-step run, and the
 throughput of the collocated and actor-learner plans.
 
-    python benchmarks/offpolicy.py [--parts sac ppo plans pickcube] [--seeds 0 1]
+    python benchmarks/offpolicy.py [--parts sac crossq ppo plans] [--seeds 0 1] [--quick]
+    OMP_NUM_THREADS=1 python benchmarks/offpolicy.py --bound pickcube [--seconds 30] [--utd 1]
 
 - ``sac``: ``rlinf fit`` on ``configs/embodied_sac_fetchreach.yaml`` per seed (the seeds side by
   side, one process each, one thread each): the held-out success curve (32 deterministic episodes
   every 2,000 env steps), the env steps at which it first reaches 0.95, the final success within
   20,000 env steps, wall time. The bar: >= 0.95 within 20,000 env steps on every seed.
+- ``crossq``: the same for ``configs/embodied_crossq_fetchreach.yaml`` (the same envs, steps
+  and budget), against the same bar.
 - ``ppo``: the same for ``configs/embodied_ppo_fetchreach.yaml`` (seed 0, evaluated every 5
   iterations of 1,024 env steps): the env steps today's PPO recipe needs for 0.95.
-- ``plans``: a short SAC run on FetchReach under the collocated plan (one worker: env steps,
-  then updates) and the actor-learner plan (env and rollout on one slot, the learner on the
-  other, ``trainer.max_staleness=1``): env steps/s, updates/s and wall time of each.
-- ``pickcube``: ManiSkill PickCube-v1 (state, ``pd_ee_delta_pos``, CPU simulation): seconds per
-  simulated step (random actions), per policy call of one env, and per SAC update (batch 256,
-  256x256 MLPs, the RLinf config's), and the one-core wall time of 300,000 env steps at one
-  update per step that they add up to.
+- ``plans``: the same short SAC run on FetchReach (6 iterations of 8 envs x 50 steps, one update
+  per env step from the first) under the collocated plan (one worker: env steps, then updates)
+  and two actor-learner plans (``disaggregated``; ``hybrid`` with env and rollout on one slot, the
+  learner on the other), each ``trainer.max_staleness=1``: env steps/s, updates/s and wall time
+  of each, side by side. ``--quick``: this part only, 2 iterations of 10 steps (a smoke check).
+- ``--bound pickcube`` (alone): ManiSkill PickCube-v1 (state, ``pd_ee_delta_pos``, CPU
+  simulation) on one thread: seconds per simulated step (random actions), per env of a policy
+  call of 16 envs, per SAC update and per RLPD update (batch 256, 256x256 MLPs; RLPD ten
+  LayerNorm critics), each measured for ``--seconds``; then the env steps reachable in 30, 60 and
+  120 minutes on two cores at ``--utd`` updates per env step under each plan (collocated: steps
+  and updates alternate; actor-learner: they overlap on a core each) and the minutes 300,000 env
+  steps need. Run it on a quiet machine: on a loaded one its figures are the load's.
 
 The last line is one JSON object with every part's figures.
 """
@@ -35,8 +43,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SAC_CONFIG = ROOT / "configs" / "embodied_sac_fetchreach.yaml"
+CROSSQ_CONFIG = ROOT / "configs" / "embodied_crossq_fetchreach.yaml"  # the same envs and steps
 PPO_CONFIG = ROOT / "configs" / "embodied_ppo_fetchreach.yaml"
-SAC_STEPS_PER_ITERATION = 8 * 50  # the SAC config's num_envs x steps
+SAC_ENVS, SAC_STEPS = 8, 50  # the SAC config's envs and steps per env per iteration
 PPO_STEPS_PER_ITERATION = 16 * 64
 BAR = 0.95
 #: the actor-learner plan: the env workers on one slot, the learner on the other
@@ -70,11 +79,12 @@ def _curve(root: Path, per_iteration: int) -> dict:
             "wall_s": round(summary["wall_s"], 1)}  # fmt: skip
 
 
-def sac(seeds: list[int], work: Path) -> dict:
-    procs = {s: _fit(SAC_CONFIG, work / f"sac{s}", f"--trainer.seed={s}") for s in seeds}
+def sac(seeds: list[int], work: Path, config: Path = SAC_CONFIG) -> dict:
+    """The held-out success curve of ``config`` per seed, the seeds side by side."""
+    procs = {s: _fit(config, work / f"{config.stem}{s}", f"--trainer.seed={s}") for s in seeds}
     for s, p in procs.items():
         _wait(p, f"SAC seed {s}")
-    return {str(s): _curve(work / f"sac{s}", SAC_STEPS_PER_ITERATION) for s in seeds}
+    return {str(s): _curve(work / f"{config.stem}{s}", SAC_ENVS * SAC_STEPS) for s in seeds}
 
 
 def ppo(work: Path) -> dict:
@@ -83,104 +93,184 @@ def ppo(work: Path) -> dict:
     return _curve(work / "ppo0", PPO_STEPS_PER_ITERATION)
 
 
-def plans(work: Path, iterations: int = 6) -> dict:
+#: the plans side by side: the collocated one (one worker: env steps, then updates) and two
+#: actor-learner ones (env and rollout on one slot, the learner on the other, one version behind)
+PLANS = {
+    "collocated": (),
+    "disaggregated": ("--trainer.strategy=disaggregated", "--trainer.devices=2", "--trainer.max_staleness=1"),
+    "actor_learner": (f"--trainer.strategy={HYBRID}", "--trainer.devices=2", "--trainer.max_staleness=1"),
+}  # fmt: skip
+
+
+def plans(work: Path, iterations: int = 6, steps: int = SAC_STEPS) -> dict:
+    """Env steps/s and updates/s of a short SAC run on FetchReach under each of :data:`PLANS`
+    (``steps`` per env per iteration, the config's 8 envs, one update per env step from the first)."""
     out = {}
     common = (f"--trainer.max_iterations={iterations}", "--trainer.eval_every=0",
+              "--trainer.ckpt_every=0", f"--task.init_args.steps={steps}",
               "--trainer.algorithm.init_args.learning_starts=0")  # fmt: skip
-    runs = {
-        "collocated": (),
-        "actor_learner": (f"--trainer.strategy={HYBRID}", "--trainer.devices=2", "--trainer.max_staleness=1"),
-    }  # fmt: skip
-    for name, extra in runs.items():
+    for name, extra in PLANS.items():
         _wait(_fit(SAC_CONFIG, work / name, *common, *extra), name)
         summary = json.loads((work / name / "summary.json").read_text())
         rows = list(csv.DictReader((work / name / "logs" / "version_0" / "metrics.csv").open()))
-        updates = sum(float(r["actor/updates"]) for r in rows if r.get("actor/updates"))
-        wall = summary["train_wall_s"]
-        out[name] = {"env_steps_per_s": round(iterations * SAC_STEPS_PER_ITERATION / wall, 1),
-                     "updates_per_s": round(updates / wall, 1), "wall_s": round(wall, 1)}  # fmt: skip
+        updates, sim_s, act_s, learner_s = (
+            sum(float(r[k]) for r in rows if r.get(k))
+            for k in ("actor/updates", "time/env", "time/rollout", "time/actor")
+        )
+        env_s = sim_s + act_s  # the env worker's side: simulation and policy calls
+        wall, env_steps = summary["train_wall_s"], iterations * SAC_ENVS * steps
+        # busy seconds of each side: their sum over the wall time is how much they overlapped
+        out[name] = {"env_steps_per_s": round(env_steps / wall, 1), "updates_per_s": round(updates / wall, 1),
+                     "updates": int(updates), "wall_s": round(wall, 1), "env_busy_s": round(env_s, 1),
+                     "learner_busy_s": round(learner_s, 1),
+                     "busy_over_wall": round((env_s + learner_s) / wall, 2)}  # fmt: skip
     return out
 
 
-def pickcube(steps: int = 300, updates: int = 50) -> dict:
+def _seconds_per_call(fn, seconds: float) -> float:
+    """Seconds per call of ``fn``, called for about ``seconds`` (after one warm-up call)."""
+    fn()
+    calls, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        fn()
+        calls += 1
+    return elapsed / calls
+
+
+def _update_cost(algorithm: str, obs, action_dim: int, seconds: float) -> float:
+    """Seconds per update of ``algorithm``'s PickCube config (batch 256, 256x256 MLPs; RLPD: ten
+    LayerNorm critics, a pair for the target) on a batch of PickCube observations."""
     import torch
     from tensordict import TensorDict
 
-    from rlinf_lightning.algorithms import SAC
-    from rlinf_lightning.envs import make_env
+    from rlinf_lightning.algorithms import RLPD, SAC
     from rlinf_lightning.policies import SACPolicy
     from rlinf_lightning.workflows.offpolicy.learner import SACLoss
 
-    torch.set_num_threads(1)
-    env = make_env("PickCube-v1", 1, obs_mode="state", control_mode="pd_ee_delta_pos")
-    obs = env.reset(0)
-    g = torch.Generator().manual_seed(0)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        obs = env.step(torch.rand(1, *env.action_shape, generator=g) * 2 - 1).obs
-    sim_s = (time.perf_counter() - t0) / steps
-    policy = SACPolicy(hidden_sizes=(256, 256))
-    policy.configure_spaces(obs, (1, *env.action_shape))
+    rlpd = algorithm == "rlpd"
+    policy = SACPolicy(hidden_sizes=(256, 256), num_critics=10 if rlpd else 2, layer_norm=rlpd)
+    policy.configure_spaces(obs, (1, action_dim))
     policy.configure_model()
-    env.close()
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        for _ in range(steps):
-            policy.act(obs)
-    act_s = (time.perf_counter() - t0) / steps
-    optimizer, loss = policy.configure_optimizers(), SACLoss(SAC(), -float(policy.action_dim))
-    n = 256
+    config = RLPD(demo_ratio=0.0) if rlpd else SAC()
+    optimizer, loss = policy.configure_optimizers(), SACLoss(config, -float(action_dim))
+    n, g = config.batch_size, torch.Generator().manual_seed(0)
     batch = TensorDict(
         {
             "obs": obs.expand(n).clone(),
             "next_obs": obs.expand(n).clone(),
-            "action": torch.zeros(n, policy.action_dim),
+            "action": torch.rand(n, action_dim, generator=g) * 2 - 1,
             "reward": torch.zeros(n),
             "terminated": torch.zeros(n, dtype=torch.bool),
-            "noise": torch.randn(n, 2, policy.action_dim),
-            "critic_subset": torch.arange(2).expand(n, 2),
+            "noise": torch.randn(n, 2, action_dim, generator=g),
+            "critic_subset": torch.arange(config.critic_subset or 2).expand(n, -1),
+            "update_actor": torch.ones(n, dtype=torch.bool),
         },
         batch_size=[n],
     )
-    t0 = time.perf_counter()
-    for _ in range(updates):
+
+    def update() -> None:
         total, _, _ = loss(policy, batch)
         total.backward()
         optimizer.step()
         optimizer.zero_grad()
-        policy.update_targets(0.005)
-    update_s = (time.perf_counter() - t0) / updates
-    bound = 300_000 * (sim_s + act_s + update_s)
-    return {"sim_step_s": round(sim_s, 5), "policy_call_s": round(act_s, 5), "update_s": round(update_s, 5),
-            "one_core_300k_steps_utd1_h": round(bound / 3600, 2)}  # fmt: skip
+        policy.update_targets(config.tau)
+
+    return _seconds_per_call(update, seconds)
+
+
+def bound_pickcube(seconds: float = 30.0, utd: float = 1.0, num_envs: int = 16) -> dict:
+    """PickCube-v1's per-step costs on one thread (state, ``pd_ee_delta_pos``, CPU simulation,
+    random actions; a policy call of the configs' ``num_envs`` envs, per env; one SAC and one
+    RLPD update), each measured for about ``seconds``, and the env steps they allow on two cores
+    at ``utd`` updates per env step: collocated, one worker alternates steps and updates
+    (``env + utd x update`` per step, the other core free); actor-learner, the env worker and the
+    learner overlap on a core each (``max(env, utd x update)`` per step)."""
+    import torch
+
+    from rlinf_lightning.envs import make_env
+    from rlinf_lightning.policies import SACPolicy
+
+    torch.set_num_threads(1)
+    env = make_env("PickCube-v1", 1, obs_mode="state", control_mode="pd_ee_delta_pos")
+    obs, g = env.reset(0), torch.Generator().manual_seed(0)
+    shape = env.action_shape
+    sim_s = _seconds_per_call(lambda: env.step(torch.rand(1, *shape, generator=g) * 2 - 1), seconds)
+    env.close()
+    policy = SACPolicy(hidden_sizes=(256, 256))
+    policy.configure_spaces(obs, (1, *shape))
+    policy.configure_model()
+    many = obs.expand(num_envs).clone()
+    with torch.no_grad():
+        act_s = _seconds_per_call(lambda: policy.act(many), seconds) / num_envs
+    env_s = sim_s + act_s
+    out: dict = {"sim_step_s": round(sim_s, 6), "policy_call_per_env_s": round(act_s, 6), "utd": utd}
+    for algorithm in ("sac", "rlpd"):
+        update_s = _update_cost(algorithm, obs, policy.action_dim, seconds)
+        per_step = {"collocated": env_s + utd * update_s, "actor_learner": max(env_s, utd * update_s)}
+        out[algorithm] = {"update_s": round(update_s, 6)}
+        for plan, s in per_step.items():
+            reach = {f"env_steps_in_{m}_min": int(m * 60 / s) for m in (30, 60, 120)}
+            out[algorithm][plan] = reach | {"minutes_for_300k": round(300_000 * s / 60, 1)}
+    return out
+
+
+PARTS = ["sac", "crossq", "ppo", "plans"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", nargs="+", default=["sac", "ppo", "plans", "pickcube"])
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run (under 2 minutes): the plans part only, 2 iterations of 10 steps "
+                    "per env; with --bound, 3 s per cost. Its figures are no measurement")  # fmt: skip
+    ap.add_argument("--bound", choices=["pickcube"], help="only the per-step costs and the bound they give")
+    ap.add_argument("--seconds", type=float, default=30.0, help="--bound: seconds each cost is measured")
+    ap.add_argument("--utd", type=float, default=1.0, help="--bound: updates per env step")
     args = ap.parse_args()
     result: dict = {"load_at_start": os.getloadavg()[0]}
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        for part in args.parts:
-            t0 = time.perf_counter()
-            if part == "sac":
-                result["sac_fetchreach"] = sac(args.seeds, work)
-            elif part == "ppo":
-                result["ppo_fetchreach"] = ppo(work)
-            elif part == "plans":
-                result["plans"] = plans(work)
-            elif part == "pickcube":
-                result["pickcube_costs"] = pickcube()
-            print(part, round(time.perf_counter() - t0, 1), "s:", result, flush=True)
-    if "sac_fetchreach" in result:
-        runs = result["sac_fetchreach"].values()
-        result["sac_passed"] = all(
-            r["steps_to_0.95"] is not None and r["steps_to_0.95"] <= 20_000 for r in runs
-        )
+    if args.bound:
+        os.environ["OMP_NUM_THREADS"] = "1"  # before torch and the simulator load: one thread each
+        result["pickcube_bound"] = bound_pickcube(3.0 if args.quick else args.seconds, args.utd)
+        _print_bound(result["pickcube_bound"])
+    else:
+        parts = ["plans"] if args.quick else args.parts
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            for part in parts:
+                t0 = time.perf_counter()
+                if part == "sac":
+                    result["sac_fetchreach"] = sac(args.seeds, work)
+                elif part == "crossq":
+                    result["crossq_fetchreach"] = sac(args.seeds, work, CROSSQ_CONFIG)
+                elif part == "ppo":
+                    result["ppo_fetchreach"] = ppo(work)
+                elif part == "plans":
+                    result["plans"] = plans(work, 2, 10) if args.quick else plans(work)
+                print(part, round(time.perf_counter() - t0, 1), "s:", result, flush=True)
+    for name in ("sac", "crossq"):
+        if f"{name}_fetchreach" in result:
+            runs = result[f"{name}_fetchreach"].values()
+            result[f"{name}_passed"] = all(
+                r["steps_to_0.95"] is not None and r["steps_to_0.95"] <= 20_000 for r in runs
+            )
+    result["quick"] = args.quick
     result["load_at_end"] = os.getloadavg()[0]
     print(json.dumps(result))
+
+
+def _print_bound(bound: dict) -> None:
+    print(f"PickCube-v1 on one thread: {bound['sim_step_s'] * 1e3:.2f} ms per simulated step, "
+          f"{bound['policy_call_per_env_s'] * 1e3:.2f} ms per env of a policy call; "
+          f"two cores, {bound['utd']:g} update(s) per env step:")  # fmt: skip
+    for algorithm in ("sac", "rlpd"):
+        b = bound[algorithm]
+        print(f"  {algorithm}: {b['update_s'] * 1e3:.1f} ms per update")
+        for plan in ("collocated", "actor_learner"):
+            p = b[plan]
+            reach = " / ".join(f"{p[f'env_steps_in_{m}_min']:,}" for m in (30, 60, 120))
+            minutes = p["minutes_for_300k"]
+            print(f"    {plan:>13}: {reach} env steps in 30 / 60 / 120 min; 300k in {minutes} min")
 
 
 if __name__ == "__main__":

@@ -13,16 +13,16 @@ from safetensors.torch import load_file
 from tensordict import TensorDict
 
 from rlinf_lightning import RLTrainer
-from rlinf_lightning.algorithms import RLPD, SAC
+from rlinf_lightning.algorithms import RLPD, SAC, CrossQ
 from rlinf_lightning.algorithms.sac import actor_loss, critic_loss, critic_target, temperature_loss
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.errors import ConfigError
 from rlinf_lightning.flow.stage import StageContext
-from rlinf_lightning.policies import SACPolicy
+from rlinf_lightning.policies import CrossQPolicy, SACPolicy
 from rlinf_lightning.policies.sac import polyak
 from rlinf_lightning.strategies import CollocatedStrategy, HybridStrategy
 from rlinf_lightning.tasks import EmbodiedTask
-from rlinf_lightning.workflows.offpolicy.learner import OffPolicyLearnerStage, SACLoss
+from rlinf_lightning.workflows.offpolicy.learner import CrossQLoss, OffPolicyLearnerStage, SACLoss
 from rlinf_lightning.workflows.offpolicy.replay import ReplayBuffer
 
 ENV = "FetchReachDense-v4"
@@ -61,9 +61,9 @@ def test_sac_losses_equal_a_hand_computed_case():
     assert target_net.weight.item() == pytest.approx(0.1) and target_net.bias.item() == pytest.approx(0.8)
 
 
-def _policy(**kw) -> SACPolicy:
+def _policy(cls: type[SACPolicy] = SACPolicy, **kw) -> SACPolicy:
     obs = TensorDict({"observation": torch.zeros(1, 3)}, batch_size=[1])
-    policy = SACPolicy(hidden_sizes=(8,), **kw)
+    policy = cls(hidden_sizes=(8,), **kw)
     policy.configure_spaces(obs, (1, 2))
     policy.configure_model()
     return policy
@@ -81,6 +81,7 @@ def _batch(n: int, g: torch.Generator, subset=(0, 1)) -> TensorDict:
             "truncated": torch.zeros(n, dtype=torch.bool),
             "noise": torch.randn(n, 2, 2, generator=g),
             "critic_subset": torch.tensor(subset).expand(n, -1),
+            "update_actor": torch.ones(n, dtype=torch.bool),
         },
         batch_size=[n],
     )
@@ -116,6 +117,95 @@ def test_the_summed_sac_loss_moves_each_network_by_its_own_loss_only():
     assert got.keys() == expected.keys()
     for name in got:
         assert torch.allclose(got[name], expected[name], atol=1e-5), name
+
+
+def test_crossq_losses_equal_a_hand_computed_case():
+    """CrossQ's critic sees (s, a) and (s', a') as one batch: with s = 1, 3 and s' = 5, 7 the
+    input normalization uses their joint mean 4 and variance 5 (separate batches would map both
+    halves to -1, 1). The critic reads s only; the actor's actions are tanh(0) = 0 with
+    log-prob 1.5 - log(2 pi) / 2; its loss reads the critic with the running statistics."""
+    policy = _policy(CrossQPolicy, critic_hidden_sizes=(1,), num_critics=1)
+    policy.configure_spaces(TensorDict({"observation": torch.zeros(1, 1)}, [1]), (1, 1))
+    policy.model = None
+    policy.configure_model()
+    bn_in, linear, _, bn_hidden, out = policy.model.critics
+    with torch.no_grad():
+        for p in policy.model.actor.parameters():
+            p.zero_()  # mean 0, log_std -5 + 3.5 (tanh(0) + 1) = -1.5
+        linear.weight.copy_(torch.tensor([[[1.0], [0.0]]])), linear.bias.fill_(10.0)  # h = norm(s) + 10 > 0
+        out.weight.fill_(2.0), out.bias.fill_(0.5)
+    batch = TensorDict(
+        {
+            "obs": TensorDict({"observation": torch.tensor([[1.0], [3.0]])}, [2]),
+            "next_obs": TensorDict({"observation": torch.tensor([[5.0], [7.0]])}, [2]),
+            "action": torch.tensor([[0.3], [-0.2]]),
+            "reward": torch.tensor([1.0, -0.5]),
+            "terminated": torch.tensor([False, True]),
+            "noise": torch.zeros(2, 2, 1),
+            "critic_subset": torch.zeros(2, 1, dtype=torch.long),
+            "update_actor": torch.ones(2, dtype=torch.bool),
+        },
+        batch_size=[2],
+    )
+    total, count, metrics = CrossQLoss(CrossQ(gamma=0.9), target_entropy=-1.0)(policy, batch)
+
+    eps = 1e-3
+    s = torch.tensor([1.0, 3.0, 5.0, 7.0])
+    n = (s - 4) / math.sqrt(5 + eps)  # the joint batch's statistics: mean 4, variance 5
+    joint = 2 * n / math.sqrt(float(n.var(unbiased=False)) + eps) + 0.5  # h - mean(h) = n
+    q, next_q = joint[:2], joint[2:]
+    logprob = 1.5 - 0.5 * math.log(2 * math.pi)  # alpha = 1 (log_alpha 0)
+    y = torch.tensor([1.0 + 0.9 * (float(next_q[0]) - logprob), -0.5])
+    critic = float(((q - y) ** 2).mean())
+    assert metrics["critic_loss"].item() == pytest.approx(critic, rel=1e-5)
+    # the running statistics after that one batch (momentum 0.01, unbiased variances)
+    mean_in, var_in = 0.01 * 4.0, 0.99 + 0.01 * float(s.var())
+    assert bn_in.running_mean[0].item() == pytest.approx(mean_in)
+    h = n + 10
+    mean_h, var_h = 0.01 * float(h.mean()), 0.99 + 0.01 * float(h.var())
+    n_pi = (torch.tensor([1.0, 3.0]) - mean_in) / math.sqrt(var_in + eps) + 10
+    q_pi = 2 * (n_pi - mean_h) / math.sqrt(var_h + eps) + 0.5
+    actor = float((logprob - q_pi).mean())
+    assert metrics["actor_loss"].item() == pytest.approx(actor, rel=1e-5)
+    assert metrics["alpha_loss"].item() == pytest.approx(0.0)  # log_alpha is 0
+    assert count == 2 and total.item() == pytest.approx(2 * (critic + actor), rel=1e-5)
+
+
+def test_crossq_updates_the_actor_every_third_update_and_the_critics_at_each():
+    """One transition per iteration at UTD 1: one update each; the actor (and temperature) move at
+    updates 0 and 3 only."""
+    stage = OffPolicyLearnerStage(
+        _policy(CrossQPolicy, critic_hidden_sizes=(8,)),
+        CrossQ(batch_size=4, learning_starts=0, updates_per_step=1),
+        TrainSpec(), transition_bytes=64,
+    )  # fmt: skip
+    stage.setup(StageContext())
+    g, moved = torch.Generator().manual_seed(0), []
+    for iteration in range(1, 6):
+        before = {k: v.clone() for k, v in stage.engine.policy.model.state_dict().items()}
+        steps = _batch(1, g).exclude("noise", "critic_subset", "update_actor").reshape(1, 1)
+        t = TensorDict({k: steps[k] for k in steps.keys()}, batch_size=[1])
+        t["env_id"], t["policy_version"] = torch.zeros(1, dtype=torch.long), torch.full((1, 1), iteration - 1)
+        stage.begin_iteration(iteration)
+        stage.process(t)
+        stage.end_iteration()
+        after = stage.engine.policy.model.state_dict()
+        changed = [k for k in after if not torch.equal(before[k], after[k])]
+        moved.append(
+            {part for part in ("actor", "critics", "log_alpha") if any(k.startswith(part) for k in changed)}
+        )
+    full = {"actor", "critics", "log_alpha"}
+    assert moved == [full, {"critics"}, {"critics"}, full, {"critics"}]
+
+
+def test_crossq_refuses_a_policy_with_target_critics_and_sac_one_without():
+    with pytest.raises(ConfigError) as info:
+        RLTrainer(algorithm=CrossQ(), devices=1, logger=False).validate(SACPolicy(), EmbodiedTask(ENV))
+    assert info.value.keys == ["policy"] and "CrossQPolicy" in str(info.value)
+    assert len(str(info.value).splitlines()) == 2
+    with pytest.raises(ConfigError) as info:
+        RLTrainer(algorithm=SAC(), devices=1, logger=False).validate(CrossQPolicy(), EmbodiedTask(ENV))
+    assert info.value.keys == ["policy"] and "has none" in str(info.value)
 
 
 # -- the replay buffer --------------------------------------------------------------------------------
@@ -165,14 +255,14 @@ def _saved(state):
 # -- runs through the trainer -------------------------------------------------------------------------
 
 
-def _fit(root, strategy="collocated", launcher="inprocess", devices=1, iterations=3, **algo):
+def _fit(root, strategy="collocated", launcher="inprocess", devices=1, iterations=3, crossq=False, **algo):
     from trainer_defaults import MetricsRecorder
 
     steps = MetricsRecorder()
     options = {"batch_size": 16, "learning_starts": 0, "updates_per_step": 0.5, "tau": 0.1, **algo}
     task = EmbodiedTask(ENV, env_kwargs={"max_episode_steps": 4}, num_envs=4, steps=6, eval_episodes=2)
     trainer = RLTrainer(
-        algorithm=SAC(**options),
+        algorithm=(CrossQ if crossq else SAC)(**options),
         strategy=strategy,
         launcher=launcher,
         precision="32-true",
@@ -185,7 +275,9 @@ def _fit(root, strategy="collocated", launcher="inprocess", devices=1, iteration
         callbacks=[steps],
         timeout_s=120,
     )
-    summary = trainer.fit(SACPolicy(hidden_sizes=(16, 16), actor_lr=1e-2, critic_lr=1e-2), task)
+    sizes = {"hidden_sizes": (16, 16), "actor_lr": 1e-2, "critic_lr": 1e-2}
+    policy = CrossQPolicy(critic_hidden_sizes=(16, 16), **sizes) if crossq else SACPolicy(**sizes)
+    summary = trainer.fit(policy, task)
     last = root / "checkpoints" / (root / "checkpoints" / "last").read_text()
     return summary, steps.metrics, load_file(str(last / "model.safetensors")), last
 
@@ -230,6 +322,42 @@ def test_three_iterations_are_the_same_updates_under_every_plan(tmp_path, refere
         assert max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights) <= 1e-5, name
 
 
+@pytest.mark.parametrize("launcher", ["inprocess", pytest.param("processes", marks=pytest.mark.slow)])
+def test_a_learner_on_two_replicas_takes_the_updates_of_one(tmp_path, reference, launcher):
+    """Each replica writes every replica's transitions into its buffer and takes a slice of each
+    batch; the engine sums the gradients: the updates of one learner, to rounding."""
+    _, ref_metrics, ref_weights, _ = reference
+    _, metrics, weights, _ = _fit(tmp_path, CollocatedStrategy(replicas=2), launcher, devices=2)
+    assert [m["env/return"] for m in metrics] == pytest.approx([r["env/return"] for r in ref_metrics])
+    assert max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "key"),
+    [(CrossQ(), "trainer.strategy"), (SAC(policy_delay=2), "trainer.algorithm.policy_delay")],
+)
+def test_a_learner_on_two_replicas_refuses_what_a_batch_slice_cannot_do(algorithm, key):
+    stage = OffPolicyLearnerStage(_policy(), algorithm, TrainSpec(), 64)
+    assert [k for k, _ in stage.check_placement(2, own_process=False)] == [key]
+    assert stage.check_placement(1, own_process=False) == []
+
+
+def test_crossq_takes_the_same_updates_under_every_plan(tmp_path):
+    """CrossQ's updates, its batch-norm running statistics included, are the same whether the
+    learner shares a worker with the envs or has its own slot."""
+    runs = {name: _fit(tmp_path / name, strategy, "inprocess", devices, crossq=True, policy_delay=2)
+            for name, (strategy, devices) in PLANS.items()}  # fmt: skip
+    _, ref_metrics, ref_weights, _ = runs["collocated"]
+    assert "critics.0.running_var" in ref_weights and "target.0.weight" not in ref_weights
+    assert float((ref_weights["critics.0.running_mean"]).abs().max()) > 0  # the statistics moved
+    for name, (_, metrics, weights, _) in runs.items():
+        for m, r in zip(metrics, ref_metrics, strict=True):
+            for key in ("actor/loss", "actor/critic_loss", "env/return"):
+                assert m[key] == pytest.approx(r[key], abs=1e-5), (name, key)
+        assert weights.keys() == ref_weights.keys()
+        assert max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights) <= 1e-5, name
+
+
 def test_the_actor_learner_plan_runs_one_version_behind(tmp_path):
     """``trainer.max_staleness=1`` on disjoint slots: the env workers collect iteration k+1 with
     the weights of k-1 while the learner updates."""
@@ -246,21 +374,31 @@ def test_the_actor_learner_plan_runs_one_version_behind(tmp_path):
     assert [m["async/staleness_max"] for m in steps.metrics] == [0, 1, 1]
 
 
-def test_a_part_full_buffer_resumes_to_bit_equal_updates(tmp_path):
+RESUMED = {
+    "sac": (SAC(batch_size=4, buffer_capacity=50, learning_starts=0), {}),
+    # 5: the 12 updates before the checkpoint leave the delay's count mid-way
+    "crossq": (CrossQ(batch_size=4, buffer_capacity=50, learning_starts=0, policy_delay=5),
+               {"cls": CrossQPolicy, "critic_hidden_sizes": (8,)}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", RESUMED)
+def test_a_part_full_buffer_resumes_to_bit_equal_updates(name):
     """A learner whose train state and buffer went through a checkpoint's files takes the same
-    next updates, bit for bit, as the one that went on."""
-    policy = _policy()
+    next updates, bit for bit, as the one that went on: weights, targets (SAC), batch-norm running
+    statistics and the policy delay's count (CrossQ)."""
+    algorithm, policy_options = RESUMED[name]
+    policy = _policy(**policy_options)
     g = torch.Generator().manual_seed(1)
 
     def trajectories(iteration):  # two envs x three steps, as the env stage sends them
-        steps = _batch(6, g).exclude("noise", "critic_subset").reshape(2, 3)
+        steps = _batch(6, g).exclude("noise", "critic_subset", "update_actor").reshape(2, 3)
         t = TensorDict({k: steps[k] for k in steps.keys()}, batch_size=[2])
         t["env_id"], t["policy_version"] = torch.arange(2), torch.full((2, 3), iteration - 1)
         return t
 
     def learner():
-        stage = OffPolicyLearnerStage(policy, SAC(batch_size=4, buffer_capacity=50, learning_starts=0),
-                                      TrainSpec(), transition_bytes=64, seed=0)  # fmt: skip
+        stage = OffPolicyLearnerStage(policy, algorithm, TrainSpec(), transition_bytes=64, seed=0)
         stage.setup(StageContext())
         return stage
 
@@ -278,19 +416,21 @@ def test_a_part_full_buffer_resumes_to_bit_equal_updates(tmp_path):
     b = learner()
     b.load_state_dict(state["train"]), b.load_extra_state(state["extra"])
     assert len(b.buffer) == 12 < b.buffer.capacity
+    assert b.updates == 12
     iterate(b, 3, data[2])
-    for (name, wa), (_, wb) in zip(a.engine.named_weights(), b.engine.named_weights(), strict=True):
-        assert torch.equal(wa, wb), name
-    assert a.engine.state_dict()["model"]["target.0.weight"].equal(
-        b.engine.state_dict()["model"]["target.0.weight"]
-    )
+    model_a, model_b = a.engine.state_dict()["model"], b.engine.state_dict()["model"]
+    assert model_a.keys() == model_b.keys()
+    assert ("target.0.weight" in model_a) == (name == "sac")
+    assert ("critics.0.running_mean" in model_a) == (name == "crossq")
+    for key in model_a:
+        assert torch.equal(model_a[key], model_b[key]), key
 
 
 def test_the_buffer_holds_the_transitions_in_env_order_whatever_order_the_shards_came_in():
     """Plans cut the envs into shards that reach the learner in any order: the buffer's rows, and
     so every sampled batch, must not depend on it."""
     g = torch.Generator().manual_seed(2)
-    steps = _batch(12, g).exclude("noise", "critic_subset").reshape(4, 3)
+    steps = _batch(12, g).exclude("noise", "critic_subset", "update_actor").reshape(4, 3)
     shards = [TensorDict({k: steps[k][i : i + 2] for k in steps.keys()}, batch_size=[2]) for i in (0, 2)]
     for i, shard in enumerate(shards):
         shard["env_id"], shard["policy_version"] = torch.arange(2 * i, 2 * i + 2), torch.zeros(2, 3)
@@ -324,6 +464,7 @@ def test_the_buffer_holds_the_transitions_in_env_order_whatever_order_the_shards
         ({"buffer_capacity": 0}, "trainer.algorithm.buffer_capacity", "must be >= 1"),
         ({"demo_ratio": 1.5, "demo_path": "d.safetensors"}, "trainer.algorithm.demo_ratio", "<= 1"),
         ({"demo_ratio": -0.1}, "trainer.algorithm.demo_ratio", ">= 0"),
+        ({"policy_delay": 0}, "trainer.algorithm.policy_delay", "must be >= 1"),
     ],
 )
 def test_a_bad_key_is_one_line_naming_it(options, key, text):

@@ -21,7 +21,7 @@ from rlinf_lightning.algorithms.presets import (
     ReinforcePlusPlus,
     ReinforcePlusPlusBaseline,
 )
-from rlinf_lightning.algorithms.sac import RLPD, SAC
+from rlinf_lightning.algorithms.sac import RLPD, SAC, CrossQ
 from rlinf_lightning.registry import Registry
 
 ALGORITHMS: Registry[type] = Registry("algorithm")
@@ -30,12 +30,14 @@ for _name, _preset in PRESETS.items():
 ALGORITHMS.register("ppo", PPO)
 ALGORITHMS.register("sac", SAC)
 ALGORITHMS.register("rlpd", RLPD)
+ALGORITHMS.register("crossq", CrossQ)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "ALGORITHMS",
     "Algorithm",
     "CISPO",
+    "CrossQ",
     "DAPO",
     "GRPO",
     "GSPO",

@@ -104,7 +104,7 @@ OPTION_RANGES: dict[str, Range] = {
     "vf_coef": _NONNEGATIVE,
     "target_kl": Range(0.0, open_low=True, nullable=True, why="null: no early stop"),
     "critic_warmup": Range(0, integer=True, why="0: the actor trains from the first iteration"),
-    # off-policy (SAC, RLPD): the replay buffer and the update-to-data ratio
+    # off-policy (SAC, RLPD, CrossQ): the replay buffer and the update-to-data ratio
     "tau": Range(0.0, 1.0, open_low=True, why="the target critics' Polyak rate"),
     "batch_size": _POSITIVE_INT,
     "buffer_capacity": Range(1, integer=True, why="transitions the replay buffer holds"),
@@ -112,13 +112,15 @@ OPTION_RANGES: dict[str, Range] = {
     "updates_per_step": Range(0.0, open_low=True, why="updates per env step; a learner needs some"),
     "init_alpha": Range(0.0, open_low=True, why="the entropy temperature at the start"),
     "target_entropy": Range(
-        high=0.0, nullable=True,
+        high=0.0,
+        nullable=True,
         why="null: -|A|; a tanh-squashed policy's entropy is at most |A| ln 2, so a target near or above it "
         "makes the temperature grow without end",
     ),  # fmt: skip
     "critic_subset": Range(1, integer=True, nullable=True, why="null: every critic"),
     "actor_aggregate": Range(choices=("min", "mean")),
     "demo_ratio": _FRACTION,
+    "policy_delay": Range(1, integer=True, why="updates per actor update; 1: every update"),
 }
 
 

@@ -1,4 +1,5 @@
-"""Off-policy actor-critic: SAC (Haarnoja et al., 2018) and RLPD (Ball et al., 2023) on top of it.
+"""Off-policy actor-critic: SAC (Haarnoja et al., 2018), and RLPD (Ball et al., 2023) and CrossQ
+(Bhatt et al., 2024) on top of it.
 
 One update on a batch of transitions ``(s, a, r, s', d)`` (``d``: the step *terminated* the
 episode; a truncation bootstraps), with ``E`` critics ``Q_1..Q_E``, their Polyak-averaged targets
@@ -19,12 +20,23 @@ The three losses are summed into one and taken by one optimizer whose parameter 
 actor, the critics and the temperature: each loss reaches only its own group (the actor's loss
 reads the critics through detached weights, the temperature's a detached log-prob), and Adam is
 per parameter, so this is the three optimizers' step, with the actor and the temperature seeing
-the critics from before this step's update (as in JAX implementations that update jointly).
+the critics from before this step's update (as in JAX implementations that update jointly). With
+``policy_delay`` d the actor and temperature losses join only every d-th update (their groups get
+no gradient, so Adam leaves them and their moments alone in between).
+
+CrossQ drops the targets: the critics are batch-normalized (``policies.CrossQPolicy``) and
+``(s, a)`` and ``(s', a')`` go through them as one batch of ``2B``, so the normalization's batch
+statistics cover both distributions, the next values taken with a stop-gradient:
+
+    [Q_i(s, a); Q_i(s', a')] = Q_i([s; s'], [a; a'])      one forward, batch statistics of both
+    y = r + gamma (1 - d) sg(min_{i in K} Q_i(s', a') - alpha log pi(a'|s'))
+    L_pi, L_alpha as above every 3rd update, Q_i(s, a~) read with the running statistics
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -76,6 +88,7 @@ class SAC(Algorithm):
         actor_aggregate: how the actor's loss combines the critics: ``min`` or ``mean``.
         demo_path: demonstrations (``rlinf demos``) loaded into a second buffer (``None``: none).
         demo_ratio: the share of every batch drawn from the demonstrations.
+        policy_delay: updates per actor (and temperature) update; the critics learn at every one.
     """
 
     gamma: float = 0.99
@@ -90,7 +103,10 @@ class SAC(Algorithm):
     actor_aggregate: str = "min"
     demo_path: str | None = None
     demo_ratio: float = 0.0
+    policy_delay: int = 1
 
+    #: whether the critics' targets are Polyak-averaged copies (``policy.update_targets``)
+    target_critics: ClassVar[bool] = True
     #: what the off-policy workflow gives it: transitions, not advantages
     reads = frozenset({"rewards", "dones"})
 
@@ -118,3 +134,15 @@ class RLPD(SAC):
     demo_ratio: float = 0.5
     init_alpha: float = 0.1
     learning_starts: int = 0
+
+
+@dataclass
+class CrossQ(SAC):
+    """CrossQ (Bhatt et al., ICLR 2024): SAC without target critics, batch-normalized critics that
+    see ``(s, a)`` and ``(s', a')`` in one forward, one update per env step and the actor updated
+    every third one; Adam's betas (0.5, 0.999) and the wider critics are the policy's
+    (``CrossQPolicy``). ``tau`` is unused: there is no target to move."""
+
+    policy_delay: int = 3
+
+    target_critics: ClassVar[bool] = False

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -62,15 +63,16 @@ def _critics(members: int, n_in: int, hidden: tuple[int, ...], layer_norm: bool)
 
 
 class SACNet(nn.Module):
-    """Actor, critics, target critics and the log temperature."""
+    """Actor, critics (built by ``critics(n_in)`` after the actor, so a seed gives the same actor
+    whatever the critics), their targets where ``target`` and the log temperature."""
 
     def __init__(
         self,
         obs_dim: int,
         action_dim: int,
         hidden_sizes: tuple[int, ...],
-        num_critics: int,
-        layer_norm: bool,
+        critics: Callable[[int], nn.Module],
+        target: bool = True,
     ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
@@ -79,8 +81,8 @@ class SACNet(nn.Module):
             layers += [nn.Linear(n_in, h), nn.ReLU()]
             n_in = h
         self.actor = nn.Sequential(*layers, nn.Linear(n_in, 2 * action_dim))
-        self.critics = _critics(num_critics, obs_dim + action_dim, hidden_sizes, layer_norm)
-        self.target = copy.deepcopy(self.critics).requires_grad_(False)
+        self.critics = critics(obs_dim + action_dim)
+        self.target = copy.deepcopy(self.critics).requires_grad_(False) if target else None
         self.log_alpha = nn.Parameter(torch.tensor(0.0))  # the learner sets the algorithm's init_alpha
 
 
@@ -91,6 +93,8 @@ class SoftActorCritic(Protocol):
     :class:`SACPolicy` is one; the workflow checks a policy against it once, when it is built."""
 
     num_critics: int
+    #: whether it keeps Polyak target critics (SAC, RLPD) or none (CrossQ)
+    target_critics: bool
 
     def features(self, obs: TensorDict) -> torch.Tensor: ...
 
@@ -119,6 +123,8 @@ class SACPolicy(RLModule):
     """
 
     max_grad_norm = 0.0  # no clipping: the three losses share one step (see algorithms.sac)
+    #: whether the critics have Polyak-averaged targets (``update_targets``); CrossQ's have none
+    target_critics = True
 
     def __init__(
         self,
@@ -174,8 +180,12 @@ class SACPolicy(RLModule):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             self.model = SACNet(
-                self.obs_dim, self.action_dim, self.hidden_sizes, self.num_critics, self.layer_norm
+                self.obs_dim, self.action_dim, self.hidden_sizes, self.make_critics, self.target_critics
             )
+
+    def make_critics(self, n_in: int) -> nn.Module:
+        """The critic ensemble over ``n_in`` inputs (features and action): ``[E, B, n_in] -> [E, B, 1]``."""
+        return _critics(self.num_critics, n_in, self.hidden_sizes, self.layer_norm)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         m = self.model

@@ -1,4 +1,4 @@
-"""The off-policy embodied flow (SAC, RLPD) as stages:
+"""The off-policy embodied flow (SAC, RLPD, CrossQ) as stages:
 
     env shards -> env <-> rollout (a loop: steps + 1 turns) -> actor (learner, replay buffer)
     actor ==weights==> rollout                                                  (sync)
@@ -28,7 +28,7 @@ from rlinf_lightning.workflows.specs import EmbodiedSpec, RunSpec
 
 
 def is_off_policy(algorithm: Any) -> bool:
-    """Whether ``algorithm`` learns from a replay buffer (SAC and its presets)."""
+    """Whether ``algorithm`` learns from a replay buffer (SAC and its presets, RLPD and CrossQ)."""
     return isinstance(algorithm, SAC)
 
 
@@ -70,9 +70,16 @@ def build_offpolicy(
 
     algorithm: SAC = run.algorithm
     if not isinstance(policy, SoftActorCritic):
-        names = ("features", "sample", "q", "update_targets", "num_critics")
+        names = ("features", "sample", "q", "update_targets", "num_critics", "target_critics")
         missing = ", ".join(m for m in names if not hasattr(policy, m))
         why = f"{type(policy).__name__} lacks {missing}: SAC trains a SACPolicy (a SoftActorCritic)"
+        raise ConfigError([("policy", why)])
+    if policy.target_critics != algorithm.target_critics:
+        name = type(algorithm).__name__
+        why = (f"{name} learns without target critics, from batch-normalized ones: use "
+               "rlinf_lightning.policies.CrossQPolicy" if not algorithm.target_critics else
+               f"{name} moves target critics, {type(policy).__name__} has none: use "
+               "rlinf_lightning.policies.SACPolicy")  # fmt: skip
         raise ConfigError([("policy", why)])
     critics = policy.num_critics
     if algorithm.critic_subset is not None and algorithm.critic_subset > critics:

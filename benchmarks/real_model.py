@@ -2,8 +2,8 @@
 arithmetic (configs/math_grpo_smollm2.yaml), side by side with TRL's ``GRPOTrainer``.
 
     python benchmarks/real_model.py [--seeds 0,1] [--kinds addition,mix] [--steps 60]
-        [--trl-steps 10] [--eval-size 200] [--rollout-rounds 3]
-        [--sections learning,vs_trl,rollout] [--fit-args "--policy.lr=2e-5 ..."]
+        [--trl-steps 10] [--eval-size 200] [--rounds 3] [--threads 0]
+        [--sections learning,vs_trl,rollout,actor] [--fit-args "--policy.lr=2e-5 ..."]
     python benchmarks/real_model.py --smoke     # the whole path at a tiny budget (minutes)
 
 Assets are made if absent (``rlinf prepare --model smollm2-135m-instruct --word_problems
@@ -32,8 +32,18 @@ Sections:
   or better.
 * ``rollout``: our ``hf`` rollout engine against plain ``model.generate`` (sampling at the
   recipe's temperature, top-k off, bf16 weights on both) on the same prompts, batch and length:
-  completion tokens per second, each side's median of ``--rollout-rounds`` after one warm-up. Bar:
+  completion tokens per second, each side's median of ``--rounds`` after one warm-up. Bar:
   >= 1.0.
+* ``actor``: our actor step (the recipe's precision, micro-batches and learning rate) over a plain
+  ``transformers`` forward and backward of the same batch of ``batch`` completions, and over that
+  plus the clipped AdamW step (``benchmarks/actor_vs_hf.py``), in this process, ``--rounds``
+  interleaved: ratios, meaningful on a loaded machine where the seconds are not.
+
+``--threads N`` gives every side N torch threads (ours ``trainer.num_threads``, TRL's child and this
+process ``torch.set_num_threads``); 0 leaves each at its default, the machine's cores. On a shared
+machine fewer threads than cores are faster: where other processes hold the cores, each parallel
+kernel waits for a thread the scheduler has put aside (measured on 2 cores at a load average of
+2-4: our actor step on 4 samples took 13 s with 2 threads, 2.9 s with 1).
 
 Each fit runs in its own process. The last line is one JSON object.
 """
@@ -52,12 +62,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from step_clock import StepClock
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "math_grpo_smollm2.yaml"
 MODEL = "smollm2-135m-instruct"
 KINDS = ("addition", "mix")
-SECTIONS = ("learning", "vs_trl", "rollout")
-SMOKE = {"steps": 1, "trl_steps": 2, "eval_size": 4, "rollout_rounds": 1, "seeds": "0", "kinds": "addition"}
+SECTIONS = ("learning", "vs_trl", "rollout", "actor")
+SMOKE = {"steps": 1, "trl_steps": 2, "eval_size": 4, "rounds": 1, "seeds": "0", "kinds": "addition"}
 #: the smoke run's batch: 2 prompts x 2 samples of up to 16 tokens
 SMOKE_FIT = ["--task.group_size=2", "--task.rollout_batch_size=4", "--task.sampling.max_new_tokens=16"]
 
@@ -76,6 +88,8 @@ def recipe(fit_args: list[str]) -> dict:
         "new_tokens": task["sampling"]["max_new_tokens"],
         "temperature": task["sampling"]["temperature"],
         "lr": config["policy"]["lr"],
+        "precision": config["trainer"]["precision"],
+        "micro_batch": task["train_micro_batch_size"],
     }
     keys = {
         "--task.group_size": "group",
@@ -83,11 +97,14 @@ def recipe(fit_args: list[str]) -> dict:
         "--policy.lr": "lr",
         "--task.sampling.max_new_tokens": "new_tokens",
         "--task.sampling.temperature": "temperature",
+        "--trainer.precision": "precision",
+        "--task.train_micro_batch_size": "micro_batch",
     }
     for arg in fit_args:
         key, _, value = arg.partition("=")
         if key in keys:
-            r[keys[key]] = float(value) if keys[key] in ("lr", "temperature") else int(value)
+            kind = {"lr": float, "temperature": float, "precision": str}.get(keys[key], int)
+            r[keys[key]] = kind(value)
     return r
 
 
@@ -164,22 +181,10 @@ def held_out(model_dir: Path, weights: Path | None, test: Path, n: int, r: dict)
 def run_ours(model: str, train: str, test: str, steps: int, seed: int, out: str, fit_args: list[str]) -> dict:
     """The recipe through `rlinf fit`'s own parser (so the config is read exactly as the CLI reads
     it), with a callback stamping each iteration's end."""
-    from rlinf_lightning import Callback
     from rlinf_lightning.cli import algorithm_names_as_classes, build_parser, subcommand_parser
     from rlinf_lightning.engines.precision import resolve_precision
 
-    starts: list[float] = []
-    stamps: list[float] = []
-    metrics: list[dict] = []
-
-    class Stamp(Callback):
-        def on_iteration_start(self, trainer, iteration):
-            starts.append(time.perf_counter())
-
-        def on_iteration_end(self, trainer, iteration, m):
-            stamps.append(time.perf_counter())
-            metrics.append(dict(m))
-
+    clock = StepClock()
     argv = ["fit", f"--config={CONFIG}", f"--policy.model_path={model}", f"--task.train_path={train}",
             f"--task.test_path={test}", f"--trainer.default_root_dir={out}", f"--trainer.seed={seed}",
             f"--trainer.max_iterations={steps}", "--trainer.eval_every=0", "--task.eval_size=1",
@@ -189,38 +194,39 @@ def run_ours(model: str, train: str, test: str, steps: int, seed: int, out: str,
     init = subcommand_parser(parser, "fit").instantiate(
         parser.parse_args(algorithm_names_as_classes(argv))["fit"]
     )
-    init.trainer.callbacks.append(Stamp())
+    init.trainer.callbacks.append(clock.ours())
     t0 = time.perf_counter()
     summary = init.trainer.fit(init.policy, init.task)
     wall = time.perf_counter() - t0
-    steady = metrics[1:] or metrics
-    mean = lambda k: sum(m.get(k, 0.0) for m in steady) / len(steady)  # noqa: E731
+    mean = clock.steady_mean
     last = (Path(out) / "checkpoints" / "last").read_text().strip()
     return {
-        "s_per_step": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else wall,
+        "s_per_step": clock.s_per_step(wall),
         "fit_wall_s": wall,
         "train_wall_s": summary["train_wall_s"],
         "precision": resolve_precision(init.trainer.precision, "cpu"),
         "rollout_s": mean("time/rollout"),
         "actor_s": mean("time/actor"),
-        "train_reward": [round(m.get("reward/accuracy", 0.0), 3) for m in metrics],
+        "train_reward": [round(m.get("reward/accuracy", 0.0), 3) for m in clock.metrics],
         "response_tokens_per_step": mean("rollout/response_tokens_total"),
         "weights": str(Path(out) / "checkpoints" / last / "model.safetensors"),
     }
 
 
-def run_trl(model: str, train: str, steps: int, seed: int, out: str, r: dict) -> dict:
+def run_trl(model: str, train: str, steps: int, seed: int, out: str, r: dict, threads: int) -> dict:
     """TRL's ``GRPOTrainer`` on the recipe's chat prompts (conversational: TRL applies the chat
     template), at its defaults but for what must match ours."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from rlinf_lightning.prompts import PromptFormat
     from rlinf_lightning.rewards import RewardInput, load_reward, score
     from rlinf_lightning.tasks.data import load_problems
 
+    if threads:
+        torch.set_num_threads(threads)
     fmt = PromptFormat(r["template"])
     prompts_per_step = r["batch"] // r["group"]
     problems = load_problems(train)[: prompts_per_step * (steps + 1)]
@@ -229,12 +235,8 @@ def run_trl(model: str, train: str, steps: int, seed: int, out: str, r: dict) ->
     )
     judge = load_reward("math_verify")
     judge.setup()
-    stamps: list[float] = []
+    clock = StepClock()
     rewards: list[float] = []
-
-    class Stamp(TrainerCallback):
-        def on_step_end(self, args, state, control, **kw):
-            stamps.append(time.perf_counter())
 
     def reward(completions, answer, **kw):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
@@ -255,14 +257,14 @@ def run_trl(model: str, train: str, steps: int, seed: int, out: str, r: dict) ->
         args=config,
         train_dataset=data,
         processing_class=tok,
-        callbacks=[Stamp()],
+        callbacks=[clock.trl()],
     )
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
     trainer.save_model(str(Path(out) / "final"))
     return {
-        "s_per_step": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else wall,
+        "s_per_step": clock.s_per_step(wall),
         "train_s": wall,
         "bf16": bool(config.bf16),
         "train_reward": [round(x, 3) for x in rewards],
@@ -315,9 +317,10 @@ def learning(model, data, kinds, seeds, steps, n, r, fit_args, work) -> dict:
     return out
 
 
-def vs_trl(model, data, steps, seed, n, r, fit_args, work) -> dict:
+def vs_trl(model, data, steps, seed, n, r, fit_args, work, threads) -> dict:
     train, test = str(data["addition"]["train"]), data["addition"]["test"]
-    trl = spawn("trl", model=str(model), train=train, steps=steps, seed=seed, out=str(work / "trl"), r=r)
+    trl = spawn("trl", model=str(model), train=train, steps=steps, seed=seed, out=str(work / "trl"), r=r,
+                threads=threads)  # fmt: skip
     ours = spawn("ours", model=str(model), train=train, test=str(test), steps=steps, seed=seed,
                  out=str(work / "ours-vs-trl"), fit_args=fit_args)  # fmt: skip
     acc = {
@@ -404,7 +407,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="GRPO iterations of each learning run")
     ap.add_argument("--trl-steps", type=int, default=10, help="steps of each side of the TRL comparison")
     ap.add_argument("--eval-size", type=int, default=200, help="held-out problems judged")
-    ap.add_argument("--rollout-rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds of the rollout and actor sections")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads of every side (0: their default)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"some of {','.join(SECTIONS)}")
     ap.add_argument("--fit-args", default="", help="more `rlinf fit` overrides for our side, quoted")
     ap.add_argument("--smoke", action="store_true", help="a tiny budget: does every path run")
@@ -420,6 +424,11 @@ def main() -> None:
         sys.exit(f"unknown section or kind: {', '.join(sorted(unknown))}; sections {SECTIONS}, kinds {KINDS}")
     seeds = [int(s) for s in args.seeds.split(",")]
     fit_args = (SMOKE_FIT if args.smoke else []) + shlex.split(args.fit_args)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        fit_args.append(f"--trainer.num_threads={args.threads}")
     r = recipe(fit_args)
     model, data = assets(sorted(set(kinds) | {"addition"}))
     work = Path(tempfile.mkdtemp(prefix="real_model-"))
@@ -427,6 +436,7 @@ def main() -> None:
         "model": MODEL,
         "smoke": args.smoke,
         "fit_args": fit_args,
+        "threads": args.threads or os.cpu_count(),
         "load_start": os.getloadavg()[0],
     }
     if "learning" in sections:
@@ -434,9 +444,17 @@ def main() -> None:
             model, data, kinds, seeds, args.steps, args.eval_size, r, fit_args, work
         )
     if "vs_trl" in sections:
-        result["vs_trl"] = vs_trl(model, data, args.trl_steps, seeds[0], args.eval_size, r, fit_args, work)
+        result["vs_trl"] = vs_trl(
+            model, data, args.trl_steps, seeds[0], args.eval_size, r, fit_args, work, args.threads
+        )
     if "rollout" in sections:
-        result["rollout"] = rollout(model, data, args.rollout_rounds, r)
+        result["rollout"] = rollout(model, data, args.rounds, r)
+    if "actor" in sections:
+        from actor_vs_hf import actor_vs_hf
+
+        result["actor"] = actor_vs_hf(
+            str(model), r["batch"], r["new_tokens"], r["lr"], r["micro_batch"], r["precision"], args.rounds
+        )
     result["load_end"] = os.getloadavg()[0]
     print(json.dumps(result))
 

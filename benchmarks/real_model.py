@@ -3,7 +3,7 @@ arithmetic (configs/math_grpo_smollm2.yaml), side by side with TRL's ``GRPOTrain
 
     python benchmarks/real_model.py [--seeds 0,1] [--kinds addition,mix] [--steps 60]
         [--trl-steps 10] [--eval-size 200] [--rounds 3] [--threads 0]
-        [--sections learning,vs_trl,rollout,actor] [--fit-args "--policy.lr=2e-5 ..."]
+        [--sections learning,vs_trl,rollout,actor,tools] [--fit-args "--policy.lr=2e-5 ..."]
     python benchmarks/real_model.py --smoke     # the whole path at a tiny budget (minutes)
 
 Assets are made if absent (``rlinf prepare --model smollm2-135m-instruct --word_problems
@@ -34,6 +34,13 @@ Sections:
   recipe's temperature, top-k off, bf16 weights on both) on the same prompts, batch and length:
   completion tokens per second, each side's median of ``--rounds`` after one warm-up. Bar:
   >= 1.0.
+* ``tools``: the calculator task in words (three-digit products,
+  ``configs/math_grpo_smollm2_tools.yaml``): the warm start on traces of easier problems
+  (``configs/math_sft_tools_smollm2.yaml``, cached in ``artifacts/``), then ``--steps`` GRPO
+  iterations with the calculator, against the model without tools trained by the addition recipe's
+  config on the same products for the same iterations; held-out greedy accuracy by the reward
+  (with tools: the final turn's) and the share of samples that called the tool. Bar (issue #59):
+  >= +0.30 over the model without tools.
 * ``actor``: our actor step (the recipe's precision, micro-batches and learning rate) over a plain
   ``transformers`` forward and backward of the same batch of ``batch`` completions, and over that
   plus the clipped AdamW step (``benchmarks/actor_vs_hf.py``), in this process, ``--rounds``
@@ -66,20 +73,22 @@ from step_clock import StepClock
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "math_grpo_smollm2.yaml"
+TOOLS_CONFIG = ROOT / "configs" / "math_grpo_smollm2_tools.yaml"
+SFT_CONFIG = ROOT / "configs" / "math_sft_tools_smollm2.yaml"
 MODEL = "smollm2-135m-instruct"
 KINDS = ("addition", "mix")
-SECTIONS = ("learning", "vs_trl", "rollout", "actor")
+SECTIONS = ("learning", "vs_trl", "rollout", "actor", "tools")
 SMOKE = {"steps": 1, "trl_steps": 2, "eval_size": 4, "rounds": 1, "seeds": "0", "kinds": "addition"}
 #: the smoke run's batch: 2 prompts x 2 samples of up to 16 tokens
 SMOKE_FIT = ["--task.group_size=2", "--task.rollout_batch_size=4", "--task.sampling.max_new_tokens=16"]
 
 
-def recipe(fit_args: list[str]) -> dict:
-    """The recipe's settings that both sides of a comparison must share (the config, then the
-    ``--task.*`` / ``--policy.lr`` overrides among ``fit_args``)."""
+def recipe(fit_args: list[str], path: Path = CONFIG) -> dict:
+    """The recipe's settings that both sides of a comparison must share (the config at ``path``,
+    then the ``--task.*`` / ``--policy.lr`` overrides among ``fit_args``)."""
     import yaml
 
-    config = yaml.safe_load(CONFIG.read_text())
+    config = yaml.safe_load(path.read_text())
     task = config["task"]
     r = {
         "template": task["prompt_template"],
@@ -90,6 +99,8 @@ def recipe(fit_args: list[str]) -> dict:
         "lr": config["policy"]["lr"],
         "precision": config["trainer"]["precision"],
         "micro_batch": task["train_micro_batch_size"],
+        "tools": task.get("tools", []),
+        "max_turns": task.get("max_turns", 1),
     }
     keys = {
         "--task.group_size": "group",
@@ -110,9 +121,10 @@ def recipe(fit_args: list[str]) -> dict:
 
 def assets(kinds: list[str]) -> tuple[Path, dict[str, dict[str, Path]]]:
     """The model directory and each kind's splits, made where absent (as `rlinf prepare` does)."""
-    from rlinf_lightning.cli import WORD_SPLIT
+    from rlinf_lightning.cli import TRACES, WORD_SPLIT
     from rlinf_lightning.pretrained import prepare_pretrained
     from rlinf_lightning.tasks.data import arithmetic_splits_on_disk
+    from rlinf_lightning.tasks.tool_traces import word_traces
     from rlinf_lightning.tasks.word_problems import make_word_problem_splits
 
     model = prepare_pretrained(MODEL, ROOT / "artifacts" / MODEL)
@@ -122,6 +134,11 @@ def assets(kinds: list[str]) -> tuple[Path, dict[str, dict[str, Path]]]:
         data[kind] = arithmetic_splits_on_disk(out, kind=kind, **WORD_SPLIT) or make_word_problem_splits(
             out, kind=kind, **WORD_SPLIT
         )
+        if kind == "products":  # the calculator recipe's warm-start traces
+            held = [data[kind]["validation"], data[kind]["test"]]
+            data[kind]["traces"] = (
+                out / TRACES if (out / TRACES).is_file() else word_traces(held, out / TRACES)
+            )
     return model, data
 
 
@@ -178,14 +195,23 @@ def held_out(model_dir: Path, weights: Path | None, test: Path, n: int, r: dict)
 # --- children: each fit in its own process -------------------------------------------------------
 
 
-def run_ours(model: str, train: str, test: str, steps: int, seed: int, out: str, fit_args: list[str]) -> dict:
-    """The recipe through `rlinf fit`'s own parser (so the config is read exactly as the CLI reads
-    it), with a callback stamping each iteration's end."""
+def run_ours(
+    model: str,
+    train: str,
+    test: str,
+    steps: int,
+    seed: int,
+    out: str,
+    fit_args: list[str],
+    config: str = str(CONFIG),
+) -> dict:
+    """The recipe (``config``) through `rlinf fit`'s own parser (so the config is read exactly as
+    the CLI reads it), with a callback stamping each iteration's end."""
     from rlinf_lightning.cli import algorithm_names_as_classes, build_parser, subcommand_parser
     from rlinf_lightning.engines.precision import resolve_precision
 
     clock = StepClock()
-    argv = ["fit", f"--config={CONFIG}", f"--policy.model_path={model}", f"--task.train_path={train}",
+    argv = ["fit", f"--config={config}", f"--policy.model_path={model}", f"--task.train_path={train}",
             f"--task.test_path={test}", f"--trainer.default_root_dir={out}", f"--trainer.seed={seed}",
             f"--trainer.max_iterations={steps}", "--trainer.eval_every=0", "--task.eval_size=1",
             "--trainer.ckpt_every=0", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
@@ -400,6 +426,72 @@ def rollout(model, data, rounds, r) -> dict:
     }
 
 
+def warm_start(products: dict[str, Path], smoke: bool, work: Path) -> Path:
+    """The calculator recipe's warm start, as `rlinf sft --config configs/math_sft_tools_smollm2.yaml`
+    makes it (cached there); the smoke run's is 2 steps, in ``work``."""
+    import yaml
+
+    from rlinf_lightning.sft import run_sft
+
+    sft = yaml.safe_load(SFT_CONFIG.read_text())
+    sft.update(base_model=str(ROOT / sft["base_model"]), train_path=str(products["traces"]),
+               test_path=str(products["test"]), output_dir=str(ROOT / sft["output_dir"]))  # fmt: skip
+    if smoke:
+        sft.update(steps=2, eval_size=2, output_dir=str(work / "sft-tools"))
+    run_sft(**sft)
+    return Path(sft["output_dir"])
+
+
+def held_out_tools(model_dir: Path, weights: Path | None, test: Path, n: int, r: dict) -> dict:
+    """Greedy accuracy with the recipe's tools on the first ``n`` test problems (the final turn
+    judged by the reward), and the share of samples that called a tool."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
+    from rlinf_lightning.prompts import PromptFormat
+    from rlinf_lightning.tasks.data import load_problems
+    from rlinf_lightning.tools.loop import TurnLoop, default_budget, environment_factory
+
+    problems = load_problems(test)[:n]
+    engine = HFRolloutEngine(str(model_dir))
+    if weights is not None:
+        engine.update_weights(load_file(str(weights)).items())
+    budget = default_budget(r["max_turns"], r["new_tokens"])
+    loop = TurnLoop(environment_factory(None, r["tools"]), r["max_turns"], budget)
+    accuracy, calling = loop.evaluate(
+        engine, AutoTokenizer.from_pretrained(model_dir), PromptFormat(r["template"]),
+        [p.prompt for p in problems], [p.answer for p in problems], "math_verify",
+        SamplingParams(max_new_tokens=r["new_tokens"]),
+    )  # fmt: skip
+    return {"reward": round(accuracy, 4), "calling": round(calling, 4), "problems": len(problems)}
+
+
+def tools(model, data, steps, seed, n, fit_args, work, smoke) -> dict:
+    """The calculator recipe (warm start, then ``steps`` GRPO iterations with the calculator)
+    against the model without tools (the addition recipe's config on the same products, the same
+    iterations), on the held-out products. Bar: >= +0.30 by the reward."""
+    products = data["products"]
+    train, test = str(products["train"]), products["test"]
+    warm = warm_start(products, smoke, work)
+    with_tools = spawn("ours", model=str(warm), train=train, test=str(test), steps=steps, seed=seed,
+                       out=str(work / "tools"), fit_args=fit_args, config=str(TOOLS_CONFIG))  # fmt: skip
+    without = spawn("ours", model=str(model), train=train, test=str(test), steps=steps, seed=seed,
+                    out=str(work / "no-tools"), fit_args=fit_args)  # fmt: skip
+    r_tools = recipe(fit_args, TOOLS_CONFIG)
+    after = held_out_tools(warm, Path(with_tools["weights"]), test, n, r_tools)
+    plain = held_out(model, Path(without["weights"]), test, n, recipe(fit_args))
+    return {
+        "steps": steps,
+        "warm_start": held_out_tools(warm, None, test, n, r_tools),
+        "with_tools": {**after, "s_per_step": round(with_tools["s_per_step"], 2),
+                       "fit_wall_s": round(with_tools["fit_wall_s"], 1)},
+        "without_tools": {**plain, "s_per_step": round(without["s_per_step"], 2),
+                          "fit_wall_s": round(without["fit_wall_s"], 1)},
+        "gain_by_reward": round(after["reward"] - plain["reward"], 4),
+    }  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1")
@@ -430,7 +522,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         fit_args.append(f"--trainer.num_threads={args.threads}")
     r = recipe(fit_args)
-    model, data = assets(sorted(set(kinds) | {"addition"}))
+    model, data = assets(sorted(set(kinds) | {"addition"} | ({"products"} if "tools" in sections else set())))
     work = Path(tempfile.mkdtemp(prefix="real_model-"))
     result: dict = {
         "model": MODEL,
@@ -449,6 +541,8 @@ def main() -> None:
         )
     if "rollout" in sections:
         result["rollout"] = rollout(model, data, args.rounds, r)
+    if "tools" in sections:
+        result["tools"] = tools(model, data, args.steps, seeds[0], args.eval_size, fit_args, work, args.smoke)
     if "actor" in sections:
         from actor_vs_hf import actor_vs_hf
 

@@ -2,8 +2,8 @@
 arithmetic (configs/math_grpo_smollm2.yaml), side by side with TRL's ``GRPOTrainer``.
 
     python benchmarks/real_model.py [--seeds 0,1] [--kinds addition,mix] [--steps 60]
-        [--trl-steps 10] [--eval-size 200] [--rollout-rounds 3]
-        [--sections learning,vs_trl,rollout] [--fit-args "--policy.lr=2e-5 ..."]
+        [--trl-steps 10] [--eval-size 200] [--rounds 3] [--threads 0]
+        [--sections learning,vs_trl,rollout,actor,tools] [--fit-args "--policy.lr=2e-5 ..."]
     python benchmarks/real_model.py --smoke     # the whole path at a tiny budget (minutes)
 
 Assets are made if absent (``rlinf prepare --model smollm2-135m-instruct --word_problems
@@ -32,8 +32,25 @@ Sections:
   or better.
 * ``rollout``: our ``hf`` rollout engine against plain ``model.generate`` (sampling at the
   recipe's temperature, top-k off, bf16 weights on both) on the same prompts, batch and length:
-  completion tokens per second, each side's median of ``--rollout-rounds`` after one warm-up. Bar:
+  completion tokens per second, each side's median of ``--rounds`` after one warm-up. Bar:
   >= 1.0.
+* ``tools``: the calculator task in words (three-digit products,
+  ``configs/math_grpo_smollm2_tools.yaml``): the warm start on traces of easier problems
+  (``configs/math_sft_tools_smollm2.yaml``, cached in ``artifacts/``), then ``--steps`` GRPO
+  iterations with the calculator, against the model without tools trained by the addition recipe's
+  config on the same products for the same iterations; held-out greedy accuracy by the reward
+  (with tools: the final turn's) and the share of samples that called the tool. Bar (issue #59):
+  >= +0.30 over the model without tools.
+* ``actor``: our actor step (the recipe's precision, micro-batches and learning rate) over a plain
+  ``transformers`` forward and backward of the same batch of ``batch`` completions, and over that
+  plus the clipped AdamW step (``benchmarks/actor_vs_hf.py``), in this process, ``--rounds``
+  interleaved: ratios, meaningful on a loaded machine where the seconds are not.
+
+``--threads N`` gives every side N torch threads (ours ``trainer.num_threads``, TRL's child and this
+process ``torch.set_num_threads``); 0 leaves each at its default, the machine's cores. On a shared
+machine fewer threads than cores are faster: where other processes hold the cores, each parallel
+kernel waits for a thread the scheduler has put aside (measured on 2 cores at a load average of
+2-4: our actor step on 4 samples took 13 s with 2 threads, 2.9 s with 1).
 
 Each fit runs in its own process. The last line is one JSON object.
 """
@@ -52,22 +69,26 @@ import tempfile
 import time
 from pathlib import Path
 
+from step_clock import StepClock
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "math_grpo_smollm2.yaml"
+TOOLS_CONFIG = ROOT / "configs" / "math_grpo_smollm2_tools.yaml"
+SFT_CONFIG = ROOT / "configs" / "math_sft_tools_smollm2.yaml"
 MODEL = "smollm2-135m-instruct"
 KINDS = ("addition", "mix")
-SECTIONS = ("learning", "vs_trl", "rollout")
-SMOKE = {"steps": 1, "trl_steps": 2, "eval_size": 4, "rollout_rounds": 1, "seeds": "0", "kinds": "addition"}
+SECTIONS = ("learning", "vs_trl", "rollout", "actor", "tools")
+SMOKE = {"steps": 1, "trl_steps": 2, "eval_size": 4, "rounds": 1, "seeds": "0", "kinds": "addition"}
 #: the smoke run's batch: 2 prompts x 2 samples of up to 16 tokens
 SMOKE_FIT = ["--task.group_size=2", "--task.rollout_batch_size=4", "--task.sampling.max_new_tokens=16"]
 
 
-def recipe(fit_args: list[str]) -> dict:
-    """The recipe's settings that both sides of a comparison must share (the config, then the
-    ``--task.*`` / ``--policy.lr`` overrides among ``fit_args``)."""
+def recipe(fit_args: list[str], path: Path = CONFIG) -> dict:
+    """The recipe's settings that both sides of a comparison must share (the config at ``path``,
+    then the ``--task.*`` / ``--policy.lr`` overrides among ``fit_args``)."""
     import yaml
 
-    config = yaml.safe_load(CONFIG.read_text())
+    config = yaml.safe_load(path.read_text())
     task = config["task"]
     r = {
         "template": task["prompt_template"],
@@ -76,6 +97,10 @@ def recipe(fit_args: list[str]) -> dict:
         "new_tokens": task["sampling"]["max_new_tokens"],
         "temperature": task["sampling"]["temperature"],
         "lr": config["policy"]["lr"],
+        "precision": config["trainer"]["precision"],
+        "micro_batch": task["train_micro_batch_size"],
+        "tools": task.get("tools", []),
+        "max_turns": task.get("max_turns", 1),
     }
     keys = {
         "--task.group_size": "group",
@@ -83,19 +108,23 @@ def recipe(fit_args: list[str]) -> dict:
         "--policy.lr": "lr",
         "--task.sampling.max_new_tokens": "new_tokens",
         "--task.sampling.temperature": "temperature",
+        "--trainer.precision": "precision",
+        "--task.train_micro_batch_size": "micro_batch",
     }
     for arg in fit_args:
         key, _, value = arg.partition("=")
         if key in keys:
-            r[keys[key]] = float(value) if keys[key] in ("lr", "temperature") else int(value)
+            kind = {"lr": float, "temperature": float, "precision": str}.get(keys[key], int)
+            r[keys[key]] = kind(value)
     return r
 
 
 def assets(kinds: list[str]) -> tuple[Path, dict[str, dict[str, Path]]]:
     """The model directory and each kind's splits, made where absent (as `rlinf prepare` does)."""
-    from rlinf_lightning.cli import WORD_SPLIT
+    from rlinf_lightning.cli import TRACES, WORD_SPLIT
     from rlinf_lightning.pretrained import prepare_pretrained
     from rlinf_lightning.tasks.data import arithmetic_splits_on_disk
+    from rlinf_lightning.tasks.tool_traces import word_traces
     from rlinf_lightning.tasks.word_problems import make_word_problem_splits
 
     model = prepare_pretrained(MODEL, ROOT / "artifacts" / MODEL)
@@ -105,6 +134,11 @@ def assets(kinds: list[str]) -> tuple[Path, dict[str, dict[str, Path]]]:
         data[kind] = arithmetic_splits_on_disk(out, kind=kind, **WORD_SPLIT) or make_word_problem_splits(
             out, kind=kind, **WORD_SPLIT
         )
+        if kind == "products":  # the calculator recipe's warm-start traces
+            held = [data[kind]["validation"], data[kind]["test"]]
+            data[kind]["traces"] = (
+                out / TRACES if (out / TRACES).is_file() else word_traces(held, out / TRACES)
+            )
     return model, data
 
 
@@ -161,26 +195,23 @@ def held_out(model_dir: Path, weights: Path | None, test: Path, n: int, r: dict)
 # --- children: each fit in its own process -------------------------------------------------------
 
 
-def run_ours(model: str, train: str, test: str, steps: int, seed: int, out: str, fit_args: list[str]) -> dict:
-    """The recipe through `rlinf fit`'s own parser (so the config is read exactly as the CLI reads
-    it), with a callback stamping each iteration's end."""
-    from rlinf_lightning import Callback
+def run_ours(
+    model: str,
+    train: str,
+    test: str,
+    steps: int,
+    seed: int,
+    out: str,
+    fit_args: list[str],
+    config: str = str(CONFIG),
+) -> dict:
+    """The recipe (``config``) through `rlinf fit`'s own parser (so the config is read exactly as
+    the CLI reads it), with a callback stamping each iteration's end."""
     from rlinf_lightning.cli import algorithm_names_as_classes, build_parser, subcommand_parser
     from rlinf_lightning.engines.precision import resolve_precision
 
-    starts: list[float] = []
-    stamps: list[float] = []
-    metrics: list[dict] = []
-
-    class Stamp(Callback):
-        def on_iteration_start(self, trainer, iteration):
-            starts.append(time.perf_counter())
-
-        def on_iteration_end(self, trainer, iteration, m):
-            stamps.append(time.perf_counter())
-            metrics.append(dict(m))
-
-    argv = ["fit", f"--config={CONFIG}", f"--policy.model_path={model}", f"--task.train_path={train}",
+    clock = StepClock()
+    argv = ["fit", f"--config={config}", f"--policy.model_path={model}", f"--task.train_path={train}",
             f"--task.test_path={test}", f"--trainer.default_root_dir={out}", f"--trainer.seed={seed}",
             f"--trainer.max_iterations={steps}", "--trainer.eval_every=0", "--task.eval_size=1",
             "--trainer.ckpt_every=0", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
@@ -189,38 +220,39 @@ def run_ours(model: str, train: str, test: str, steps: int, seed: int, out: str,
     init = subcommand_parser(parser, "fit").instantiate(
         parser.parse_args(algorithm_names_as_classes(argv))["fit"]
     )
-    init.trainer.callbacks.append(Stamp())
+    init.trainer.callbacks.append(clock.ours())
     t0 = time.perf_counter()
     summary = init.trainer.fit(init.policy, init.task)
     wall = time.perf_counter() - t0
-    steady = metrics[1:] or metrics
-    mean = lambda k: sum(m.get(k, 0.0) for m in steady) / len(steady)  # noqa: E731
+    mean = clock.steady_mean
     last = (Path(out) / "checkpoints" / "last").read_text().strip()
     return {
-        "s_per_step": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else wall,
+        "s_per_step": clock.s_per_step(wall),
         "fit_wall_s": wall,
         "train_wall_s": summary["train_wall_s"],
         "precision": resolve_precision(init.trainer.precision, "cpu"),
         "rollout_s": mean("time/rollout"),
         "actor_s": mean("time/actor"),
-        "train_reward": [round(m.get("reward/accuracy", 0.0), 3) for m in metrics],
+        "train_reward": [round(m.get("reward/accuracy", 0.0), 3) for m in clock.metrics],
         "response_tokens_per_step": mean("rollout/response_tokens_total"),
         "weights": str(Path(out) / "checkpoints" / last / "model.safetensors"),
     }
 
 
-def run_trl(model: str, train: str, steps: int, seed: int, out: str, r: dict) -> dict:
+def run_trl(model: str, train: str, steps: int, seed: int, out: str, r: dict, threads: int) -> dict:
     """TRL's ``GRPOTrainer`` on the recipe's chat prompts (conversational: TRL applies the chat
     template), at its defaults but for what must match ours."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from rlinf_lightning.prompts import PromptFormat
     from rlinf_lightning.rewards import RewardInput, load_reward, score
     from rlinf_lightning.tasks.data import load_problems
 
+    if threads:
+        torch.set_num_threads(threads)
     fmt = PromptFormat(r["template"])
     prompts_per_step = r["batch"] // r["group"]
     problems = load_problems(train)[: prompts_per_step * (steps + 1)]
@@ -229,12 +261,8 @@ def run_trl(model: str, train: str, steps: int, seed: int, out: str, r: dict) ->
     )
     judge = load_reward("math_verify")
     judge.setup()
-    stamps: list[float] = []
+    clock = StepClock()
     rewards: list[float] = []
-
-    class Stamp(TrainerCallback):
-        def on_step_end(self, args, state, control, **kw):
-            stamps.append(time.perf_counter())
 
     def reward(completions, answer, **kw):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
@@ -255,14 +283,14 @@ def run_trl(model: str, train: str, steps: int, seed: int, out: str, r: dict) ->
         args=config,
         train_dataset=data,
         processing_class=tok,
-        callbacks=[Stamp()],
+        callbacks=[clock.trl()],
     )
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
     trainer.save_model(str(Path(out) / "final"))
     return {
-        "s_per_step": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else wall,
+        "s_per_step": clock.s_per_step(wall),
         "train_s": wall,
         "bf16": bool(config.bf16),
         "train_reward": [round(x, 3) for x in rewards],
@@ -315,9 +343,10 @@ def learning(model, data, kinds, seeds, steps, n, r, fit_args, work) -> dict:
     return out
 
 
-def vs_trl(model, data, steps, seed, n, r, fit_args, work) -> dict:
+def vs_trl(model, data, steps, seed, n, r, fit_args, work, threads) -> dict:
     train, test = str(data["addition"]["train"]), data["addition"]["test"]
-    trl = spawn("trl", model=str(model), train=train, steps=steps, seed=seed, out=str(work / "trl"), r=r)
+    trl = spawn("trl", model=str(model), train=train, steps=steps, seed=seed, out=str(work / "trl"), r=r,
+                threads=threads)  # fmt: skip
     ours = spawn("ours", model=str(model), train=train, test=str(test), steps=steps, seed=seed,
                  out=str(work / "ours-vs-trl"), fit_args=fit_args)  # fmt: skip
     acc = {
@@ -397,6 +426,72 @@ def rollout(model, data, rounds, r) -> dict:
     }
 
 
+def warm_start(products: dict[str, Path], smoke: bool, work: Path) -> Path:
+    """The calculator recipe's warm start, as `rlinf sft --config configs/math_sft_tools_smollm2.yaml`
+    makes it (cached there); the smoke run's is 2 steps, in ``work``."""
+    import yaml
+
+    from rlinf_lightning.sft import run_sft
+
+    sft = yaml.safe_load(SFT_CONFIG.read_text())
+    sft.update(base_model=str(ROOT / sft["base_model"]), train_path=str(products["traces"]),
+               test_path=str(products["test"]), output_dir=str(ROOT / sft["output_dir"]))  # fmt: skip
+    if smoke:
+        sft.update(steps=2, eval_size=2, output_dir=str(work / "sft-tools"))
+    run_sft(**sft)
+    return Path(sft["output_dir"])
+
+
+def held_out_tools(model_dir: Path, weights: Path | None, test: Path, n: int, r: dict) -> dict:
+    """Greedy accuracy with the recipe's tools on the first ``n`` test problems (the final turn
+    judged by the reward), and the share of samples that called a tool."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
+    from rlinf_lightning.prompts import PromptFormat
+    from rlinf_lightning.tasks.data import load_problems
+    from rlinf_lightning.tools.loop import TurnLoop, default_budget, environment_factory
+
+    problems = load_problems(test)[:n]
+    engine = HFRolloutEngine(str(model_dir))
+    if weights is not None:
+        engine.update_weights(load_file(str(weights)).items())
+    budget = default_budget(r["max_turns"], r["new_tokens"])
+    loop = TurnLoop(environment_factory(None, r["tools"]), r["max_turns"], budget)
+    accuracy, calling = loop.evaluate(
+        engine, AutoTokenizer.from_pretrained(model_dir), PromptFormat(r["template"]),
+        [p.prompt for p in problems], [p.answer for p in problems], "math_verify",
+        SamplingParams(max_new_tokens=r["new_tokens"]),
+    )  # fmt: skip
+    return {"reward": round(accuracy, 4), "calling": round(calling, 4), "problems": len(problems)}
+
+
+def tools(model, data, steps, seed, n, fit_args, work, smoke) -> dict:
+    """The calculator recipe (warm start, then ``steps`` GRPO iterations with the calculator)
+    against the model without tools (the addition recipe's config on the same products, the same
+    iterations), on the held-out products. Bar: >= +0.30 by the reward."""
+    products = data["products"]
+    train, test = str(products["train"]), products["test"]
+    warm = warm_start(products, smoke, work)
+    with_tools = spawn("ours", model=str(warm), train=train, test=str(test), steps=steps, seed=seed,
+                       out=str(work / "tools"), fit_args=fit_args, config=str(TOOLS_CONFIG))  # fmt: skip
+    without = spawn("ours", model=str(model), train=train, test=str(test), steps=steps, seed=seed,
+                    out=str(work / "no-tools"), fit_args=fit_args)  # fmt: skip
+    r_tools = recipe(fit_args, TOOLS_CONFIG)
+    after = held_out_tools(warm, Path(with_tools["weights"]), test, n, r_tools)
+    plain = held_out(model, Path(without["weights"]), test, n, recipe(fit_args))
+    return {
+        "steps": steps,
+        "warm_start": held_out_tools(warm, None, test, n, r_tools),
+        "with_tools": {**after, "s_per_step": round(with_tools["s_per_step"], 2),
+                       "fit_wall_s": round(with_tools["fit_wall_s"], 1)},
+        "without_tools": {**plain, "s_per_step": round(without["s_per_step"], 2),
+                          "fit_wall_s": round(without["fit_wall_s"], 1)},
+        "gain_by_reward": round(after["reward"] - plain["reward"], 4),
+    }  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1")
@@ -404,7 +499,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="GRPO iterations of each learning run")
     ap.add_argument("--trl-steps", type=int, default=10, help="steps of each side of the TRL comparison")
     ap.add_argument("--eval-size", type=int, default=200, help="held-out problems judged")
-    ap.add_argument("--rollout-rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds of the rollout and actor sections")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads of every side (0: their default)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"some of {','.join(SECTIONS)}")
     ap.add_argument("--fit-args", default="", help="more `rlinf fit` overrides for our side, quoted")
     ap.add_argument("--smoke", action="store_true", help="a tiny budget: does every path run")
@@ -420,13 +516,19 @@ def main() -> None:
         sys.exit(f"unknown section or kind: {', '.join(sorted(unknown))}; sections {SECTIONS}, kinds {KINDS}")
     seeds = [int(s) for s in args.seeds.split(",")]
     fit_args = (SMOKE_FIT if args.smoke else []) + shlex.split(args.fit_args)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        fit_args.append(f"--trainer.num_threads={args.threads}")
     r = recipe(fit_args)
-    model, data = assets(sorted(set(kinds) | {"addition"}))
+    model, data = assets(sorted(set(kinds) | {"addition"} | ({"products"} if "tools" in sections else set())))
     work = Path(tempfile.mkdtemp(prefix="real_model-"))
     result: dict = {
         "model": MODEL,
         "smoke": args.smoke,
         "fit_args": fit_args,
+        "threads": args.threads or os.cpu_count(),
         "load_start": os.getloadavg()[0],
     }
     if "learning" in sections:
@@ -434,9 +536,19 @@ def main() -> None:
             model, data, kinds, seeds, args.steps, args.eval_size, r, fit_args, work
         )
     if "vs_trl" in sections:
-        result["vs_trl"] = vs_trl(model, data, args.trl_steps, seeds[0], args.eval_size, r, fit_args, work)
+        result["vs_trl"] = vs_trl(
+            model, data, args.trl_steps, seeds[0], args.eval_size, r, fit_args, work, args.threads
+        )
     if "rollout" in sections:
-        result["rollout"] = rollout(model, data, args.rollout_rounds, r)
+        result["rollout"] = rollout(model, data, args.rounds, r)
+    if "tools" in sections:
+        result["tools"] = tools(model, data, args.steps, seeds[0], args.eval_size, fit_args, work, args.smoke)
+    if "actor" in sections:
+        from actor_vs_hf import actor_vs_hf
+
+        result["actor"] = actor_vs_hf(
+            str(model), r["batch"], r["new_tokens"], r["lr"], r["micro_batch"], r["precision"], args.rounds
+        )
     result["load_end"] = os.getloadavg()[0]
     print(json.dumps(result))
 

@@ -58,6 +58,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from step_clock import StepClock
+
 ROOT = Path(__file__).resolve().parents[1]
 BIG = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
        "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
@@ -84,18 +86,14 @@ def run_trl(
     import torch
     from datasets import Dataset
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     t_start = time.perf_counter()  # libraries imported, as in ours: from here on both sides build and train
     tok = AutoTokenizer.from_pretrained(model)
     data = Dataset.from_list(_prompts(train, batch_prompts * (steps + 1)))
-    stamps: list[float] = []
+    clock = StepClock()
     completion_tokens: list[int] = []  # per step: TRL generates and scores once per step here
-
-    class Stamp(TrainerCallback):
-        def on_step_end(self, args, state, control, **kw):
-            stamps.append(time.perf_counter())
 
     def reward(completions, answer, completion_ids, **kw):
         completion_tokens.append(sum(len(ids) for ids in completion_ids))
@@ -121,7 +119,7 @@ def run_trl(
         args=config,
         train_dataset=data,
         processing_class=tok,
-        callbacks=[Stamp()],
+        callbacks=[clock.trl()],
     )
     t0 = time.perf_counter()
     with sdpa_kernel(SDPBackend.MATH) if math_attention else contextlib.nullcontext():
@@ -129,10 +127,10 @@ def run_trl(
     end = time.perf_counter()
     trainer.save_model(str(out / "final"))
     tok.save_pretrained(str(out / "final"))
-    per_step = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else end - t0
     timed = completion_tokens[1:] or completion_tokens  # the steps the stamps time (the first is warm-up)
-    return {"s_per_step": per_step, "s_per_step_with_first": (stamps[-1] - t0) / len(stamps),
-            "wall_s": end - t_start, "train_s": end - t0, "bf16": bool(config.bf16),
+    return {"s_per_step": clock.s_per_step(end - t0),
+            "s_per_step_with_first": clock.s_per_step_with_first(t0), "wall_s": end - t_start,
+            "train_s": end - t0, "bf16": bool(config.bf16),
             "completion_tokens_per_step": sum(timed) / len(timed), "final": str(out / "final")}  # fmt: skip
 
 
@@ -144,28 +142,17 @@ def run_ours(
     overrides (e.g. ``{"rollout": "vllm"}``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 (imported untimed, as in TRL's run)
 
-    from rlinf_lightning import Callback, LMPolicy, RLTrainer, SamplingParams
+    from rlinf_lightning import LMPolicy, RLTrainer, SamplingParams
     from rlinf_lightning.tasks import MathTask
 
-    starts: list[float] = []
-    stamps: list[float] = []
-    metrics: list[dict] = []
-
-    class Stamp(Callback):
-        def on_iteration_start(self, trainer, iteration):
-            starts.append(time.perf_counter())
-
-        def on_iteration_end(self, trainer, iteration, m):
-            stamps.append(time.perf_counter())
-            metrics.append(dict(m))
-
+    clock = StepClock()
     fit = RLTrainer(
         **(trainer or {}),
         max_iterations=steps,
         default_root_dir=str(out),
         logger=False,
         enable_progress_bar=False,
-        callbacks=[Stamp()],
+        callbacks=[clock.ours()],
         ckpt_every=0,
     )
     t0 = time.perf_counter()
@@ -180,18 +167,16 @@ def run_ours(
     )
     summary = fit.fit(LMPolicy(model, lr=lr), math)
     wall = time.perf_counter() - t0
-    per_step = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else wall
-    steady = metrics[1:] or metrics
-    mean = lambda k: sum(m.get(k, 0.0) for m in steady) / len(steady)  # noqa: E731
+    mean = clock.steady_mean
     last = (out / "checkpoints" / "last").read_text()
     return {
-        "s_per_step": per_step,
-        "s_per_step_with_first": (stamps[-1] - starts[0]) / len(stamps),
+        "s_per_step": clock.s_per_step(wall),
+        "s_per_step_with_first": clock.s_per_step_with_first(),
         "train_wall_s": summary["train_wall_s"],
         "fit_wall_s": wall,
         "mfu": mean("perf/mfu"),
-        "actor_s_total": sum(m.get("time/actor", 0.0) for m in metrics),
-        "compile_s": sum(m.get("actor/compile_s", 0.0) for m in metrics),
+        "actor_s_total": sum(m.get("time/actor", 0.0) for m in clock.metrics),
+        "compile_s": sum(m.get("actor/compile_s", 0.0) for m in clock.metrics),
         "actor_s": mean("time/actor"),
         "rollout_s": mean("time/rollout"),
         "response_tokens_per_step": mean("rollout/response_tokens_total"),

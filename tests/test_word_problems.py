@@ -23,13 +23,13 @@ def _solve(prompt: str) -> int:
         return n[0] + n[1]
     if "minus" in prompt or "away. How many" in prompt:
         return n[0] - n[1]
-    if "times" in prompt or "bags?" in prompt:
+    if "times" in prompt or "bags?" in prompt or "boxes?" in prompt or prompt.startswith("Multiply"):
         return n[0] * n[1]
     assert "packs of" in prompt, prompt
     return n[0] * n[1] + n[2]
 
 
-@pytest.mark.parametrize("kind", ["addition", "mix"])
+@pytest.mark.parametrize("kind", ["addition", "mix", "products"])
 def test_word_problems_are_seeded_and_right(kind):
     problems = generate_word_problems(400, kind, seed=3)
     assert problems == generate_word_problems(400, kind, seed=3) != generate_word_problems(400, kind, seed=4)
@@ -43,7 +43,7 @@ def test_mix_holds_every_operation():
         assert any(marker in t for t in prompts), marker
 
 
-@pytest.mark.parametrize("kind", ["addition", "mix"])
+@pytest.mark.parametrize("kind", ["addition", "mix", "products"])
 def test_word_splits_hold_out_operand_multisets(tmp_path, kind):
     paths = make_word_problem_splits(tmp_path, kind=kind, n_train=1500, n_validation=50, n_test=200)
     train = {operand_multiset(p.prompt) for p in load_problems(paths["train"])}
@@ -65,5 +65,10 @@ def test_too_many_held_out_word_problems_and_unknown_kinds_are_one_line(tmp_path
     args = ["prepare", f"--model_dir={tmp_path / 'm'}", f"--data_dir={tmp_path}", "--word_problems=[sub]"]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "--word_problems: unknown kind(s) ['sub']; choose from ['addition', 'mix']" in err
+    assert "--word_problems: unknown kind(s) ['sub']; choose from ['addition', 'mix', 'products']" in err
     assert not (tmp_path / "m").exists()  # refused before anything is built
+
+
+def test_products_are_two_three_digit_numbers():
+    for p in generate_word_problems(200, "products"):
+        assert [len(x) for x in re.findall(r"\d+", p.prompt)] == [3, 3], p

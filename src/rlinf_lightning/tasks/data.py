@@ -191,13 +191,22 @@ def _arithmetic_draws(operands: int, max_value: int, ops: str, seed: int) -> Ite
         yield Problem(f"What is {expr}?=", str(eval(expr)))  # expr is digits and + - * only
 
 
+#: the operators a word-problem trace names (``tasks.tool_traces.word_traces``)
+WORD_OPERATORS = {"times": "*", "plus": "+", "minus": "-"}
+
+
 def expression_of(prompt: str) -> str:
-    """The arithmetic of a generated problem: ``What is 12*34?=`` -> ``12*34`` (what a tool-use
-    trace hands the calculator)."""
+    """The arithmetic of a generated problem: ``What is 12*34?=`` -> ``12*34``, and of a
+    warm-start trace in words, ``What is 12 times 34?`` -> ``12*34`` (what a tool-use trace hands
+    the calculator)."""
     match = re.fullmatch(r"What is (.+)\?=", prompt)
+    if match is not None:
+        return match.group(1)
+    words = "|".join(WORD_OPERATORS)
+    match = re.fullmatch(rf"What is (-?\d+) ({words}) (-?\d+)\?", prompt)
     if match is None:
         raise ValueError(f"not a generated arithmetic problem: {prompt!r}")
-    return match.group(1)
+    return f"{match.group(1)}{WORD_OPERATORS[match.group(2)]}{match.group(3)}"
 
 
 def operand_multiset(prompt: str) -> tuple[int, ...]:

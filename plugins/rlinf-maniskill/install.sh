@@ -14,6 +14,8 @@ set -Eeuo pipefail
 step="start"  # what is being done, for the one line that names a failure
 trap 'echo "rlinf-maniskill/install.sh: failed while $step (exit $?)" >&2' ERR
 here="$(cd "$(dirname "$0")" && pwd)"
+# the set-up's installer (uv where it works, scripts/pip_install.sh), else pip
+pip_install="${RLINF_PIP_INSTALL:-python -m pip install}"
 # apt-get that waits for another apt or dpkg (another set-up, unattended upgrades) to release its
 # locks, up to 5 minutes, instead of failing at once with "Could not get lock" (DPkg::Lock::Timeout
 # covers dpkg's lock; the lists lock of `apt-get update` is retried here)
@@ -77,11 +79,11 @@ then
   step="installing mani-skill 3.0.1 and its requirements with pip"
   torch_version="$(python -c 'import importlib.metadata as m; print(m.version("torch").split("+")[0])')"
   # mani-skill 3.0.1's Requires-Dist (Linux), with torch pinned to the version installed
-  python -m pip install -q "torch==${torch_version}" \
+  $pip_install -q "torch==${torch_version}" \
     "numpy>=1.22" scipy dacite "gymnasium>=0.29.1" h5py pyyaml tqdm GitPython tabulate transforms3d \
     trimesh "imageio[ffmpeg]" "mplib==0.1.1" IPython "pytorch_kinematics==0.7.6" defusedxml \
     nvidia-ml-py "tyro>=0.8.5" huggingface_hub "sapien>=3.0.0"
-  python -m pip install -q --no-deps "mani-skill==3.0.1"
+  $pip_install -q --no-deps "mani-skill==3.0.1"
 fi
 # this plugin, editable; again only when its pyproject.toml or location changed
 stamp="$prefix/.rlinf-maniskill-installed"
@@ -89,7 +91,7 @@ want="$(sha256sum < "$here/pyproject.toml" | cut -c1-16) $here"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] \
     || ! python -c "import importlib.metadata as m; m.version('rlinf-maniskill')" 2>/dev/null; then
   step="installing the plugin with pip"
-  python -m pip install -q --no-deps -e "$here"
+  $pip_install -q --no-deps -e "$here"
   echo "$want" > "$stamp"
 fi
 step="checking that torch stayed at 2.13.0"

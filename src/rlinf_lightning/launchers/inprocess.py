@@ -138,7 +138,10 @@ class InProcessRuntime(Runtime):
                 now = time.monotonic()
                 if (grace_end is not None and now > grace_end) or now > deadline:
                     break
-                next(c for c in calls if not c.finished).thread.join(timeout=JOIN_SLICE_S)
+                # the call may finish between the loop's check and this line: then join nothing
+                pending = next((c for c in calls if not c.finished), None)
+                if pending is not None:
+                    pending.thread.join(timeout=JOIN_SLICE_S)
             if not all(c.finished for c in calls) and not any(c.error for c in calls if c.finished):
                 self._abort()
                 stuck = [c.worker.name for c in calls if not c.finished]

@@ -7,7 +7,7 @@ layout: RMSNorm, q/k/v/o projections with RoPE, SDPA, SwiGLU MLP), with the resi
 weights' dtype (``r`` bytes) and the matmuls in the compute dtype (``c``: 2 under bf16 autocast):
 
 * each RMSNorm keeps its input and its normalised output: ``2 r h``, twice a layer (on CUDA, where
-  ``policies.train_math`` runs it as one fused kernel, its input and a scale a row: the count
+  ``kernels.fused_decoder`` runs it as one fused kernel, its input and a scale a row: the count
   below overestimates there by ``r h`` a norm);
 * the projections keep their (autocast-cast) inputs: ``3 c h`` for q/k/v, ``c h`` for o, ``2 c h``
   for gate/up (``r h`` shared when nothing is cast);
@@ -154,7 +154,7 @@ def actor_cost(
 ) -> StepCost:
     """The cost model of one actor step (module docstring). ``residual`` / ``compute``: bytes of the
     weights' and the matmuls' dtype; ``mapped_logits``: the model scales or caps its logits
-    (``policies.chunked_head.LogitMap``); ``response_fraction``: response tokens over all tokens."""
+    (``kernels.chunked_head.LogitMap``); ``response_fraction``: response tokens over all tokens."""
     per_token: float = _trained_body(shape, residual, compute, checkpointing)
     fixed = 0.0
     if logit_chunk:

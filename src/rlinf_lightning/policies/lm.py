@@ -10,15 +10,15 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.flow.batch import LOSS_MASK
-from rlinf_lightning.policies.chunked_head import (
+from rlinf_lightning.kernels.chunked_head import (
     LOGIT_CHUNK_TOKENS,
     LogitMap,
     chunked_logprobs,
     head_mismatch,
 )
+from rlinf_lightning.kernels.fused_decoder import adapt_for_training
 from rlinf_lightning.policies.lora import LoRA, lora_problems
 from rlinf_lightning.policies.module import DTYPES, RLModule, anneal_problems, annealed, compile_blocks
-from rlinf_lightning.policies.train_math import adapt_for_training
 
 if TYPE_CHECKING:
     from rlinf_lightning.policies.model_dir import CausalLMShape
@@ -86,7 +86,7 @@ class LMPolicy(RLModule):
             of keeping them (less memory for about one more forward); ``None``: the actor decides
             from its token budget (``flow.budget``), off where no budget is computed.
         logit_chunk_tokens: the response log-probs go through the lm head this many tokens at a
-            time, the logits recomputed in the backward (``policies.chunked_head``), so the whole
+            time, the logits recomputed in the backward (``kernels.chunked_head``), so the whole
             micro-batch's logits never exist; ``None``: whole logits (one log-softmax). Loading
             checks that the chunks compute the model's own logits (with the scale or soft cap its
             config gives them), and refuses a model whose logits they would not. An lm head with
@@ -135,7 +135,7 @@ class LMPolicy(RLModule):
 
     def compile_model(self) -> None:
         """The decoder's layers and the chunked head's per-chunk math under ``torch.compile``
-        (``policies.chunked_head``): with the layers' element-wise work fused, the head's passes
+        (``kernels.chunked_head``): with the layers' element-wise work fused, the head's passes
         over each chunk's logits would be the eager part left."""
         compile_blocks(self.model)
         self.compiled_head = True

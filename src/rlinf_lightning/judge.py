@@ -32,8 +32,8 @@ MATH_VERIFY_TIMEOUT_S = 5.0
 #: what a verdict's second element says went wrong ("": nothing)
 TIMEOUT, UNPARSED_GOLD = "timeout", "unparsed_gold"
 
-#: what sympy sets up lazily the first time math-verify meets each kind of expression (a power
-#: took 240 ms, a product 19 ms): judged once where a judge starts, not inside a training step
+#: what sympy sets up lazily the first time math-verify meets each kind of expression (up to a
+#: quarter second: docs/benchmarks.md): judged once where a judge starts, not inside a training step
 WARM_UP = (("3^1", "39"), ("3*2", "6"), ("1/2", "0.5"), ("\\frac{1}{2}", "0.5"), ("x+1", "2"), ("12", "12"))
 
 _GOLD_CACHE_SIZE = 65536

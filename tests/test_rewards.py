@@ -154,7 +154,7 @@ def test_math_verify_times_out_within_the_bound_anywhere_and_counts_it(where):
         }[where]
         with pool_cls(1) as pool:
             pool.submit(_math_verify, "1", "1").result(timeout=120)  # start-up not timed
-            bad, took, counts, took_slow, good = pool.submit(_timed_calls).result(timeout=60)
+            bad, took, counts, took_slow, good = pool.submit(_timed_calls).result(timeout=scaled(60))
     assert (bad, good) == ([0.0, 0.0], 1.0)
     assert counts == {"timeouts": 2.0, "unparsed_gold": 0.0}
     assert took < scaled(1.9), f"{took:.1f} s"

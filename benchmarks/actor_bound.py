@@ -173,7 +173,7 @@ _rms_norm.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
 
 
 class CudaRMSNorm(TorchFunctionMode):
-    """``torch.nn.functional.rms_norm`` (``policies.train_math``'s fused norms) as CUDA runs it: one
+    """``torch.nn.functional.rms_norm`` (``kernels.fused_decoder``'s fused norms) as CUDA runs it: one
     kernel forward, two backward, each reading its inputs once."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

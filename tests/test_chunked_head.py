@@ -1,4 +1,4 @@
-"""The chunked lm head (``policies.chunked_head``): log-probs, entropy and their gradients equal the
+"""The chunked lm head (``kernels.chunked_head``): log-probs, entropy and their gradients equal the
 whole-logits computation within float32 rounding, directly and through ``LMPolicy``."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.assets import build_tiny_qwen2
-from rlinf_lightning.policies import LMPolicy, chunked_head
-from rlinf_lightning.policies.chunked_head import LogitMap, chunked_logprobs, head_mismatch
+from rlinf_lightning.kernels import chunked_head
+from rlinf_lightning.kernels.chunked_head import LogitMap, chunked_logprobs, head_mismatch
+from rlinf_lightning.policies import LMPolicy
 from rlinf_lightning.policies.lora import LoRA, attach_lora
 
 

@@ -31,6 +31,38 @@ def test_train_flops_formula_matches_counted_flops(tmp_path, seq):
     assert causal_lm_train_flops(model, mask) + masked_half == pytest.approx(counted, rel=0.05)
 
 
+class FakeClock:
+    """``perf_counter`` for ``engines.flops``: each timed product takes the next of ``runs``
+    seconds (a product is timed between two reads), whatever the machine is doing."""
+
+    def __init__(self, runs: list[float]) -> None:
+        self.runs, self.now, self.reads = list(runs), 0.0, 0
+
+    def perf_counter(self) -> float:
+        if self.reads % 2:  # the read that ends a run
+            self.now += self.runs.pop(0)
+        self.reads += 1
+        return self.now
+
+
+def test_the_cpu_peak_is_the_best_of_three_runs_of_the_smallest_width_long_enough(monkeypatch):
+    """On a fake clock: the first width's best run is under ``CPU_MIN_RUN_S``, so the next width is
+    tried, whose best (not first, not mean) run reaches it: the peak is that width's FLOPs over
+    that best run, and no wider product runs."""
+    from rlinf_lightning.engines import flops
+
+    short, enough = flops.CPU_MIN_RUN_S / 2, flops.CPU_MIN_RUN_S
+    clock = FakeClock([short * 1.5, short, short * 1.2, enough * 2, enough, enough * 1.5])
+    monkeypatch.setattr(flops, "time", clock)
+    monkeypatch.setattr(flops, "CPU_WIDTHS", (8, 16, 32))  # small products: the clock decides
+    n = 16
+    assert flops.cpu_matmul_peak(torch.float32) == (n, pytest.approx(2.0 * n**3 / enough))
+    assert clock.runs == [] and clock.reads == 12  # three runs of each of the two widths, no more
+    clock.runs = [short] * 9  # never long enough: the widest is the peak
+    assert flops.peak_matmul_flops.__wrapped__("cpu", torch.float32, 1) == pytest.approx(2.0 * 32**3 / short)
+
+
+@pytest.mark.slow  # a benchmark: two timings of real products agree only on a quiet machine
 def test_peak_matmul_flops_is_the_best_rate_of_that_matmul_timed_here():
     """The peak is the FLOP/s a matmul of the same size reaches when timed independently here, its
     FLOPs counted by PyTorch. Rounds alternate and each side keeps its best, so a busy machine

@@ -13,7 +13,7 @@ PACKAGE = "rlinf_lightning"
 #: lowest first; a top-level module or subpackage may import only from earlier layers (and itself)
 LAYERS = [
     {"errors", "registry", "judge", "prompts", "assets", "seeds", "console", "malloc", "overrides"},
-    {"flow"},
+    {"flow", "kernels"},
     {"algorithms", "checkpoint", "envs", "loggers", "rewards", "policies", "pretrained"},
     {"engines"},
     {"evaluation", "tools"},

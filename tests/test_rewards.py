@@ -154,7 +154,7 @@ def test_math_verify_times_out_within_the_bound_anywhere_and_counts_it(where):
         }[where]
         with pool_cls(1) as pool:
             pool.submit(_math_verify, "1", "1").result(timeout=120)  # start-up not timed
-            bad, took, counts, took_slow, good = pool.submit(_timed_calls).result(timeout=60)
+            bad, took, counts, took_slow, good = pool.submit(_timed_calls).result(timeout=scaled(60))
     assert (bad, good) == ([0.0, 0.0], 1.0)
     assert counts == {"timeouts": 2.0, "unparsed_gold": 0.0}
     assert took < scaled(1.9), f"{took:.1f} s"
@@ -286,9 +286,11 @@ def _plain_math_verify(pairs):
     return json.loads(out.stdout)
 
 
-def test_math_verify_with_one_sympy_namespace_scores_as_plain_math_verify_and_faster():
-    """The reward builds sympy's parsing namespace once instead of per number; every score equals
-    plain math-verify's, and scoring is at least twice as fast as rebuilding it (measured ~3x)."""
+def test_math_verify_with_one_sympy_namespace_scores_as_plain_math_verify_and_builds_it_once(monkeypatch):
+    """The reward builds sympy's parsing namespace once instead of per number (``parse_expr``
+    without one runs ``from sympy import *`` at each call, most of math-verify's time): every
+    score equals plain math-verify's, and reading numbers runs that import no more. Counted, not
+    timed (the speed-up: docs/benchmarks.md), so a busy machine cannot fail it."""
     from sympy.parsing import sympy_parser
 
     from rlinf_lightning.judge import share_sympy_namespace
@@ -297,21 +299,24 @@ def test_math_verify_with_one_sympy_namespace_scores_as_plain_math_verify_and_fa
     assert scores == _plain_math_verify(SCORED)
     share_sympy_namespace()
     shared = sympy_parser.parse_expr
-    numbers = [str(n) for n in range(200)]
+    imports = []
 
-    def seconds() -> float:
-        t0 = time.perf_counter()
-        for n in numbers:
-            sympy_parser.parse_expr(n)
-        return time.perf_counter() - t0
+    def counting_exec(source, *args):
+        imports.append(source)
+        return exec(source, *args)
 
-    fast = min(seconds() for _ in range(3))
+    monkeypatch.setattr(sympy_parser, "exec", counting_exec, raising=False)  # parse_expr's global
+    numbers = [str(n) for n in range(50)]
+    for n in numbers:
+        sympy_parser.parse_expr(n)
+    assert imports.count("from sympy import *") == 0
     sympy_parser.parse_expr = shared.__wrapped__
     try:
-        slow = min(seconds() for _ in range(3))
+        for n in numbers:
+            sympy_parser.parse_expr(n)
     finally:
         sympy_parser.parse_expr = shared
-    assert slow > 2 * fast, (slow, fast)
+    assert imports.count("from sympy import *") == len(numbers)  # the count sees the rebuilds
 
 
 def test_a_judge_process_runs_by_path_without_importing_torch():

@@ -194,17 +194,37 @@ def test_the_recursions_and_the_reward_skip_tool_replies():
     assert trim_padding(batch)["response_mask"].shape[-1] == 6  # the span, past its last 1 (column 5)
 
 
-def test_a_run_goes_on_through_failing_tools(assets, tmp_path):
+#: DigitTurns scoring every other sample 1: each group (of an even size) holds both rewards, so every
+#: group carries signal whatever the policy samples and however this CPU rounds
+HALVES = """
+import itertools
+
+from rlinf_lightning.testing import DigitTurns
+
+_scored = itertools.count()
+
+
+class RewardedHalves(DigitTurns):
+    def reward(self, completion, answer):
+        return float(next(_scored) % 2)
+"""
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])  # `auto` without / with native bf16
+def test_a_run_goes_on_through_failing_tools(assets, tmp_path, monkeypatch, precision):
     """Three iterations, asynchronous (``max_staleness=1``), whose every call sleeps past its
     timeout: the run ends normally (every sample's turns within the staleness bound the actor
-    checks), its samples keep their turns, and the timeouts are logged. In float32 whatever
-    ``precision: auto`` picks on this CPU: under bf16-mixed one machine's numerics left the first
-    groups without signal (a zero gradient), which says nothing about the tools."""
+    checks), its samples keep their turns, the timeouts are logged, and the actor trains. The
+    environment's reward gives every group signal: with the task's, whether a few-prompt
+    iteration had any hinged on one machine's numerics (bf16-mixed left the first groups without
+    signal on one CPU), which says nothing about the tools."""
+    (tmp_path / "halves.py").write_text(HALVES)
+    monkeypatch.syspath_prepend(str(tmp_path))
     steps = MetricsRecorder()
-    kw = tiny_trainer_kwargs(tmp_path, max_staleness=1, callbacks=[steps], precision="32-true")
+    kw = tiny_trainer_kwargs(tmp_path, max_staleness=1, callbacks=[steps], precision=precision)
     trainer = RLTrainer(**kw)
-    env = {"class_path": DIGITS, "init_args": {"mode": "sleep", "sleep_s": 2.0}}
-    task = tiny_task(assets, format_reward="number_format", environment=env, tool_timeout_s=0.1, eval_size=4)
+    env = {"class_path": "halves.RewardedHalves", "init_args": {"mode": "sleep", "sleep_s": 2.0}}
+    task = tiny_task(assets, environment=env, tool_timeout_s=0.1, eval_size=4)
     summary = trainer.fit(LMPolicy(str(assets["sft"]), lr=1e-3), task)
     assert summary["iterations"] == 3
     calls = sum(m["rollout/tools/calls"] for m in steps.metrics)
@@ -213,7 +233,8 @@ def test_a_run_goes_on_through_failing_tools(assets, tmp_path):
     for m in steps.metrics:
         assert m["rollout/tools/timeouts"] == m["rollout/tools/calls"] > 0, m
         assert m["rollout/tools/masked_tokens"] > 0 and math.isfinite(m["actor/loss"]), m
-    assert any(m["actor/grad_norm"] > 0 for m in steps.metrics), steps.metrics  # it trained
+    for m in steps.metrics:  # every group had signal, so every iteration trained
+        assert m["reward/reward"] == 0.5 and m["actor/grad_norm"] > 0, m
 
 
 @pytest.mark.parametrize(

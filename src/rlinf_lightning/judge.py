@@ -32,8 +32,8 @@ MATH_VERIFY_TIMEOUT_S = 5.0
 #: what a verdict's second element says went wrong ("": nothing)
 TIMEOUT, UNPARSED_GOLD = "timeout", "unparsed_gold"
 
-#: what sympy sets up lazily the first time math-verify meets each kind of expression (a power
-#: took 240 ms, a product 19 ms): judged once where a judge starts, not inside a training step
+#: what sympy sets up lazily the first time math-verify meets each kind of expression (up to a
+#: quarter second: docs/benchmarks.md): judged once where a judge starts, not inside a training step
 WARM_UP = (("3^1", "39"), ("3*2", "6"), ("1/2", "0.5"), ("\\frac{1}{2}", "0.5"), ("x+1", "2"), ("12", "12"))
 
 _GOLD_CACHE_SIZE = 65536
@@ -71,8 +71,8 @@ def share_sympy_namespace() -> None:
 
     ``parse_expr`` without a ``global_dict`` builds one per call by running ``exec("from sympy
     import *")``, and math-verify reaches it for every number it reads (``Number("12")`` goes
-    through ``sympify``): that import was 80% of math-verify's time per completion here (profiled:
-    0.49 of 0.61 s over 1257 numbers). The namespace is the same every time, so ``parse_expr``
+    through ``sympify``): that import was most of math-verify's time per completion (profiled:
+    docs/benchmarks.md). The namespace is the same every time, so ``parse_expr``
     (sympy's, which ``sympify`` imports at each call, and math-verify's own reference) becomes a
     wrapper that passes a copy of one built here (a copy, because ``eval`` may add to it). Every
     result is the same; only the rebuilding is gone."""

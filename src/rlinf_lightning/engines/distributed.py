@@ -20,14 +20,13 @@ one, whichever replica got which micro-batch.
 Rank memory: glibc serves a freed buffer's size from its heap from then on (its mmap threshold
 grows with every large free, up to 32 MiB), and FSDP allocates and frees a layer-sized all-gather
 and reduce-scatter buffer per layer per pass, so a rank's heap fragments and its resident memory
-grows far past its live tensors (measured at ~100 M parameters: 3.1 GB peak per fsdp rank against
-2.8 GB for the whole model in one process). An fsdp rank that is its own process therefore fixes
-the process's mmap threshold (``malloc_mmap_threshold_mb``, 4 MiB by default): every buffer at
-least that large is mapped on allocation and returned to the OS on free. A ddp rank makes no such
-buffers, so by default it keeps the launcher's setting (:mod:`rlinf_lightning.malloc`,
-as ``single`` does): at 4 MiB every larger activation and bf16 weight copy is faulted in again each
-pass, which measured 41% slower (a 21 M-parameter VLA's bf16 forward and backward on 64 samples,
-one thread: 7.0 s against 5.0 s).
+grows far past its live tensors (past the whole model's in one process: docs/benchmarks.md).
+An fsdp rank that is its own process therefore fixes the process's mmap threshold
+(``malloc_mmap_threshold_mb``, 4 MiB by default): every buffer at least that large is mapped on
+allocation and returned to the OS on free. A ddp rank makes no such buffers, so by default it keeps
+the launcher's setting (:mod:`rlinf_lightning.malloc`, as ``single`` does): at 4 MiB every larger
+activation and bf16 weight copy is faulted in again each pass, which is markedly slower
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -25,12 +25,12 @@ def peak_matmul_flops(device: str, dtype: torch.dtype, threads: int) -> float:
     threads it ran with, part of the cache key because the peak scales with them).
 
     On a GPU the product is 8192 wide and timed with CUDA events over ten back-to-back runs after
-    warm-ups: a 4096-wide one timed alone on the host clock measured an H200 well under its
-    ~790 TFLOP/s (launch and clock ramp-up dominate a 0.2 ms kernel), which overstated MFU.
+    warm-ups: a narrower one timed alone on the host clock, where launch and clock ramp-up
+    dominate a short kernel, reads a GPU well under its peak, which overstated MFU.
     On CPU it is the smallest of ``CPU_WIDTHS`` whose run takes ``CPU_MIN_RUN_S``
-    (:func:`cpu_matmul_peak`): measured here, float32 reaches the 1024- and 2048-wide rates
-    at 768 (4.5 ms on one core, 2.1 ms on two: under half of 1024's time, paid again at each
-    thread count), while bf16 (AMX) needs 2048."""
+    (:func:`cpu_matmul_peak`): a narrow float32 matmul already reaches the wide ones' rate, in a
+    fraction of their time (paid again at each thread count), while bf16 (AMX) needs a wider one
+    (the widths measured: docs/benchmarks.md)."""
     if device.startswith("cuda"):
         return _cuda_peak(device, dtype)
     return cpu_matmul_peak(dtype)[1]

@@ -60,8 +60,8 @@ def rollout_dtype_problem(setting: str | None) -> str | None:
 def resolve_rollout_dtype(setting: str | None, precision: str, device: str, policy_dtype: str) -> str:
     """The rollout engine's dtype for ``task.rollout_dtype``: ``auto`` is ``bfloat16`` where the
     actor trains in a bf16 precision (``precision`` resolved for ``device``: the actor computes in
-    bf16 anyway, and a bf16 rollout generates about 1.4x faster on this project's CPU), else the
-    policy's dtype; ``None`` is the policy's dtype; a dtype name is itself."""
+    bf16 anyway, and a bf16 rollout generates faster on a CPU with native bf16: docs/benchmarks.md),
+    else the policy's dtype; ``None`` is the policy's dtype; a dtype name is itself."""
     if setting == AUTO_ROLLOUT_DTYPE:
         return "bfloat16" if resolve_precision(precision, device).startswith("bf16") else policy_dtype
     return setting or policy_dtype

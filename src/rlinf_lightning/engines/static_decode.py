@@ -1,7 +1,7 @@
 """The decode step on a static KV cache, captured as a CUDA graph.
 
-On a GPU a small model's decode is bound by kernel launches (measured on an H200: plain
-``generate`` spends ~19 ms per step launching a few thousand kernels). A static cache gives every
+On a GPU a small model's decode is bound by kernel launches (plain ``generate`` launches a few
+thousand kernels a step; the time they take on an H200: docs/benchmarks.md). A static cache gives every
 step the same shapes and addresses, so the step, our own function around the model compiled once
 by Inductor (gpt-fast's fusion), is captured as one ``torch.cuda.CUDAGraph`` and each token
 replays it: the step's inputs are copied into static buffers the graph reads, and the logits it
@@ -14,8 +14,8 @@ an offload frees the weights, so the onloaded ones have new addresses the old gr
 read. :meth:`StaticDecoder.release` drops the cache and the graph (its memory pool with them) and
 the next rollout captures one on the new addresses (as it does wherever it finds the weights
 moved: a graph never replays onto freed memory). Cudagraph trees instead keep every recording
-(one more per onload, each checked on every step) and, in torch 2.11, stop capturing a step after
-128 such re-recordings.
+(one more per onload, each checked on every step) and stop capturing a step after a bounded
+number of such re-recordings (the versions: docs/benchmarks.md).
 
 Shapes: the cache length (the prompt, the new tokens and ``WARMUP_STEPS``) is rounded up to
 ``CACHE_BUCKET`` tokens, so rollouts whose prompts differ by a few tokens replay the same graph; the
@@ -135,7 +135,7 @@ class StaticDecoder:
         by an eager prefill first (its tensors then have the static addresses a graph needs); the
         warm-up steps write past the prompt, so the caller resets the cache and prefills again
         (whether a cache writes at ``cache_position`` or after its own count of written tokens, as
-        transformers 5.19's ``StaticLayer`` does, the decode then starts right after the prompt).
+        some transformers versions' ``StaticLayer`` does, the decode then starts right after the prompt).
         A capture only records kernels, so it writes nothing."""
         from torch._dynamo.utils import counters
 

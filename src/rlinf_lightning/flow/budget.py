@@ -7,7 +7,7 @@ layout: RMSNorm, q/k/v/o projections with RoPE, SDPA, SwiGLU MLP), with the resi
 weights' dtype (``r`` bytes) and the matmuls in the compute dtype (``c``: 2 under bf16 autocast):
 
 * each RMSNorm keeps its input and its normalised output: ``2 r h``, twice a layer (on CUDA, where
-  ``policies.train_math`` runs it as one fused kernel, its input and a scale a row: the count
+  ``kernels.fused_decoder`` runs it as one fused kernel, its input and a scale a row: the count
   below overestimates there by ``r h`` a norm);
 * the projections keep their (autocast-cast) inputs: ``3 c h`` for q/k/v, ``c h`` for o, ``2 c h``
   for gate/up (``r h`` shared when nothing is cast);
@@ -24,10 +24,10 @@ float32 log-softmax of the response tokens (``R``) is kept; its backward holds t
 the incoming and the outgoing gradients at once: ``12 V R`` bytes, the step's peak on a large
 vocabulary. Chunked: ``16 V`` bytes a token of one chunk, whatever the budget; ``24 V`` where the
 model scales or caps its logits (Gemma 2, Granite, Cohere: the mapped logits and the map's
-derivative in float32; measured on a CPU under bf16 autocast: 15.0 and 21.0 V).
+derivative in float32; what a CPU measured: docs/benchmarks.md).
 
 Checked, not fitted, against the unchunked actor on an H200 (Qwen2.5-0.5B shape, bf16 autocast,
-AdamW; ``tests/test_budget.py``): 61.8 GiB at 16,384 tokens and 111.5 GiB at 32,768.
+AdamW; ``tests/test_budget.py``; the peaks measured: docs/gpu.md).
 
 The two other stages that run the model over whole micro-batches, from the same pieces:
 
@@ -130,13 +130,13 @@ def _trained_body(shape: LayerShape, residual: int, compute: int, checkpointing:
 
 def _logits(shape: LayerShape, compute: int, response_fraction: float, backward: bool) -> float:
     """Bytes a token of whole logits costs at their peak (module docstring)."""
-    # the forward's logits, and the log-softmax's output and its input's contiguous copy (measured
-    # in float32 under no_grad on a CPU: 8.1 V a token where half the tokens are the response)
+    # the forward's logits, and the log-softmax's output and its input's contiguous copy (the
+    # figures measured: docs/benchmarks.md)
     forward = compute * shape.vocab + 8 * shape.vocab * response_fraction
     if not backward:
         return forward
     # in float32 the whole logits' gradient (4 V a token) is written while the log-softmax's
-    # backward still holds its three (measured on a CPU: 6.3 GiB where 12 V R alone gave 4.5)
+    # backward still holds its three, so the gradient adds to them
     grads = 12 * shape.vocab * response_fraction + (4 * shape.vocab if compute >= 4 else 0)
     return max(forward, grads)
 
@@ -154,7 +154,7 @@ def actor_cost(
 ) -> StepCost:
     """The cost model of one actor step (module docstring). ``residual`` / ``compute``: bytes of the
     weights' and the matmuls' dtype; ``mapped_logits``: the model scales or caps its logits
-    (``policies.chunked_head.LogitMap``); ``response_fraction``: response tokens over all tokens."""
+    (``kernels.chunked_head.LogitMap``); ``response_fraction``: response tokens over all tokens."""
     per_token: float = _trained_body(shape, residual, compute, checkpointing)
     fixed = 0.0
     if logit_chunk:

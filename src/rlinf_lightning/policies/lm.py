@@ -10,15 +10,15 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.flow.batch import LOSS_MASK
-from rlinf_lightning.policies.chunked_head import (
+from rlinf_lightning.kernels.chunked_head import (
     LOGIT_CHUNK_TOKENS,
     LogitMap,
     chunked_logprobs,
     head_mismatch,
 )
+from rlinf_lightning.kernels.fused_decoder import adapt_for_training
 from rlinf_lightning.policies.lora import LoRA, lora_problems
 from rlinf_lightning.policies.module import DTYPES, RLModule, anneal_problems, annealed, compile_blocks
-from rlinf_lightning.policies.train_math import adapt_for_training
 
 if TYPE_CHECKING:
     from rlinf_lightning.policies.model_dir import CausalLMShape
@@ -46,8 +46,8 @@ def response_logprobs(
     the same log-softmax, the entropy of each position's distribution: ``entropy="grad"`` with its
     gradient (an entropy bonus), ``"value"`` without (for the log), ``None`` not at all.
 
-    One log-softmax over the whole micro-batch: chunking it by rows measured 15-20% slower on a
-    GPU (each chunk's backward writes a zero-filled gradient of the whole logits tensor), and
+    One log-softmax over the whole micro-batch: chunking it by rows is slower on a GPU
+    (docs/benchmarks.md; each chunk's backward writes a zero-filled gradient of the whole logits tensor), and
     saves no memory in training, since autograd keeps the log-softmax for the backward either
     way. The logged entropy is computed ``ENTROPY_CHUNK_ROWS`` rows at a time, so its temporaries
     stay the size of a chunk. Under bf16 autocast the logits are bf16 and the log-softmax writes
@@ -86,7 +86,7 @@ class LMPolicy(RLModule):
             of keeping them (less memory for about one more forward); ``None``: the actor decides
             from its token budget (``flow.budget``), off where no budget is computed.
         logit_chunk_tokens: the response log-probs go through the lm head this many tokens at a
-            time, the logits recomputed in the backward (``policies.chunked_head``), so the whole
+            time, the logits recomputed in the backward (``kernels.chunked_head``), so the whole
             micro-batch's logits never exist; ``None``: whole logits (one log-softmax). Loading
             checks that the chunks compute the model's own logits (with the scale or soft cap its
             config gives them), and refuses a model whose logits they would not. An lm head with
@@ -135,7 +135,7 @@ class LMPolicy(RLModule):
 
     def compile_model(self) -> None:
         """The decoder's layers and the chunked head's per-chunk math under ``torch.compile``
-        (``policies.chunked_head``): with the layers' element-wise work fused, the head's passes
+        (``kernels.chunked_head``): with the layers' element-wise work fused, the head's passes
         over each chunk's logits would be the eager part left."""
         compile_blocks(self.model)
         self.compiled_head = True
@@ -152,7 +152,7 @@ class LMPolicy(RLModule):
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
         optimizer = torch.optim.AdamW(
             trainable, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay, fused=True
-        )  # fused: one kernel over every parameter instead of a Python loop per tensor (3x faster here)
+        )  # fused: one kernel over every parameter instead of a Python loop per tensor
         return annealed(optimizer, self.anneal_lr_steps)
 
     def save_pretrained(self, path: str | Path) -> Path:
@@ -228,11 +228,10 @@ class LMPolicy(RLModule):
     def training_attention(self, ids: torch.Tensor) -> contextlib.AbstractContextManager:
         """The attention kernel of a forward over ``ids``: PyTorch's default (flash attention),
         except in a bf16 training forward on CPU. There flash attention's backward is far slower
-        than its forward (measured on an AMX CPU, 64 rows x 80 tokens, 8 heads: 65 ms against 3.6 ms
-        per layer; the whole actor step 1.6 s against 1.25 s with the math kernel), while the math
-        kernel's backward is batched matmuls. Its B x heads x T x T scores are materialised, so
+        than its forward (figures in docs/benchmarks.md), while the math kernel's backward is
+        batched matmuls. Its B x heads x T x T scores are materialised, so
         it is taken only while they stay under ``MATH_ATTENTION_MAX_BYTES``. In float32 flash
-        attention stays (the math kernel measured 10% slower there), and so do the rollout's and
+        attention stays (the math kernel is slower there), and so do the rollout's and
         the inference stage's forwards, which have no backward."""
         bf16 = (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16) or (
             self.model.dtype == torch.bfloat16

@@ -6,10 +6,9 @@ checks read only ``config.json``, the tokenizer files and the safetensors header
 weights' names and shapes with a model built from the config on the ``meta`` device (no memory);
 the same model gives the parameter count and attention shape a memory estimate needs.
 
-transformers 5 renames and merges some families' weights as it loads them (GPT-NeoX's ``embed_out``
-is the module ``lm_head``; Mixtral's and Qwen3-MoE's per-expert projections become one fused tensor)
-and reverts that as it saves, so a directory may hold either form: the weights match when they match
-the model's own names or what ``save_pretrained`` writes.
+transformers renames and merges some families' weights as it loads them (the cases and versions:
+docs/benchmarks.md) and reverts that as it saves, so a directory may hold either form: the weights
+match when they match the model's own names or what ``save_pretrained`` writes.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ import torch
 from tensordict import TensorDict
 
 from rlinf_lightning.flow.batch import LOSS_MASK
+from rlinf_lightning.kernels.fused_decoder import adapt_for_training
 from rlinf_lightning.policies.lm import enable_gradient_checkpointing
 from rlinf_lightning.policies.module import DTYPES, RLModule, compile_blocks
-from rlinf_lightning.policies.train_math import adapt_for_training
 
 
 class ValueNetwork(torch.nn.Module):

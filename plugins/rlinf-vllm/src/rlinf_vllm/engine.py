@@ -173,9 +173,8 @@ class _ProcessState:
 
 #: sequences vLLM schedules at once (its ``max_num_seqs`` default), and the tokens of one block of
 #: the CPU backend's KV cache: a sequence holds whole blocks. 32, the smallest its attention
-#: kernel takes, instead of its default 128: on ``benchmarks/rollout.py``'s 107 M model (256
-#: sequences x 64 new tokens) attention and cache writes took 5.7 s of a generation instead of
-#: 7.5, 750 against 676 tokens/s in float32 and 2041 against 1892 in bfloat16
+#: kernel takes, instead of its default 128: attention and cache writes take less of a generation
+#: (``benchmarks/rollout.py``'s figures: docs/benchmarks.md)
 MAX_SEQS, CPU_BLOCK_TOKENS = 256, 32
 #: the CPU KV cache's floor, and its ceiling as a fraction of the memory available at start-up
 MIN_CPU_KV_BYTES, MAX_CPU_KV_SHARE = 2**30, 0.25

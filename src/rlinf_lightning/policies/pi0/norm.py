@@ -1,10 +1,10 @@
 """π0's normalisation statistics (openpi's ``norm_stats.json``): the state it reads and the actions
 it denoises, standardised with the demonstrations' mean and standard deviation.
 
-Both matter to a small π0 (measured on FetchReach, tiny π0, 600 SFT steps): raw, the state's
-informative part (the goal minus the gripper, ~0.1 m) rides on ~1.3 m coordinates and the actions'
-spread (~0.1) is a tenth of the flow-matching noise's, so the fitted velocity ignored the state and
-the SFT policy reached no goal (0.0 held-out success); standardised, 0.97. Entries that barely vary
+Both matter to a small π0: raw, the state's informative part (the goal minus the gripper) rides
+on far larger coordinates and the actions' spread is a fraction of the flow-matching noise's, so the
+fitted velocity ignores the state and the SFT policy reaches no goal (the success rates measured
+on FetchReach: docs/benchmarks.md). Entries that barely vary
 in the demonstrations (the fingers' velocities, the unused gripper action) have their standard
 deviation floored at ``STD_FLOOR`` so that a slightly different value under RL does not blow up.
 

@@ -329,7 +329,7 @@ class AutoStrategy(Strategy):
         if not (self.info.background_start and here_now and there):
             return self._switch(best, iteration, why)
         # its workers start now; the profiling worker trains on meanwhile, on one slot: the others'
-        # cores go to the start-up (measured on 2 cores: the worker on both ran 4x slower beside it)
+        # cores go to the start-up (a worker on every core runs far slower beside it: docs/benchmarks.md)
         self._ahead = best
         here = min(
             (c for c in self.ranked if self._in_process(c.plan) and len(c.plan.groups[0].slots) == 1),

@@ -15,7 +15,7 @@ from rlinf_lightning.flow.budget import Budget, LayerShape, StepCost, actor_cost
 from rlinf_lightning.flow.metrics import Metrics
 from rlinf_lightning.flow.stage import MemoryPart, StageContext
 from rlinf_lightning.flow.token_budget import TokenBudget
-from rlinf_lightning.policies.chunked_head import LogitMap
+from rlinf_lightning.kernels.chunked_head import LogitMap
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.workflows.mini_batches import mini_batch_steps
 from rlinf_lightning.workflows.padding import micro_batches

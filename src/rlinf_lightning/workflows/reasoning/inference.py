@@ -13,7 +13,7 @@ from rlinf_lightning.flow.budget import Budget, LayerShape, StepCost, inference_
 from rlinf_lightning.flow.memory import dtype_bytes, weights_part
 from rlinf_lightning.flow.stage import MemoryPart, Stage, StageContext
 from rlinf_lightning.flow.token_budget import TokenBudget
-from rlinf_lightning.policies.chunked_head import LogitMap
+from rlinf_lightning.kernels.chunked_head import LogitMap
 from rlinf_lightning.policies.lm import LMPolicy
 from rlinf_lightning.workflows.padding import token_budget_split
 from rlinf_lightning.workflows.specs import NO_BUDGET, BudgetSpec, RolloutSpec, RunSpec

@@ -1,4 +1,4 @@
-"""``policies.train_math``: the RMSNorms through ``torch.nn.functional.rms_norm`` (one fused kernel
+"""``kernels.fused_decoder``: the RMSNorms through ``torch.nn.functional.rms_norm`` (one fused kernel
 each way on CUDA), with the values ``transformers`` computes."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
+from rlinf_lightning.kernels.fused_decoder import _forward_is_rms_norm, computes_rms_norm, fuse_rms_norms
 from rlinf_lightning.policies import LMPolicy
-from rlinf_lightning.policies.train_math import _forward_is_rms_norm, computes_rms_norm, fuse_rms_norms
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor, autocast: bool) -> list[torch.Tensor]:

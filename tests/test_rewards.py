@@ -1,3 +1,4 @@
+import itertools
 import logging
 import time
 
@@ -111,9 +112,17 @@ def test_a_reward_with_the_wrong_number_of_scores_is_named():
 
 
 PATHOLOGICAL = "\\boxed{9^{9^{9^{9}}}}"  # sympy evaluates 9^387420489 for minutes without a timeout
-# a sum math-verify takes seconds to parse (9 s here): as gold and as completion, two slow parses
-SLOW_GOLD = "\\boxed{" + "+".join(f"x_{{{i}}}^{{2}}" for i in range(800)) + "}"
-SLOW_COMPLETION = SLOW_GOLD.replace("x_", "z_")
+#: which sum of _slow_pair's the next call parses: sympy caches what it built, so a sum it has
+#: parsed before in this process takes milliseconds, not seconds, and would not time out
+_SLOW_SUMS = itertools.count()
+
+
+def _slow_pair() -> tuple[str, str]:
+    """A sum math-verify takes seconds to parse (9 s here), as completion and as gold (two slow
+    parses), over symbols this process has not parsed before."""
+    base = 800 * next(_SLOW_SUMS)
+    gold = "\\boxed{" + "+".join(f"x_{{{i}}}^{{2}}" for i in range(base, base + 800)) + "}"
+    return gold.replace("x_", "z_"), gold
 
 
 def _timed_calls() -> tuple[list[float], float, dict[str, float], float, float]:
@@ -123,7 +132,8 @@ def _timed_calls() -> tuple[list[float], float, dict[str, float], float, float]:
     t0 = time.monotonic()
     bad = MathVerify(timeout_s=1)(inputs)
     took = time.monotonic() - t0
-    slow = RewardInput([SLOW_COMPLETION], [SLOW_GOLD], metrics=inputs.metrics)
+    completion, gold = _slow_pair()
+    slow = RewardInput([completion], [gold], metrics=inputs.metrics)
     t0 = time.monotonic()
     bad += MathVerify(timeout_s=2)(slow)
     took_slow = time.monotonic() - t0

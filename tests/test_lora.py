@@ -16,6 +16,7 @@ from rlinf_lightning import RLTrainer
 from rlinf_lightning.algorithms import GRPO
 from rlinf_lightning.checkpoint import load_checkpoint
 from rlinf_lightning.engines import HFRolloutEngine, SamplingParams
+from rlinf_lightning.engines.precision import resolve_rollout_dtype
 from rlinf_lightning.engines.train import TrainSpec
 from rlinf_lightning.errors import CheckpointError
 from rlinf_lightning.evaluation import greedy_accuracy
@@ -127,7 +128,10 @@ def test_lora_checkpoints_resume_exactly_and_export_adapters_or_a_merged_model(w
     merged = save_merged(policy, trained, tmp_path / "merged")
     tok = policy.load_tokenizer()
     prompts, answers = [p.prompt for p in task.test], [p.answer for p in task.test]
-    engine = HFRolloutEngine(str(merged))  # from_pretrained of the exported directory
+    # from_pretrained of the exported directory, in the dtype the run's evaluation generated in
+    # (``auto``: bfloat16 where the CPU has native bf16), so the two greedy passes are the same sums
+    dtype = resolve_rollout_dtype(task.rollout_dtype, "auto", "cpu", policy.dtype)
+    engine = HFRolloutEngine(str(merged), dtype=dtype)
     accuracy = greedy_accuracy(engine, tok, prompts, answers, task.reward, task.sampling.max_new_tokens)
     assert accuracy == full["eval_accuracy_after"]
     adapters = save_adapters(policy, trained, tmp_path / "adapters")

@@ -5,6 +5,7 @@ goes on through failing tools."""
 from __future__ import annotations
 
 import math
+import pickle
 import time
 from csv import DictReader
 from pathlib import Path
@@ -295,6 +296,15 @@ def test_an_environments_reward_is_given_the_final_turn_and_the_answer(
             assert c.reward == len(text) + 100.0 * (text == answer)
     _, comps = loop.generate(engine, tokenizer, RAW, PROMPTS, [0, 1, 2], 2, SAMPLING, 0)
     assert all(c.reward is None for cs in comps for c in cs)  # no answers: the task's reward
+
+
+def test_environment_factories_pickle_for_the_process_launchers_workers(tmp_path, monkeypatch):
+    """The rollout stage holding the factory is pickled to each ``processes`` worker (a closure
+    here failed every multi-turn run on that launcher)."""
+    _graded(tmp_path, monkeypatch)
+    for spec, tools in ((None, ["calculator"]), ({"class_path": "graded.GradedCalls"}, [])):
+        factory = pickle.loads(pickle.dumps(environment_factory(spec, tools)))
+        assert type(factory()) is type(environment_factory(spec, tools)())
 
 
 def test_an_environments_reward_from_yaml_is_the_samples_reward(assets, tmp_path, monkeypatch):

@@ -77,12 +77,13 @@ def final_turn(completion: Completion) -> list[int]:
 
 def environment_factory(spec: dict[str, Any] | None, tools: list[str]) -> Callable[[], Any]:
     """A function building one environment: ``spec``'s ``{class_path, init_args}``, or a
-    :class:`ToolEnvironment` with ``tools``."""
+    :class:`ToolEnvironment` with ``tools``. A ``partial``, not a closure: the stage holding it is
+    pickled to the workers of the ``processes`` launcher."""
     if spec is None:
-        return lambda: ToolEnvironment(list(tools))
+        return partial(ToolEnvironment, list(tools))
     module, _, name = spec["class_path"].rpartition(".")
     cls, kwargs = getattr(importlib.import_module(module), name), dict(spec.get("init_args") or {})
-    return lambda: cls(**kwargs)
+    return partial(cls, **kwargs)
 
 
 def environment_problems(spec: Any, tools: list[str], problem: str | None = None) -> list[tuple[str, str]]:

@@ -20,11 +20,12 @@ def step():  # activations of a few sizes, freed together, as a training step's 
     del ts
 for _ in range(3):
     step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
+per_step = []
+for _ in range(21):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
-faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20
-print(json.dumps({"tuned": tuned, "faults": faults}))
+    per_step.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"tuned": tuned, "faults": sorted(per_step)[10]}))  # the median step
 """
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
@@ -41,7 +42,9 @@ def _faults(**env: str) -> dict:
 def test_freed_tensors_are_reused_instead_of_faulted_in_again():
     """Measured here under glibc's adaptive thresholds: 12 512 page faults per step in most runs (the
     53 MiB the step frees is trimmed and mapped again), 51 in the others (the heap's top is left
-    alone, the timing of some allocation decides which); none with the thresholds fixed."""
+    alone, the timing of some allocation decides which); none with the thresholds fixed. The median
+    step is counted, not the mean: CI once saw a mean of 141 a step over 20 steps with the thresholds
+    fixed, which a one-off elsewhere in the process (2 816 faults in all) explains."""
     tuned, opted_out = _faults(), _faults(RLINF_MALLOC_TUNING="0")
     assert tuned["tuned"] and not opted_out["tuned"]
     assert tuned["faults"] < 1 < opted_out["faults"] / 10, (tuned, opted_out)

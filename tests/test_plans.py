@@ -70,13 +70,15 @@ def _maxdiff(a: dict, b: dict) -> float:
 
 
 def _assert_same_metrics(metrics: list[dict], ref: list[dict], what: tuple) -> None:
-    """Each iteration's metrics equal the reference's within float32 rounding: 1e-4, relative
-    above 1 (a grad norm near 3.4 summed over two replicas in another order drifted 1.6e-4 by the
-    third iteration; a lost or doubled replica's gradient moves it by tens of percent)."""
+    """Each iteration's metrics equal the reference's within float32 rounding: 1e-3, relative
+    above 1. Sums taken in another order (two replicas, another thread count in a worker process)
+    drift by the third iteration: a grad norm near 3.4 by 1.6e-4, the critic plan's near 3.56 by
+    2.5e-4 under `processes` and `ray`; a lost or doubled replica's gradient moves it by tens of
+    percent."""
     for it in range(3):
         for key, value in metrics[it].items():
             want = ref[it][key]
-            assert abs(value - want) <= 1e-4 * max(1.0, abs(want)), (*what, it, key, value, want)
+            assert abs(value - want) <= 1e-3 * max(1.0, abs(want)), (*what, it, key, value, want)
 
 
 @pytest.fixture(scope="module")

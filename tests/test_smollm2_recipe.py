@@ -18,7 +18,9 @@ from trainer_defaults import logged_metrics
 
 CONFIG = Path(__file__).parents[1] / "configs" / "math_grpo_smollm2.yaml"
 #: one problem the instruct model mostly gets right and one it mostly gets wrong: the iteration
-#: has right and wrong samples whatever the reward's reading of a restated question
+#: has right and wrong samples whatever the reward's reading of a restated question. The answers
+#: get 40 tokens: the recipe's "The answer is N." comes after ~26 on average, and at 16 every
+#: sample was cut before it (accuracy 0, no gradient)
 PROBLEMS = [Problem("What is 4 plus 3?", "7"), Problem("What is 38 plus 47?", "85")]
 
 
@@ -35,7 +37,7 @@ def test_one_grpo_iteration_of_the_smollm2_recipe(smollm2_dir, tmp_path):
          f"--policy.model_path={smollm2_dir}", f"--task.train_path={data}", f"--task.test_path={data}",
          f"--trainer.default_root_dir={run}", "--trainer.max_iterations=1", "--trainer.eval_every=0",
          "--task.eval_size=1", f"--task.group_size={group}", f"--task.rollout_batch_size={2 * group}",
-         "--task.train_micro_batch_size=8", "--task.sampling.max_new_tokens=16",
+         "--task.train_micro_batch_size=8", "--task.sampling.max_new_tokens=40",
          "--trainer.enable_progress_bar=false"],
         capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
@@ -93,7 +95,7 @@ def test_a_resumed_smollm2_fit_equals_the_uninterrupted_one(smollm2_dir, tmp_pat
                 f"--task.train_path={data}", f"--task.test_path={data}", f"--trainer.default_root_dir={root}",
                 f"--trainer.max_iterations={iterations}", "--trainer.eval_every=0", "--task.eval_size=2",
                 "--trainer.ckpt_every=1", "--task.group_size=4", "--task.rollout_batch_size=8",
-                "--task.train_micro_batch_size=8", "--task.sampling.max_new_tokens=16",
+                "--task.train_micro_batch_size=8", "--task.sampling.max_new_tokens=40",
                 "--trainer.num_threads=1", "--trainer.enable_progress_bar=false"]  # fmt: skip
         parser = build_parser()
         init = subcommand_parser(parser, "fit").instantiate(

@@ -135,6 +135,7 @@ def test_rollout_stage_generates_from_the_chat_prompt(chat_model):
     assert prompt.startswith("<|im_start|>system\n")
 
 
+@pytest.mark.slow  # 72 s in CI: parquet, the chat template and its rollout stay in the tests above
 def test_gsm8k_parquet_with_a_chat_model_runs_the_chat_recipe(warm_chat_model, tmp_path):
     """configs/math_grpo_qwen2.5_instruct.yaml as shipped, pointed at the (warm-started) tiny chat
     checkpoint and a GSM8K-layout Parquet split, with the rollout engine and sizes of this CPU."""

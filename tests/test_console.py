@@ -78,6 +78,7 @@ def test_verbose_shows_debug_messages(fits):
     assert PROGRESS.search(res.stdout) and WARNING.search(res.stderr)
 
 
+@pytest.mark.slow  # 40 s in CI (prepare builds the data and models); --quiet stays in the fits above
 def test_quiet_drops_the_info_messages_of_prepare(assets, site, tmp_path):
     prepare = [sys.executable, "-m", "rlinf_lightning.cli", "prepare", f"--model_dir={assets['sft']}"]
     prepare += [f"--data_dir={assets['train'].parent}"]

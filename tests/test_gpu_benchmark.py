@@ -99,6 +99,7 @@ def test_every_section_runs_on_the_cpu_with_a_tiny_model():
     assert 0 < r["bound"]["mfu_ceiling"] <= 1
 
 
+@pytest.mark.slow  # 94 s in CI (five subprocesses): every section stays in the in-process test above
 def test_the_gpu_check_script_runs_every_new_section_on_the_cpu(tmp_path):
     """``scripts/gpu_check.sh``, what a session with a GPU runs, here at a tiny size on the CPU: the
     defaults (a budget chosen, its peak predicted), chunked against whole logits, our engine beside

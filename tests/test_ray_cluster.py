@@ -32,6 +32,7 @@ def two_nodes():
         cluster.shutdown()
 
 
+@pytest.mark.slow  # 54 s in CI; two nodes stay in the default run through the data-parallel case
 def test_a_disaggregated_plan_spans_two_nodes(warm_assets, tmp_path, two_nodes):
     assets = warm_assets
     import ray

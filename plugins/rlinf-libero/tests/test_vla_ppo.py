@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from rlinf_lightning.testing import check_one_embodied_iteration
 
 CONFIG = Path(__file__).parents[3] / "configs" / "embodied_ppo_vla_libero.yaml"
 
 
+# 185 s in CI: the default run fits π0 on LIBERO and the tiny VLA on ManiSkill, one policy per
+# simulator; the other two pairings run with `-m slow`
+@pytest.mark.slow
 def test_a_tiny_vla_ppo_iteration_on_libero_spatial(tmp_path):
     check_one_embodied_iteration(
         CONFIG,

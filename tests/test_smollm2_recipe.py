@@ -17,11 +17,17 @@ from rlinf_lightning.tasks.data import Problem, write_jsonl
 from trainer_defaults import logged_metrics
 
 CONFIG = Path(__file__).parents[1] / "configs" / "math_grpo_smollm2.yaml"
-#: one problem the instruct model mostly gets right and one it mostly gets wrong: the iteration
-#: has right and wrong samples whatever the reward's reading of a restated question. The answers
-#: get 40 tokens: the recipe's "The answer is N." comes after ~26 on average, and at 16 every
-#: sample was cut before it (accuracy 0, no gradient)
-PROBLEMS = [Problem("What is 4 plus 3?", "7"), Problem("What is 38 plus 47?", "85")]
+#: easy problems and one the instruct model mostly gets wrong. Sampled at temperature 1 in the
+#: recipe's template it is right on roughly one sample in six (it often writes "The answer is N."
+#: verbatim), so 32 samples make an iteration with right and wrong ones (a gradient) all but
+#: certain on any CPU's numerics, where 8 had none here. The answers get 40 tokens: the recipe's
+#: "The answer is N." comes after ~26 on average.
+PROBLEMS = [
+    Problem("What is 4 plus 3?", "7"),
+    Problem("What is 2 plus 2?", "4"),
+    Problem("What is 5 plus 1?", "6"),
+    Problem("What is 38 plus 47?", "85"),
+]
 
 
 @pytest.mark.slow  # a 135 M model loaded twice, a rollout, an update and a checkpoint: ~20 s on a quiet box
@@ -31,12 +37,13 @@ def test_one_grpo_iteration_of_the_smollm2_recipe(smollm2_dir, tmp_path):
 
     data = write_jsonl(PROBLEMS, tmp_path / "train.jsonl")
     run = tmp_path / "run"
-    group = 4
+    group = 8
     res = subprocess.run(
         [sys.executable, "-m", "rlinf_lightning.cli", "fit", f"--config={CONFIG}",
          f"--policy.model_path={smollm2_dir}", f"--task.train_path={data}", f"--task.test_path={data}",
          f"--trainer.default_root_dir={run}", "--trainer.max_iterations=1", "--trainer.eval_every=0",
-         "--task.eval_size=1", f"--task.group_size={group}", f"--task.rollout_batch_size={2 * group}",
+         "--task.eval_size=1", f"--task.group_size={group}",
+         f"--task.rollout_batch_size={len(PROBLEMS) * group}",
          "--task.train_micro_batch_size=8", "--task.sampling.max_new_tokens=40",
          "--trainer.enable_progress_bar=false"],
         capture_output=True, text=True, timeout=1800,

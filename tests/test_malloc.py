@@ -44,7 +44,7 @@ def test_freed_tensors_are_reused_instead_of_faulted_in_again():
     53 MiB the step frees is trimmed and mapped again), 51 in the others (the heap's top is left
     alone, the timing of some allocation decides which); none with the thresholds fixed. The median
     step is counted, not the mean: CI once saw a mean of 141 a step over 20 steps with the thresholds
-    fixed, which a one-off elsewhere in the process (2 816 faults in all) explains."""
+    fixed (2 816 faults in all; whether in one step or spread out, and why, was not recorded)."""
     tuned, opted_out = _faults(), _faults(RLINF_MALLOC_TUNING="0")
     assert tuned["tuned"] and not opted_out["tuned"]
     assert tuned["faults"] < 1 < opted_out["faults"] / 10, (tuned, opted_out)

@@ -45,14 +45,26 @@ class _Deadline(BaseException):
     math-verify and sympy let it through to :func:`judge`."""
 
 
+#: seconds after which an expired deadline is raised again, in case the first was swallowed
+_RETRY_S = 0.1
+
+
 @contextmanager
 def _deadline(seconds: float) -> Iterator[None]:
     """Raise :class:`_Deadline` in this (main) thread after ``seconds``. One timer for the whole
     judgement: math-verify's own timeouts apply per parse and per comparison (a completion could
-    take several of them), and each of them would cancel this one, so they are switched off."""
+    take several of them), and each of them would cancel this one, so they are switched off.
+
+    A handler's exception is lost when the signal lands in a weakref callback or a ``__del__``
+    (Python prints it as "ignored": CI saw sympy's parse run on for 38 s past a 1 s bound after
+    one landed in torch's weakref callback), so every expiry re-arms the timer and raises again
+    :data:`_RETRY_S` later until the block is left."""
+    active = True
 
     def expire(signum: int, frame: Any) -> None:
-        raise _Deadline
+        if active:
+            signal.setitimer(signal.ITIMER_REAL, _RETRY_S)
+            raise _Deadline
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -60,8 +72,9 @@ def _deadline(seconds: float) -> Iterator[None]:
         yield
     finally:
         try:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            active = False  # a retry still pending finds nothing to interrupt
         finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
 
 

@@ -83,8 +83,12 @@ def record_demos(
             next_obs = step.obs.clone()  # an ended episode's own last observation, not the reset one
             if bool(ended.any()):
                 next_obs[ended] = step.final_obs[ended]
-            for key, value in (("reward", step.reward), ("terminated", step.terminated),
-                               ("truncated", step.truncated & ~step.terminated), ("next_obs", next_obs)):
+            for key, value in (
+                ("reward", step.reward),
+                ("terminated", step.terminated),
+                ("truncated", step.truncated & ~step.terminated),
+                ("next_obs", next_obs),
+            ):
                 replay[key].append(value)  # fmt: skip
             obs = step.obs
             if bool(ended.all()):
@@ -104,8 +108,9 @@ def record_demos(
         tensors[key] = torch.stack(replay[key], dim=1).reshape(n * length).contiguous()
     next_seq = torch.stack(replay["next_obs"], dim=1)
     next_seq = next_seq.exclude("instruction") if "instruction" in next_seq.keys() else next_seq
-    tensors |= {f"next_obs.{k}": v.reshape(n * length, *v.shape[2:]).contiguous()
-                for k, v in next_seq.items()}
+    tensors |= {
+        f"next_obs.{k}": v.reshape(n * length, *v.shape[2:]).contiguous() for k, v in next_seq.items()
+    }
     if state_keys is None:
         goal_env = [k for k in ("observation", "desired_goal") if k in obs_seq.keys()]
         state_keys = goal_env or [k for k in sorted(obs_seq.keys()) if k not in image_keys]

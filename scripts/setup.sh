@@ -27,7 +27,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
       exit 1
     fi
   done
+  # bytecode for everything installed, written now: where PYTHONDONTWRITEBYTECODE is set (as on
+  # this project's machines) Python never writes it, and every process, each test's `rlinf` run
+  # and worker among them, compiled torch's and transformers' sources again (a fresh clone's
+  # test suite ran 978 s instead of 567). Some packages ship Python 2 files that do not compile:
+  # compileall reports them and fails; the rest is written.
+  python -m compileall -q -j0 "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
   echo "$want" > "$stamp"
 fi
+python -m compileall -q -j0 src plugins/*/src >/dev/null  # this checkout's own, for the same reason
 python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 rlinf prepare --model smollm2-135m-instruct  # tiny assets + SmolLM2-135M-Instruct (cached)

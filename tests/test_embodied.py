@@ -207,14 +207,21 @@ def reference(tmp_path_factory):
 # business, not the transports'), the rest with `-m slow`; the discrete one never under ray. Ray's
 # case (90 s in CI) is slow too: Ray's channels and weight syncs stay in the default run through
 # test_plans' broadcast case, test_ray_cluster and the Ray fault case.
+def _equivalence_marks(workload: str, case) -> tuple:
+    """Ray: slow for every workload; PPO keeps the matrix's own marks; the others run in process only
+    by default."""
+    launcher = case.values[1]
+    if launcher == "ray" or (workload != "ppo" and launcher != "inprocess"):
+        return (pytest.mark.slow,)
+    return tuple(case.marks) if workload == "ppo" else ()
+
+
 EQUIVALENCE = [
-    pytest.param(workload, *case.values, id=f"{workload}-{case.id}",
-                 marks=[pytest.mark.slow] if case.values[1] == "ray" else case.marks if workload == "ppo"
-                 else [pytest.mark.slow] if case.values[1] != "inprocess" else ())
+    pytest.param(workload, *case.values, id=f"{workload}-{case.id}", marks=_equivalence_marks(workload, case))
     for workload in ("ppo", "grpo", "discrete")
     for case in launcher_matrix(PLANS)
     if (workload, case.values[1]) != ("discrete", "ray")
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("workload", "name", "launcher"), EQUIVALENCE)

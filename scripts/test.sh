@@ -22,9 +22,7 @@ python scripts/advisories.py
 # the documentation site: any warning (a broken link, a missing page) fails; the configuration
 # reference is generated from the code while it builds (docs/hooks/config_reference.py)
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir site
-# The suites run one after another: run side by side, the plugins' suites and the core suite
-# oversubscribed the two cores and all ran 2-3x slower (core 567 s alone, 1175-1263 s beside
-# the plugins, whose 175 s alone became 450 s).
+# The suites run one after another: side by side they oversubscribe the cores (docs/index.md)
 run_suite() {  # run_suite DIR: pytest on one suite; 5 (no tests collected, e.g. -m slow) is a pass
   local rc=0
   echo "== $1"

@@ -337,3 +337,18 @@ def test_a_failure_during_start_up_leaves_no_worker_behind(launcher):
         time.sleep(0.2)
     assert not left
     assert not [t for t in set(threading.enumerate()) - threads if t.name.startswith("rlinf-")]
+
+
+def test_the_set_up_deadline_grows_with_the_machines_load(monkeypatch):
+    """Start-up is CPU-bound, so its bound scales with how oversubscribed the cores are (the
+    highest of the three load averages per core): a slow start is not a hang. Never below
+    ``trainer.timeout_s`` or ``SETUP_MIN_S`` on a quiet machine."""
+    from rlinf_lightning.launchers.base import SETUP_MIN_S, setup_deadline
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.4, 0.3))
+    assert setup_deadline(10) == SETUP_MIN_S
+    assert setup_deadline(600) == 600
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 8.0, 2.0))
+    assert setup_deadline(10) == SETUP_MIN_S * 4
+    assert setup_deadline(600) == 2400

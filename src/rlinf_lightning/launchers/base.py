@@ -10,6 +10,7 @@ worker is told to give up (``_abort``).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from abc import ABC, abstractmethod
 from collections import deque
@@ -31,13 +32,23 @@ from rlinf_lightning.flow.workflow import Workflow
 log = logging.getLogger(__name__)
 
 ABORT_GRACE_S = 5.0  # after a failure, how long the other workers get to come back before the run ends
-# Setup loads models and meets the other replicas: it gets at least this long, even when
-# trainer.timeout_s (the wait for a stage's input) is set short.
+# Setup loads models and meets the other replicas: it gets at least this long on a quiet machine,
+# even when trainer.timeout_s (the wait for a stage's input) is set short (see setup_deadline).
 SETUP_MIN_S = 120.0
 # A command's reply may wait a channel's whole trainer.timeout_s plus this margin, so a stuck stage
 # is reported by the channel waiting on it (which names it) before the driver gives up.
 REPLY_MARGIN_S = 30.0
 SHUTDOWN_S = 10.0  # how long teardown may take before the workers are stopped regardless
+
+
+def setup_deadline(timeout_s: float) -> float:
+    """How long starting and setting up the workers may take: ``max(timeout_s, SETUP_MIN_S)`` times
+    how much busier than its cores the machine is (its highest 1-, 5- and 15-minute load average per
+    usable core, at least 1). Start-up is CPU-bound (a process starts, imports torch, builds or loads
+    a model), so on two cores at load 4 it takes about twice as long; a fixed bound made a run that
+    was only slow fail (a Ray actor past 120 s beside two busy processes). A hang still ends."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(timeout_s, SETUP_MIN_S) * max(1.0, max(os.getloadavg()) / cores)
 
 
 class WorkerDied(RuntimeError):
@@ -159,7 +170,7 @@ class Runtime(ABC):
     def _setup(self) -> None:
         """Set up every worker at once (replicas of a group meet in their process group)."""
         try:
-            self.info = self._command(self.workers, "setup", deadline_s=max(self.timeout_s, SETUP_MIN_S))
+            self.info = self._command(self.workers, "setup", deadline_s=setup_deadline(self.timeout_s))
         except BaseException:
             self.shutdown()
             raise

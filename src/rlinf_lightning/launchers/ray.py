@@ -22,19 +22,19 @@ from typing import Any
 
 from rlinf_lightning.flow.channel import Channel, ChannelTimeout
 from rlinf_lightning.flow.collective import Rendezvous, free_port, node_address
-from rlinf_lightning.flow.plan import ExecutionPlan
+from rlinf_lightning.flow.plan import ExecutionPlan, WorkerGroup
 from rlinf_lightning.flow.sharing import slot_shares
 from rlinf_lightning.flow.worker import StageError
 from rlinf_lightning.flow.workflow import Workflow
 from rlinf_lightning.launchers.base import (
     ABORT_GRACE_S,
     REPLY_MARGIN_S,
-    SETUP_MIN_S,
     Launcher,
     Runtime,
     WorkerDied,
     first_cause,
     noted,
+    setup_deadline,
 )
 from rlinf_lightning.launchers.processes import build_worker
 
@@ -160,26 +160,41 @@ class RayRuntime(Runtime):
                         pg, placement_group_bundle_index=index
                     ),
                 ).remote(build)
-            meet: dict[str, Rendezvous] = {}
-            for g in plan.groups:
-                if g.replicas > 1:
-                    actor = self.actors[g.worker_name(0)]  # started: as long as setup may take
-                    host, port = ray.get(actor.address.remote(), timeout=max(timeout_s, SETUP_MIN_S))
-                    meet[g.name] = Rendezvous(g.name, host, port)
-            sync_meet: dict[str, Rendezvous] = {}  # hosted by the sending group's first replica
-            for ch, link in self.links.items():
-                if link.broadcast:
-                    sender = self.actors[plan.group_of(link.edge.src).worker_name(0)]
-                    host, port = ray.get(sender.address.remote(), timeout=max(timeout_s, SETUP_MIN_S))
-                    sync_meet[ch] = Rendezvous(f"sync:{ch}", host, port)
+            # the first call on an actor waits for its process to start: as long as setup may take
+            self.setup_s = setup_deadline(timeout_s)
+            deadline = time.monotonic() + self.setup_s
+            meet = {
+                g.name: Rendezvous(g.name, *self._address(g, deadline)) for g in plan.groups if g.replicas > 1
+            }
+            sync_meet = {  # hosted by the sending group's first replica
+                ch: Rendezvous(f"sync:{ch}", *self._address(plan.group_of(link.edge.src), deadline))
+                for ch, link in self.links.items()
+                if link.broadcast
+            }
             starts = {
                 w: a.start.remote(meet.get(self._group_name[w]), sync_meet) for w, a in self.actors.items()
             }
-            self._wait(starts, max(timeout_s, SETUP_MIN_S))
+            self._wait(starts, setup_deadline(timeout_s))
         except BaseException:
             self._close()
             raise
         self._setup()
+
+    def _address(self, group: WorkerGroup, deadline: float) -> tuple[str, int]:
+        """Where ``group``'s first replica's node can host a TCP store, once its actor has started
+        (by ``deadline``)."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        worker = group.worker_name(0)
+        try:
+            ref = self.actors[worker].address.remote()
+            return ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
+        except GetTimeoutError:
+            raise TimeoutError(
+                f"Ray worker {worker!r} did not start within {self.setup_s:.0f} s; the machine may be "
+                "oversubscribed (see `uptime`): run fewer jobs beside it or raise trainer.timeout_s"
+            ) from None
 
     def _place(self) -> dict[str, tuple[Any, int]]:
         """One placement group per plan node, pinned to a distinct Ray node: worker -> (group, bundle)."""

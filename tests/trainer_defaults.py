@@ -3,12 +3,12 @@ test directories of plugins, each with their own conftest, can be collected in t
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from rlinf_lightning import Callback
+from rlinf_lightning.launchers.base import oversubscription
 
 #: the plans on which the ``processes`` and ``ray`` launchers take code paths in-process workers do
 #: not: channels between worker processes and a weight sync between groups (``disaggregated``), and
@@ -37,13 +37,12 @@ def launcher_matrix(plans, launchers=("inprocess", "processes", "ray"), differin
 
 
 def scaled(seconds: float) -> float:
-    """``seconds`` times how much busier than its cores this machine is (the highest of its 1-, 5-
-    and 15-minute load averages per usable core, at least 1): a bound that catches a hang or a lost
-    wake-up on a quiet machine, and still holds on one running other jobs (a 2-core box at load 14
-    runs a test ~7x slower). The highest, because the 1-minute average lags a load that just rose
-    and forgets one that paused a moment ago, while the test's wait spans minutes. For start-up
-    timeouts and for wall-clock bounds asserted after the fact."""
-    return seconds * max(1.0, max(os.getloadavg()) / len(os.sched_getaffinity(0)))
+    """``seconds`` times how much busier than its cores this machine is (the launchers'
+    :func:`~rlinf_lightning.launchers.base.oversubscription`, as their set-up deadline): a bound
+    that catches a hang or a lost wake-up on a quiet machine, and still holds on one running other
+    jobs (a 2-core box at load 14 runs a test ~7x slower). For start-up timeouts and for wall-clock
+    bounds asserted after the fact."""
+    return seconds * oversubscription()
 
 
 class MetricsRecorder(Callback):

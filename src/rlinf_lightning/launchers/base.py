@@ -41,14 +41,20 @@ REPLY_MARGIN_S = 30.0
 SHUTDOWN_S = 10.0  # how long teardown may take before the workers are stopped regardless
 
 
+def oversubscription() -> float:
+    """How much busier than its cores this machine is: its highest 1-, 5- and 15-minute load average
+    per usable core, at least 1. The highest, because the 1-minute average lags a load that just
+    rose and forgets one that paused a moment ago."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1.0, max(os.getloadavg()) / cores)
+
+
 def setup_deadline(timeout_s: float) -> float:
     """How long starting and setting up the workers may take: ``max(timeout_s, SETUP_MIN_S)`` times
-    how much busier than its cores the machine is (its highest 1-, 5- and 15-minute load average per
-    usable core, at least 1). Start-up is CPU-bound (a process starts, imports torch, builds or loads
+    :func:`oversubscription`. Start-up is CPU-bound (a process starts, imports torch, builds or loads
     a model), so on two cores at load 4 it takes about twice as long; a fixed bound made a run that
     was only slow fail (a Ray actor past 120 s beside two busy processes). A hang still ends."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(timeout_s, SETUP_MIN_S) * max(1.0, max(os.getloadavg()) / cores)
+    return max(timeout_s, SETUP_MIN_S) * oversubscription()
 
 
 class WorkerDied(RuntimeError):

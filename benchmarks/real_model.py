@@ -523,7 +523,6 @@ def main() -> None:
         fit_args.append(f"--trainer.num_threads={args.threads}")
     r = recipe(fit_args)
     model, data = assets(sorted(set(kinds) | {"addition"} | ({"products"} if "tools" in sections else set())))
-    work = Path(tempfile.mkdtemp(prefix="real_model-"))
     result: dict = {
         "model": MODEL,
         "smoke": args.smoke,
@@ -531,18 +530,23 @@ def main() -> None:
         "threads": args.threads or os.cpu_count(),
         "load_start": os.getloadavg()[0],
     }
-    if "learning" in sections:
-        result["learning"] = learning(
-            model, data, kinds, seeds, args.steps, args.eval_size, r, fit_args, work
-        )
-    if "vs_trl" in sections:
-        result["vs_trl"] = vs_trl(
-            model, data, args.trl_steps, seeds[0], args.eval_size, r, fit_args, work, args.threads
-        )
-    if "rollout" in sections:
-        result["rollout"] = rollout(model, data, args.rounds, r)
-    if "tools" in sections:
-        result["tools"] = tools(model, data, args.steps, seeds[0], args.eval_size, fit_args, work, args.smoke)
+    # each fit's checkpoint (weights and optimizer state, ~1.7 GB) is gone when the run ends
+    with tempfile.TemporaryDirectory(prefix="real_model-") as tmp:
+        work = Path(tmp)
+        if "learning" in sections:
+            result["learning"] = learning(
+                model, data, kinds, seeds, args.steps, args.eval_size, r, fit_args, work
+            )
+        if "vs_trl" in sections:
+            result["vs_trl"] = vs_trl(
+                model, data, args.trl_steps, seeds[0], args.eval_size, r, fit_args, work, args.threads
+            )
+        if "rollout" in sections:
+            result["rollout"] = rollout(model, data, args.rounds, r)
+        if "tools" in sections:
+            result["tools"] = tools(
+                model, data, args.steps, seeds[0], args.eval_size, fit_args, work, args.smoke
+            )
     if "actor" in sections:
         from actor_vs_hf import actor_vs_hf
 

@@ -3,6 +3,7 @@ per-step costs of ManiSkill PickCube-v1 and the bound they put on a 300k-step ru
 throughput of the collocated and actor-learner plans.
 
     python benchmarks/offpolicy.py [--parts sac crossq ppo plans] [--seeds 0 1] [--quick]
+    python benchmarks/offpolicy.py --parts pickcube_sac [pickcube_rlpd] [--seeds 0]
     OMP_NUM_THREADS=1 python benchmarks/offpolicy.py --bound pickcube [--seconds 30] [--utd 1]
 
 - ``sac``: ``rlinf fit`` on ``configs/embodied_sac_fetchreach.yaml`` per seed (the seeds side by
@@ -18,6 +19,14 @@ throughput of the collocated and actor-learner plans.
   and two actor-learner plans (``disaggregated``; ``hybrid`` with env and rollout on one slot, the
   learner on the other), each ``trainer.max_staleness=1``: env steps/s, updates/s and wall time
   of each, side by side. ``--quick``: this part only, 2 iterations of 10 steps (a smoke check).
+- ``pickcube_sac`` (asked for by name; plugin rlinf-maniskill): ``rlinf fit`` on
+  ``configs/embodied_sac_maniskill_pickcube.yaml`` per seed, side by side, one thread each: the
+  held-out success curve (32 episodes every 20,000 env steps) and the env steps at which it first
+  reaches 0.8. The bar: >= 0.8 within 300,000 env steps on every seed. About an hour a seed.
+- ``pickcube_rlpd`` (by name): ``rlinf demos`` writes 50 scripted-expert episodes, then ``rlinf
+  fit`` on ``configs/embodied_rlpd_maniskill_pickcube.yaml`` (150,000 env steps) per seed. The bar:
+  the success SAC ends with (run ``pickcube_sac`` in the same call), reached within 150,000 env
+  steps. Hours on this CPU (``--bound pickcube`` says how many).
 - ``--bound pickcube`` (alone): ManiSkill PickCube-v1 (state, ``pd_ee_delta_pos``, CPU
   simulation) on one thread: seconds per simulated step (random actions), per env of a policy
   call of 16 envs, per SAC update and per RLPD update (batch 256, 256x256 MLPs; RLPD ten
@@ -48,6 +57,9 @@ PPO_CONFIG = ROOT / "configs" / "embodied_ppo_fetchreach.yaml"
 SAC_ENVS, SAC_STEPS = 8, 50  # the SAC config's envs and steps per env per iteration
 PPO_STEPS_PER_ITERATION = 16 * 64
 BAR = 0.95
+PICKCUBE_SAC = ROOT / "configs" / "embodied_sac_maniskill_pickcube.yaml"
+PICKCUBE_RLPD = ROOT / "configs" / "embodied_rlpd_maniskill_pickcube.yaml"
+PICKCUBE_BAR = 0.8
 #: the actor-learner plan: the env workers on one slot, the learner on the other
 HYBRID = (
     "{class_path: rlinf_lightning.strategies.HybridStrategy, "
@@ -71,11 +83,11 @@ def _wait(proc: subprocess.Popen, what: str) -> None:
         raise RuntimeError(f"{what} failed:\n{err[-4000:]}")
 
 
-def _curve(root: Path, per_iteration: int) -> dict:
+def _curve(root: Path, per_iteration: int, bar: float = BAR) -> dict:
     summary = json.loads((root / "summary.json").read_text())
     curve = [(h["iteration"] * per_iteration, round(h["success"], 3)) for h in summary["eval_history"]]
-    reached = next((steps for steps, success in curve if success >= BAR), None)
-    return {"curve": curve, "steps_to_0.95": reached, "final_success": curve[-1][1],
+    reached = next((steps for steps, success in curve if success >= bar), None)
+    return {"curve": curve, f"steps_to_{bar:g}": reached, "final_success": curve[-1][1],
             "wall_s": round(summary["wall_s"], 1)}  # fmt: skip
 
 
@@ -85,6 +97,45 @@ def sac(seeds: list[int], work: Path, config: Path = SAC_CONFIG) -> dict:
     for s, p in procs.items():
         _wait(p, f"SAC seed {s}")
     return {str(s): _curve(work / f"{config.stem}{s}", SAC_ENVS * SAC_STEPS) for s in seeds}
+
+
+def _per_iteration(config: Path) -> int:
+    """Env steps per iteration of an embodied config: its envs times their steps."""
+    import yaml
+
+    task = yaml.safe_load(config.read_text())["task"]["init_args"]
+    return task["num_envs"] * task["steps"]
+
+
+def pickcube_sac(seeds: list[int], work: Path) -> dict:
+    """SAC on PickCube-v1 (``configs/embodied_sac_maniskill_pickcube.yaml``, 300k env steps), the
+    seeds side by side, one process and one thread each: the held-out success curve (32 episodes
+    every 20,000 env steps) and the env steps at which it first reaches 0.8."""
+    procs = {s: _fit(PICKCUBE_SAC, work / f"pickcube_sac{s}", f"--trainer.seed={s}") for s in seeds}
+    for s, p in procs.items():
+        _wait(p, f"PickCube SAC seed {s}")
+    steps = _per_iteration(PICKCUBE_SAC)
+    return {str(s): _curve(work / f"pickcube_sac{s}", steps, PICKCUBE_BAR) for s in seeds}
+
+
+def pickcube_rlpd(seeds: list[int], work: Path, episodes: int = 50) -> dict:
+    """RLPD on PickCube-v1 (``configs/embodied_rlpd_maniskill_pickcube.yaml``, half of SAC's env
+    steps) from ``episodes`` demonstrations of the scripted expert (``rlinf demos``, written
+    once), the seeds side by side: the same curve as :func:`pickcube_sac`."""
+    demos = work / "pickcube_demos.safetensors"
+    argv = [sys.executable, "-m", "rlinf_lightning.cli", "demos", "--env=PickCube-v1",
+            f"--episodes={episodes}", "--chunk=1", f"--out={demos}",
+            '--env_kwargs={"obs_mode": "state", "control_mode": "pd_ee_delta_pos"}']  # fmt: skip
+    subprocess.run(argv, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    procs = {
+        s: _fit(PICKCUBE_RLPD, work / f"pickcube_rlpd{s}", f"--trainer.seed={s}",
+                f"--trainer.algorithm.init_args.demo_path={demos}")
+        for s in seeds
+    }  # fmt: skip
+    for s, p in procs.items():
+        _wait(p, f"PickCube RLPD seed {s}")
+    steps = _per_iteration(PICKCUBE_RLPD)
+    return {str(s): _curve(work / f"pickcube_rlpd{s}", steps, PICKCUBE_BAR) for s in seeds}
 
 
 def ppo(work: Path) -> dict:
@@ -215,11 +266,13 @@ def bound_pickcube(seconds: float = 30.0, utd: float = 1.0, num_envs: int = 16) 
 
 
 PARTS = ["sac", "crossq", "ppo", "plans"]
+#: the ManiSkill runs (plugin rlinf-maniskill), about an hour each on one core: asked for by name
+PICKCUBE_PARTS = ["pickcube_sac", "pickcube_rlpd"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS)
+    ap.add_argument("--parts", nargs="+", choices=PARTS + PICKCUBE_PARTS, default=PARTS)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run (under 2 minutes): the plans part only, 2 iterations of 10 steps "
@@ -247,12 +300,27 @@ def main() -> None:
                     result["ppo_fetchreach"] = ppo(work)
                 elif part == "plans":
                     result["plans"] = plans(work, 2, 10) if args.quick else plans(work)
+                elif part == "pickcube_sac":
+                    result["pickcube_sac"] = pickcube_sac(args.seeds, work)
+                elif part == "pickcube_rlpd":
+                    result["pickcube_rlpd"] = pickcube_rlpd(args.seeds, work)
                 print(part, round(time.perf_counter() - t0, 1), "s:", result, flush=True)
     for name in ("sac", "crossq"):
         if f"{name}_fetchreach" in result:
             runs = result[f"{name}_fetchreach"].values()
             result[f"{name}_passed"] = all(
                 r["steps_to_0.95"] is not None and r["steps_to_0.95"] <= 20_000 for r in runs
+            )
+    if "pickcube_sac" in result:
+        runs = result["pickcube_sac"].values()
+        result["pickcube_sac_passed"] = all(
+            r["steps_to_0.8"] is not None and r["steps_to_0.8"] <= 300_000 for r in runs
+        )
+        if "pickcube_rlpd" in result:  # RLPD reaches SAC's final success in half its env steps
+            target = min(r["final_success"] for r in runs)
+            result["pickcube_rlpd_passed"] = all(
+                any(steps <= 150_000 and success >= target for steps, success in r["curve"])
+                for r in result["pickcube_rlpd"].values()
             )
     result["quick"] = args.quick
     result["load_at_end"] = os.getloadavg()[0]

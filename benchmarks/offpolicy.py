@@ -91,14 +91,6 @@ def _curve(root: Path, per_iteration: int, bar: float = BAR) -> dict:
             "wall_s": round(summary["wall_s"], 1)}  # fmt: skip
 
 
-def sac(seeds: list[int], work: Path, config: Path = SAC_CONFIG) -> dict:
-    """The held-out success curve of ``config`` per seed, the seeds side by side."""
-    procs = {s: _fit(config, work / f"{config.stem}{s}", f"--trainer.seed={s}") for s in seeds}
-    for s, p in procs.items():
-        _wait(p, f"SAC seed {s}")
-    return {str(s): _curve(work / f"{config.stem}{s}", SAC_ENVS * SAC_STEPS) for s in seeds}
-
-
 def _per_iteration(config: Path) -> int:
     """Env steps per iteration of an embodied config: its envs times their steps."""
     import yaml
@@ -107,35 +99,25 @@ def _per_iteration(config: Path) -> int:
     return task["num_envs"] * task["steps"]
 
 
-def pickcube_sac(seeds: list[int], work: Path) -> dict:
-    """SAC on PickCube-v1 (``configs/embodied_sac_maniskill_pickcube.yaml``, 300k env steps), the
-    seeds side by side, one process and one thread each: the held-out success curve (32 episodes
-    every 20,000 env steps) and the env steps at which it first reaches 0.8."""
-    procs = {s: _fit(PICKCUBE_SAC, work / f"pickcube_sac{s}", f"--trainer.seed={s}") for s in seeds}
+def sac(seeds: list[int], work: Path, config: Path = SAC_CONFIG, bar: float = BAR, *overrides: str) -> dict:
+    """The held-out success curve of ``config`` per seed, the seeds side by side (one process and
+    one thread each), and the env steps at which it first reaches ``bar``."""
+    procs = {s: _fit(config, work / f"{config.stem}{s}", f"--trainer.seed={s}", *overrides) for s in seeds}
     for s, p in procs.items():
-        _wait(p, f"PickCube SAC seed {s}")
-    steps = _per_iteration(PICKCUBE_SAC)
-    return {str(s): _curve(work / f"pickcube_sac{s}", steps, PICKCUBE_BAR) for s in seeds}
+        _wait(p, f"{config.stem} seed {s}")
+    return {str(s): _curve(work / f"{config.stem}{s}", _per_iteration(config), bar) for s in seeds}
 
 
 def pickcube_rlpd(seeds: list[int], work: Path, episodes: int = 50) -> dict:
     """RLPD on PickCube-v1 (``configs/embodied_rlpd_maniskill_pickcube.yaml``, half of SAC's env
     steps) from ``episodes`` demonstrations of the scripted expert (``rlinf demos``, written
-    once), the seeds side by side: the same curve as :func:`pickcube_sac`."""
+    once), the seeds side by side: the curve of :func:`sac`."""
     demos = work / "pickcube_demos.safetensors"
     argv = [sys.executable, "-m", "rlinf_lightning.cli", "demos", "--env=PickCube-v1",
             f"--episodes={episodes}", "--chunk=1", f"--out={demos}",
             '--env_kwargs={"obs_mode": "state", "control_mode": "pd_ee_delta_pos"}']  # fmt: skip
     subprocess.run(argv, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    procs = {
-        s: _fit(PICKCUBE_RLPD, work / f"pickcube_rlpd{s}", f"--trainer.seed={s}",
-                f"--trainer.algorithm.init_args.demo_path={demos}")
-        for s in seeds
-    }  # fmt: skip
-    for s, p in procs.items():
-        _wait(p, f"PickCube RLPD seed {s}")
-    steps = _per_iteration(PICKCUBE_RLPD)
-    return {str(s): _curve(work / f"pickcube_rlpd{s}", steps, PICKCUBE_BAR) for s in seeds}
+    return sac(seeds, work, PICKCUBE_RLPD, PICKCUBE_BAR, f"--trainer.algorithm.init_args.demo_path={demos}")
 
 
 def ppo(work: Path) -> dict:
@@ -301,7 +283,7 @@ def main() -> None:
                 elif part == "plans":
                     result["plans"] = plans(work, 2, 10) if args.quick else plans(work)
                 elif part == "pickcube_sac":
-                    result["pickcube_sac"] = pickcube_sac(args.seeds, work)
+                    result["pickcube_sac"] = sac(args.seeds, work, PICKCUBE_SAC, PICKCUBE_BAR)
                 elif part == "pickcube_rlpd":
                     result["pickcube_rlpd"] = pickcube_rlpd(args.seeds, work)
                 print(part, round(time.perf_counter() - t0, 1), "s:", result, flush=True)

@@ -119,6 +119,22 @@ def test_the_summed_sac_loss_moves_each_network_by_its_own_loss_only():
         assert torch.allclose(got[name], expected[name], atol=1e-5), name
 
 
+def test_bootstrap_at_termination_values_a_terminated_step_like_a_truncated_one():
+    """ManiSkill ends an episode at success: with the option, a terminated row's target bootstraps
+    (the critic loss equals that of the same batch with no termination); without it, it does not."""
+    policy = _policy()
+    batch = _batch(6, torch.Generator().manual_seed(1))
+    batch["terminated"] = torch.tensor([True, False, True, False, False, True])
+    never_ended = batch.clone()
+    never_ended["terminated"] = torch.zeros(6, dtype=torch.bool)
+    with torch.no_grad():
+        bootstrapped = SACLoss(SAC(gamma=0.9, bootstrap_at_termination=True), -2.0)(policy, batch)[2]
+        continued = SACLoss(SAC(gamma=0.9), -2.0)(policy, never_ended)[2]
+        stopped = SACLoss(SAC(gamma=0.9), -2.0)(policy, batch)[2]
+    assert bootstrapped["critic_loss"].item() == pytest.approx(continued["critic_loss"].item(), rel=1e-6)
+    assert abs(bootstrapped["critic_loss"].item() - stopped["critic_loss"].item()) > 1e-3
+
+
 def test_crossq_losses_equal_a_hand_computed_case():
     """CrossQ's critic sees (s, a) and (s', a') as one batch: with s = 1, 3 and s' = 5, 7 the
     input normalization uses their joint mean 4 and variance 5 (separate batches would map both

@@ -2,8 +2,9 @@
 (Bhatt et al., 2024) on top of it.
 
 One update on a batch of transitions ``(s, a, r, s', d)`` (``d``: the step *terminated* the
-episode; a truncation bootstraps), with ``E`` critics ``Q_1..Q_E``, their Polyak-averaged targets
-``Q'_i``, a tanh-squashed Gaussian actor ``pi`` and the temperature ``alpha = exp(log_alpha)``:
+episode, 0 with ``bootstrap_at_termination``; a truncation bootstraps), with ``E`` critics
+``Q_1..Q_E``, their Polyak-averaged targets ``Q'_i``, a tanh-squashed Gaussian actor ``pi`` and
+the temperature ``alpha = exp(log_alpha)``:
 
     a' ~ pi(.|s'),    y = r + gamma (1 - d) (min_{i in K} Q'_i(s', a') - alpha log pi(a'|s'))
     L_Q     = sum_i mean_batch (Q_i(s, a) - y)^2
@@ -89,6 +90,12 @@ class SAC(Algorithm):
         demo_path: demonstrations (``rlinf demos``) loaded into a second buffer (``None``: none).
         demo_ratio: the share of every batch drawn from the demonstrations.
         policy_delay: updates per actor (and temperature) update; the critics learn at every one.
+        bootstrap_at_termination: bootstrap at a termination too, as at a truncation (ManiSkill's
+            SAC baseline's ``bootstrap_at_done="always"``). For a task that ends an episode at
+            success and pays a dense reward bounded by the success reward (ManiSkill's
+            ``normalized_dense``: at most 1 a step), stopping the bootstrap there values success
+            at one step's reward while hovering next to it earns up to ``1 / (1 - gamma)``: the
+            policy learns to approach the goal and never reach it.
     """
 
     gamma: float = 0.99
@@ -104,6 +111,7 @@ class SAC(Algorithm):
     demo_path: str | None = None
     demo_ratio: float = 0.0
     policy_delay: int = 1
+    bootstrap_at_termination: bool = False
 
     #: whether the critics' targets are Polyak-averaged copies (``policy.update_targets``)
     target_critics: ClassVar[bool] = True

@@ -37,6 +37,7 @@ class SACLoss:
 
     def __init__(self, algorithm: SAC, target_entropy: float) -> None:
         self.gamma, self.aggregate = algorithm.gamma, algorithm.actor_aggregate
+        self.bootstrap_at_termination = algorithm.bootstrap_at_termination
         self.target_entropy = target_entropy
 
     def critic_values(self, policy: RLModule, x: torch.Tensor, next_x: torch.Tensor, mb: TensorDict):
@@ -54,7 +55,8 @@ class SACLoss:
         q, next_q, next_logprob = self.critic_values(policy, x, next_x, mb)
         with torch.no_grad():
             next_q = next_q.gather(0, mb["critic_subset"][0][:, None].expand(-1, len(x))).min(0).values
-            target = critic_target(mb["reward"], mb["terminated"], next_q, next_logprob, alpha, self.gamma)
+            ended = torch.zeros_like(mb["terminated"]) if self.bootstrap_at_termination else mb["terminated"]
+            target = critic_target(mb["reward"], ended, next_q, next_logprob, alpha, self.gamma)
         total = q_loss = critic_loss(q, target)
         metrics = {"critic_loss": q_loss.detach(), "alpha": alpha, "q": q.detach().mean()}
         if bool(mb["update_actor"][0]):

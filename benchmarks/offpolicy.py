@@ -4,6 +4,7 @@ throughput of the collocated and actor-learner plans.
 
     python benchmarks/offpolicy.py [--parts sac crossq ppo plans] [--seeds 0 1] [--quick]
     python benchmarks/offpolicy.py --parts pickcube_sac [pickcube_rlpd] [--seeds 0]
+    python benchmarks/offpolicy.py --parts pickcube_rlpd --sac-result sac.log   # judged against it
     OMP_NUM_THREADS=1 python benchmarks/offpolicy.py --bound pickcube [--seconds 30] [--utd 1]
 
 - ``sac``: ``rlinf fit`` on ``configs/embodied_sac_fetchreach.yaml`` per seed (the seeds side by
@@ -25,8 +26,9 @@ throughput of the collocated and actor-learner plans.
   reaches 0.8. The bar: >= 0.8 within 300,000 env steps on every seed. About an hour a seed.
 - ``pickcube_rlpd`` (by name): ``rlinf demos`` writes 50 scripted-expert episodes, then ``rlinf
   fit`` on ``configs/embodied_rlpd_maniskill_pickcube.yaml`` (150,000 env steps) per seed. The bar:
-  the success SAC ends with (run ``pickcube_sac`` in the same call), reached within 150,000 env
-  steps. Hours on this CPU (``--bound pickcube`` says how many).
+  the success SAC ends with (run ``pickcube_sac`` in the same call, or give an earlier call's
+  output as ``--sac-result FILE``), reached within 150,000 env steps; beside it RLPD's env steps
+  to 0.8 and to that success over SAC's. About 35 minutes for two seeds side by side.
 - ``--bound pickcube`` (alone): ManiSkill PickCube-v1 (state, ``pd_ee_delta_pos``, CPU
   simulation) on one thread: seconds per simulated step (random actions), per env of a policy
   call of 16 envs, per SAC update and per RLPD update (batch 256, 256x256 MLPs; RLPD ten
@@ -247,6 +249,36 @@ def bound_pickcube(seconds: float = 30.0, utd: float = 1.0, num_envs: int = 16) 
     return out
 
 
+def _first(run: dict, bar: float) -> int | None:
+    return next((steps for steps, success in run["curve"] if success >= bar), None)
+
+
+def judge_rlpd(sac: dict, rlpd: dict) -> dict:
+    """RLPD against SAC on PickCube, per seed, three readings of "the success SAC ends with (the
+    lower seed's), reached in at most half of SAC's env steps": within half of SAC's 300,000-step
+    budget (``passed``, the bar), and RLPD's env steps to 0.8 and to that success over SAC's."""
+    target = min(r["final_success"] for r in sac.values())
+    out: dict = {"sac_final_success": target}
+    out["passed"] = all((f := _first(r, target)) is not None and f <= 150_000 for r in rlpd.values())
+    for bar, key in ((0.8, "steps_to_0.8_over_sac"), (target, "steps_to_sac_final_over_sac")):
+        ratios = {}
+        for seed, run in rlpd.items():
+            ours, theirs = _first(run, bar), _first(sac.get(seed, {"curve": []}), bar)
+            ratios[seed] = round(ours / theirs, 3) if ours and theirs else None
+        out[key] = ratios
+    return out
+
+
+def _earlier_sac(path: Path) -> dict:
+    """The ``pickcube_sac`` curves of the JSON last line in ``path``; one line naming the file
+    and the fix where it has none (checked before any run starts)."""
+    try:
+        return json.loads(path.read_text().strip().splitlines()[-1])["pickcube_sac"]
+    except (OSError, IndexError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--sac-result {path}: no pickcube_sac in its last line ({e!r}); "
+                         "give the output of a call with --parts pickcube_sac") from None  # fmt: skip
+
+
 PARTS = ["sac", "crossq", "ppo", "plans"]
 #: the ManiSkill runs (plugin rlinf-maniskill), about an hour each on one core: asked for by name
 PICKCUBE_PARTS = ["pickcube_sac", "pickcube_rlpd"]
@@ -262,7 +294,11 @@ def main() -> None:
     ap.add_argument("--bound", choices=["pickcube"], help="only the per-step costs and the bound they give")
     ap.add_argument("--seconds", type=float, default=30.0, help="--bound: seconds each cost is measured")
     ap.add_argument("--utd", type=float, default=1.0, help="--bound: updates per env step")
+    ap.add_argument("--sac-result", type=Path, metavar="FILE",
+                    help="pickcube_rlpd without pickcube_sac: a file whose last line is an earlier "
+                    "call's, its pickcube_sac curves the ones RLPD is judged against")  # fmt: skip
     args = ap.parse_args()
+    earlier_sac = _earlier_sac(args.sac_result) if args.sac_result else None
     result: dict = {"load_at_start": os.getloadavg()[0]}
     if args.bound:
         os.environ["OMP_NUM_THREADS"] = "1"  # before torch and the simulator load: one thread each
@@ -298,12 +334,10 @@ def main() -> None:
         result["pickcube_sac_passed"] = all(
             r["steps_to_0.8"] is not None and r["steps_to_0.8"] <= 300_000 for r in runs
         )
-        if "pickcube_rlpd" in result:  # RLPD reaches SAC's final success in half its env steps
-            target = min(r["final_success"] for r in runs)
-            result["pickcube_rlpd_passed"] = all(
-                any(steps <= 150_000 and success >= target for steps, success in r["curve"])
-                for r in result["pickcube_rlpd"].values()
-            )
+    sac_runs = result.get("pickcube_sac", earlier_sac)
+    if "pickcube_rlpd" in result and sac_runs is not None:
+        result["pickcube_rlpd_vs_sac"] = judge_rlpd(sac_runs, result["pickcube_rlpd"])
+        result["pickcube_rlpd_passed"] = result["pickcube_rlpd_vs_sac"]["passed"]
     result["quick"] = args.quick
     result["load_at_end"] = os.getloadavg()[0]
     print(json.dumps(result))

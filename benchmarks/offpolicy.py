@@ -85,10 +85,15 @@ def _wait(proc: subprocess.Popen, what: str) -> None:
         raise RuntimeError(f"{what} failed:\n{err[-4000:]}")
 
 
+def _first(curve: list, bar: float) -> int | None:
+    """The env steps of the first evaluation of ``curve`` (``(steps, success)`` pairs) at ``bar``."""
+    return next((steps for steps, success in curve if success >= bar), None)
+
+
 def _curve(root: Path, per_iteration: int, bar: float = BAR) -> dict:
     summary = json.loads((root / "summary.json").read_text())
     curve = [(h["iteration"] * per_iteration, round(h["success"], 3)) for h in summary["eval_history"]]
-    reached = next((steps for steps, success in curve if success >= bar), None)
+    reached = _first(curve, bar)
     return {"curve": curve, f"steps_to_{bar:g}": reached, "final_success": curve[-1][1],
             "wall_s": round(summary["wall_s"], 1)}  # fmt: skip
 
@@ -249,21 +254,17 @@ def bound_pickcube(seconds: float = 30.0, utd: float = 1.0, num_envs: int = 16) 
     return out
 
 
-def _first(run: dict, bar: float) -> int | None:
-    return next((steps for steps, success in run["curve"] if success >= bar), None)
-
-
 def judge_rlpd(sac: dict, rlpd: dict) -> dict:
     """RLPD against SAC on PickCube, per seed, three readings of "the success SAC ends with (the
     lower seed's), reached in at most half of SAC's env steps": within half of SAC's 300,000-step
     budget (``passed``, the bar), and RLPD's env steps to 0.8 and to that success over SAC's."""
     target = min(r["final_success"] for r in sac.values())
     out: dict = {"sac_final_success": target}
-    out["passed"] = all((f := _first(r, target)) is not None and f <= 150_000 for r in rlpd.values())
+    out["passed"] = all((f := _first(r["curve"], target)) is not None and f <= 150_000 for r in rlpd.values())
     for bar, key in ((0.8, "steps_to_0.8_over_sac"), (target, "steps_to_sac_final_over_sac")):
         ratios = {}
         for seed, run in rlpd.items():
-            ours, theirs = _first(run, bar), _first(sac.get(seed, {"curve": []}), bar)
+            ours, theirs = _first(run["curve"], bar), _first(sac.get(seed, {"curve": []})["curve"], bar)
             ratios[seed] = round(ours / theirs, 3) if ours and theirs else None
         out[key] = ratios
     return out

@@ -259,6 +259,14 @@ def test_the_buffer_round_trips_its_state(written):
     assert torch.equal(buffer.storage["reward"], copy.storage["reward"])
 
 
+def test_a_saved_buffer_holds_the_rows_written_not_its_capacity():
+    buffer = ReplayBuffer(capacity=100_000)
+    buffer.add(_rows(10))
+    saved = _saved(buffer.state_dict()).getbuffer().nbytes
+    # 10 rows of two float32 entries are 80 bytes; the preallocated storage is 800 kB
+    assert saved < 20_000, f"{saved} bytes saved for 10 rows"
+
+
 def _saved(state):
     import io
 

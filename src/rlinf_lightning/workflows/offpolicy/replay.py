@@ -65,8 +65,10 @@ class ReplayBuffer:
         return self.storage[torch.randint(self.size, (batch_size,), generator=generator)]
 
     def state_dict(self) -> dict[str, Any]:
-        """The rows written (plain tensors, by flattened key) and the write position."""
-        rows = {} if self.storage is None else self.storage[: self.size].flatten_keys(".").to_dict()
+        """The rows written (plain tensors, by flattened key) and the write position. The rows are
+        copied out: a slice is a view, and ``torch.save`` writes a view's whole storage, so a
+        checkpoint would hold every preallocated row (the capacity) however few were written."""
+        rows = {} if self.storage is None else self.storage[: self.size].flatten_keys(".").clone().to_dict()
         return {"capacity": self.capacity, "position": self.position, "size": self.size, "rows": rows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

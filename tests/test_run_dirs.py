@@ -77,3 +77,22 @@ def test_resuming_under_another_algorithm_is_refused_naming_it(tmp_path):
     assert summary["resumed_from_iteration"] == 2
     summary = _fit(root, GRPO(), iterations=4, ckpt_path="last", allow_config_change=True)
     assert summary["resumed_from_iteration"] == 3 and summary["algorithm"] == "GRPO"
+
+
+def test_ckpt_keep_leaves_the_newest_checkpoints_and_a_run_resumes_from_them(tmp_path):
+    root, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    _fit(root, PPO(update_epochs=1), iterations=5, ckpt_every=1, ckpt_keep=3)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["iter-000003", "iter-000004", "iter-000005", "last"]
+    # resumed from an earlier one: what it passes is pruned, what lies beyond it (another history's) stays
+    _fit(
+        root,
+        PPO(update_epochs=1),
+        iterations=4,
+        ckpt_every=1,
+        ckpt_keep=1,
+        ckpt_path=str(ckpts / "iter-000003"),
+    )
+    assert sorted(p.name for p in ckpts.iterdir()) == ["iter-000004", "iter-000005", "last"]
+    assert (ckpts / "last").read_text() == "iter-000004"
+    with pytest.raises(ConfigError, match=r"trainer.ckpt_keep: must be >= 0, got -1"):
+        _fit(root, PPO(update_epochs=1), ckpt_keep=-1)

@@ -94,10 +94,11 @@ def save_checkpoint(
     state: dict[str, Any],
     write_extra: Callable[[Path], None] | None = None,
     stage_states: dict[str, dict[str, Any]] | None = None,
+    keep: int = 0,
 ) -> Path:
     """Write ``iter-NNNNNN`` atomically; ``write_extra(tmp_dir)`` adds files (e.g. sharded state)
     before the rename, so they are part of the same atomic step; ``stage_states``: each stage's
-    ``extra_state`` by name."""
+    ``extra_state`` by name; ``keep``: then delete all but the newest ``keep`` (0: keep all)."""
     from safetensors.torch import save_file
 
     root = Path(root)
@@ -144,7 +145,19 @@ def save_checkpoint(
     os.replace(pointer, root / LAST)
     _fsync_dir(root)
     shutil.rmtree(old, ignore_errors=True)
+    if keep:
+        prune_checkpoints(root, iteration, keep)
     return final
+
+
+def prune_checkpoints(root: Path, iteration: int, keep: int) -> None:
+    """Delete the checkpoints of iterations before ``iteration`` but the newest ``keep`` up to it
+    (``iteration``'s own included). ``last`` already names ``iteration``'s, so a crash while
+    deleting leaves it whole; checkpoints after ``iteration`` (left by a run this one resumed
+    earlier than) are not this run's to delete."""
+    done = sorted(p for p in root.glob("iter-*") if p.is_dir() and int(p.name[5:]) <= iteration)
+    for path in done[:-keep]:
+        shutil.rmtree(path)
 
 
 def resolve_checkpoint(ckpt_path: str, root: str | Path) -> Path:

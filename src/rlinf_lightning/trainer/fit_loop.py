@@ -333,6 +333,7 @@ class FitLoop:
             {"eval_history": self.history, "seed": t.seed, "config": self.config},
             write_extra=write_extra,
             stage_states=self._extra_states(),
+            keep=t.ckpt_keep,
         )
         t.callback_connector.call("on_save_checkpoint", str(path))
 

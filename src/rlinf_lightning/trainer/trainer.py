@@ -71,6 +71,8 @@ class RLTrainer:
             for collocated, a quarter for pipelined).
         eval_every: evaluate on the held-out split every this many iterations (0: only before and after).
         ckpt_every: checkpoint every this many iterations (0: only at the end).
+        ckpt_keep: keep the newest this many checkpoints, deleting older ones as each is written
+            (0: keep every one; a replay buffer's checkpoint holds every transition written).
         max_staleness: asynchronous RL with bounded staleness: the rollout of iteration ``i`` may
             use weights ``k`` versions older than the synchronous flow's (version ``i - 1 - k``
             instead of ``i - 1``, version ``v`` being the weights after ``v`` updates), so it
@@ -125,6 +127,7 @@ class RLTrainer:
         micro_batch_size: int | None = None,
         eval_every: int = 0,
         ckpt_every: int = 0,
+        ckpt_keep: int = 0,
         max_staleness: int = 0,
         default_root_dir: str = "runs/default",
         logger: LoggerSpec = True,
@@ -145,7 +148,7 @@ class RLTrainer:
         self.precision, self.accelerator, self.compile = precision, accelerator, compile
         self.devices, self.num_nodes = devices, num_nodes
         self.max_iterations, self.micro_batch_size = max_iterations, micro_batch_size
-        self.eval_every, self.ckpt_every = eval_every, ckpt_every
+        self.eval_every, self.ckpt_every, self.ckpt_keep = eval_every, ckpt_every, ckpt_keep
         self.max_staleness = max_staleness
         self.default_root_dir = Path(default_root_dir)
         self.callbacks: list[Any] = list(callbacks or [])
@@ -237,7 +240,9 @@ class RLTrainer:
         for key in positive:
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 p.append((f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}"))
-        nonnegative = ("eval_every", "ckpt_every", "num_threads", "max_staleness", "max_worker_restarts")
+        nonnegative = (
+            "eval_every", "ckpt_every", "ckpt_keep", "num_threads", "max_staleness", "max_worker_restarts"
+        )  # fmt: skip
         for key in (*nonnegative, "seed"):  # seed: numpy's and gymnasium's take none below 0
             if getattr(self, key) < 0:
                 p.append((f"trainer.{key}", f"must be >= 0, got {getattr(self, key)}"))

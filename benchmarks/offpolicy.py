@@ -31,8 +31,9 @@ throughput of the collocated and actor-learner plans.
   to 0.8 and to that success over SAC's. About 35 minutes for two seeds side by side.
 - ``--bound pickcube`` (alone): ManiSkill PickCube-v1 (state, ``pd_ee_delta_pos``, CPU
   simulation) on one thread: seconds per simulated step (random actions), per env of a policy
-  call of 16 envs, per SAC update and per RLPD update (batch 256, 256x256 MLPs; RLPD ten
-  LayerNorm critics), each measured for ``--seconds``; then the env steps reachable in 30, 60 and
+  call of 16 envs, per SAC update and per RLPD update (batch 256, 256x256 MLPs; RLPD with the
+  paper's ten LayerNorm critics, ``rlpd``, and with the shipped config's two, ``rlpd_2``), each
+  measured for ``--seconds``; then the env steps reachable in 30, 60 and
   120 minutes on two cores at ``--utd`` updates per env step under each plan (collocated: steps
   and updates alternate; actor-learner: they overlap on a core each) and the minutes 300,000 env
   steps need. Run it on a quiet machine: on a loaded one its figures are the load's.
@@ -177,9 +178,13 @@ def _seconds_per_call(fn, seconds: float) -> float:
     return elapsed / calls
 
 
+#: the updates ``--bound`` times: (critics, LayerNorm, RLPD); RLPD draws a pair for the target
+UPDATES = {"sac": (2, False, False), "rlpd": (10, True, True), "rlpd_2": (2, True, True)}
+
+
 def _update_cost(algorithm: str, obs, action_dim: int, seconds: float) -> float:
-    """Seconds per update of ``algorithm``'s PickCube config (batch 256, 256x256 MLPs; RLPD: ten
-    LayerNorm critics, a pair for the target) on a batch of PickCube observations."""
+    """Seconds per update of ``algorithm`` (a key of :data:`UPDATES`; batch 256, 256x256 MLPs)
+    on a batch of PickCube observations."""
     import torch
     from tensordict import TensorDict
 
@@ -187,8 +192,8 @@ def _update_cost(algorithm: str, obs, action_dim: int, seconds: float) -> float:
     from rlinf_lightning.policies import SACPolicy
     from rlinf_lightning.workflows.offpolicy.learner import SACLoss
 
-    rlpd = algorithm == "rlpd"
-    policy = SACPolicy(hidden_sizes=(256, 256), num_critics=10 if rlpd else 2, layer_norm=rlpd)
+    num_critics, layer_norm, rlpd = UPDATES[algorithm]
+    policy = SACPolicy(hidden_sizes=(256, 256), num_critics=num_critics, layer_norm=layer_norm)
     policy.configure_spaces(obs, (1, action_dim))
     policy.configure_model()
     config = RLPD(demo_ratio=0.0) if rlpd else SAC()
@@ -220,8 +225,8 @@ def _update_cost(algorithm: str, obs, action_dim: int, seconds: float) -> float:
 
 def bound_pickcube(seconds: float = 30.0, utd: float = 1.0, num_envs: int = 16) -> dict:
     """PickCube-v1's per-step costs on one thread (state, ``pd_ee_delta_pos``, CPU simulation,
-    random actions; a policy call of the configs' ``num_envs`` envs, per env; one SAC and one
-    RLPD update), each measured for about ``seconds``, and the env steps they allow on two cores
+    random actions; a policy call of the configs' ``num_envs`` envs, per env; each update of
+    :data:`UPDATES`), each measured for about ``seconds``, and the env steps they allow on two cores
     at ``utd`` updates per env step: collocated, one worker alternates steps and updates
     (``env + utd x update`` per step, the other core free); actor-learner, the env worker and the
     learner overlap on a core each (``max(env, utd x update)`` per step)."""
@@ -244,7 +249,7 @@ def bound_pickcube(seconds: float = 30.0, utd: float = 1.0, num_envs: int = 16) 
         act_s = _seconds_per_call(lambda: policy.act(many), seconds) / num_envs
     env_s = sim_s + act_s
     out: dict = {"sim_step_s": round(sim_s, 6), "policy_call_per_env_s": round(act_s, 6), "utd": utd}
-    for algorithm in ("sac", "rlpd"):
+    for algorithm in UPDATES:
         update_s = _update_cost(algorithm, obs, policy.action_dim, seconds)
         per_step = {"collocated": env_s + utd * update_s, "actor_learner": max(env_s, utd * update_s)}
         out[algorithm] = {"update_s": round(update_s, 6)}
@@ -348,7 +353,7 @@ def _print_bound(bound: dict) -> None:
     print(f"PickCube-v1 on one thread: {bound['sim_step_s'] * 1e3:.2f} ms per simulated step, "
           f"{bound['policy_call_per_env_s'] * 1e3:.2f} ms per env of a policy call; "
           f"two cores, {bound['utd']:g} update(s) per env step:")  # fmt: skip
-    for algorithm in ("sac", "rlpd"):
+    for algorithm in UPDATES:
         b = bound[algorithm]
         print(f"  {algorithm}: {b['update_s'] * 1e3:.1f} ms per update")
         for plan in ("collocated", "actor_learner"):

@@ -83,7 +83,9 @@ def test_ckpt_keep_leaves_the_newest_checkpoints_and_a_run_resumes_from_them(tmp
     root, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     _fit(root, PPO(update_epochs=1), iterations=5, ckpt_every=1, ckpt_keep=3)
     assert sorted(p.name for p in ckpts.iterdir()) == ["iter-000003", "iter-000004", "iter-000005", "last"]
-    # resumed from an earlier one: what it passes is pruned, what lies beyond it (another history's) stays
+    # resumed from an earlier one: what it passes is pruned, what lies beyond it (another history's)
+    # and what is not a checkpoint's name stay
+    (ckpts / "iter-notes").mkdir()
     _fit(
         root,
         PPO(update_epochs=1),
@@ -92,7 +94,7 @@ def test_ckpt_keep_leaves_the_newest_checkpoints_and_a_run_resumes_from_them(tmp
         ckpt_keep=1,
         ckpt_path=str(ckpts / "iter-000003"),
     )
-    assert sorted(p.name for p in ckpts.iterdir()) == ["iter-000004", "iter-000005", "last"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["iter-000004", "iter-000005", "iter-notes", "last"]
     assert (ckpts / "last").read_text() == "iter-000004"
     with pytest.raises(ConfigError, match=r"trainer.ckpt_keep: must be >= 0, got -1"):
         _fit(root, PPO(update_epochs=1), ckpt_keep=-1)

@@ -21,6 +21,7 @@ load with ``weights_only=True``, and sharded state loads through :class:`SafeSha
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import random
@@ -35,6 +36,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from rlinf_lightning.errors import CheckpointError, RunError
+
+log = logging.getLogger(__name__)
 
 LAST = "last"
 LORA_FILE = "lora.json"  # a LoRA checkpoint's adapter config and base identity
@@ -154,10 +157,15 @@ def prune_checkpoints(root: Path, iteration: int, keep: int) -> None:
     """Delete the checkpoints of iterations before ``iteration`` but the newest ``keep`` up to it
     (``iteration``'s own included). ``last`` already names ``iteration``'s, so a crash while
     deleting leaves it whole; checkpoints after ``iteration`` (left by a run this one resumed
-    earlier than) are not this run's to delete."""
-    done = sorted(p for p in root.glob("iter-*") if p.is_dir() and int(p.name[5:]) <= iteration)
+    earlier than) are not this run's to delete. One that cannot be deleted is a warning naming it:
+    the new checkpoint is written, and the run goes on."""
+    ours = (p for p in root.glob("iter-*") if p.name[5:].isdigit() and p.is_dir())
+    done = sorted(p for p in ours if int(p.name[5:]) <= iteration)
     for path in done[:-keep]:
-        shutil.rmtree(path)
+        try:
+            shutil.rmtree(path)
+        except OSError as e:
+            log.warning("trainer.ckpt_keep: could not delete %s (%s); delete it by hand", path, e)
 
 
 def resolve_checkpoint(ckpt_path: str, root: str | Path) -> Path:

@@ -40,6 +40,7 @@ from rlinf_lightning.errors import CheckpointError, RunError
 log = logging.getLogger(__name__)
 
 LAST = "last"
+ITER = "iter-"  # a checkpoint directory is ITER + the iteration, six digits
 LORA_FILE = "lora.json"  # a LoRA checkpoint's adapter config and base identity
 
 
@@ -106,7 +107,7 @@ def save_checkpoint(
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"iter-{iteration:06d}"
+    final = root / f"{ITER}{iteration:06d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -159,8 +160,8 @@ def prune_checkpoints(root: Path, iteration: int, keep: int) -> None:
     deleting leaves it whole; checkpoints after ``iteration`` (left by a run this one resumed
     earlier than) are not this run's to delete. One that cannot be deleted is a warning naming it:
     the new checkpoint is written, and the run goes on."""
-    ours = (p for p in root.glob("iter-*") if p.name[5:].isdigit() and p.is_dir())
-    done = sorted(p for p in ours if int(p.name[5:]) <= iteration)
+    numbers = {p: p.name.removeprefix(ITER) for p in root.glob(f"{ITER}*") if p.is_dir()}
+    done = sorted(p for p, n in numbers.items() if n.isdigit() and int(n) <= iteration)
     for path in done[:-keep]:
         try:
             shutil.rmtree(path)

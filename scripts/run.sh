@@ -4,6 +4,7 @@
 #   bash scripts/run.sh --trainer.max_iterations=100
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unset PYTHONDONTWRITEBYTECODE  # bytecode is written once, as imported (scripts/setup.sh says why)
 bash scripts/setup.sh
 source .venv/bin/activate
 rlinf sft --config configs/math_sft_tiny.yaml

@@ -5,6 +5,13 @@
 # Quick when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Python writes the bytecode of what it imports, once, as it does by default. Where
+# PYTHONDONTWRITEBYTECODE is set (as on this project's machines) it never would, and every process,
+# each test's `rlinf` run and worker among them, compiled torch's and transformers' sources again
+# (a fresh clone's test suite ran 978 s instead of 567). Writing only what is imported costs
+# seconds; compiling all of site-packages ahead took 54 s of every fresh set-up. README command 1
+# and 2 (scripts/run.sh, scripts/test.sh) unset it too.
+unset PYTHONDONTWRITEBYTECODE
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
@@ -27,14 +34,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
       exit 1
     fi
   done
-  # bytecode for everything installed, written now: where PYTHONDONTWRITEBYTECODE is set (as on
-  # this project's machines) Python never writes it, and every process, each test's `rlinf` run
-  # and worker among them, compiled torch's and transformers' sources again (a fresh clone's
-  # test suite ran 978 s instead of 567). Some packages ship Python 2 files that do not compile:
-  # compileall reports them and fails; the rest is written.
-  python -m compileall -q -j0 "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
   echo "$want" > "$stamp"
 fi
-python -m compileall -q -j0 src plugins/*/src >/dev/null  # this checkout's own, for the same reason
 python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 rlinf prepare --model smollm2-135m-instruct  # tiny assets + SmolLM2-135M-Instruct (cached)

@@ -11,7 +11,9 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
-torch.set_num_threads(2)
+# two cores: both for a test run in one process, one each for scripts/test.sh's two pytest-xdist
+# workers (more threads than cores and each product waits on the other worker's turn)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @pytest.fixture(scope="session")

@@ -140,8 +140,26 @@ def _convert(gguf: Path, dest: Path, record: dict) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
+    _check_conversion(model, tokenizer, staging, gguf.name)
     (staging / "source").mkdir()
     shutil.copyfile(gguf, staging / "source" / gguf.name)
     (staging / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     shutil.rmtree(dest, ignore_errors=True)
     staging.rename(dest)
+
+
+def _check_conversion(model, tokenizer, staging: Path, source: str) -> None:
+    """The written directory loads to the very tensors and token ids the GGUF file loads to, checked
+    before it replaces anything: a transformers release that saves or reloads a converted model
+    differently fails here, at set-up, instead of training a different model in silence."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reloaded = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32).state_dict()
+    for key, want in model.state_dict().items():
+        if key not in reloaded or not torch.equal(reloaded[key], want):
+            raise RuntimeError(f"prepare: {staging} does not reload {source}'s {key}; not installed")
+    chat = [{"role": "user", "content": "What is 37 + 48?"}, {"role": "assistant", "content": "85"}]
+    written = AutoTokenizer.from_pretrained(staging)
+    if tokenizer.apply_chat_template(chat) != written.apply_chat_template(chat):
+        raise RuntimeError(f"prepare: {staging}'s tokenizer encodes a chat unlike {source}'s; not installed")

@@ -9,9 +9,6 @@ from rlinf_lightning.errors import InputError
 from rlinf_lightning.pretrained import RECORD, prepare_pretrained, source_gguf
 
 
-# `-m slow` (20 s, most of it transformers reading the GGUF file again): every conversion already
-# checks that its directory reloads the GGUF model's tensors and token ids (pretrained._check_conversion)
-@pytest.mark.slow
 def test_the_converted_directory_generates_what_the_gguf_model_generates(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -23,11 +23,8 @@ python scripts/advisories.py
 # the documentation site: any warning (a broken link, a missing page) fails; the configuration
 # reference is generated from the code while it builds (docs/hooks/config_reference.py)
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir site
-# The suites run one after another: side by side they oversubscribe the cores (docs/index.md).
-# The core suite runs on two pytest workers (pytest-xdist), a test file on one, each at one torch
-# thread (tests/conftest.py): much of a test's time is a subprocess starting, a worker spawning or
-# a timeout running out, which the other worker fills (core suite 502 s instead of 683 s here).
-# A later `-n 0` runs it in one process.
+# The suites run one after another, side by side they oversubscribe the cores; the core suite runs
+# on two pytest-xdist workers, a test file on each (docs/index.md says why). `-n 0`: one process.
 run_suite() {  # run_suite DIR: pytest on one suite; 5 (no tests collected, e.g. -m slow) is a pass
   local rc=0 workers=()
   echo "== $1"

@@ -117,6 +117,24 @@ def test_a_killed_worker_process_ends_the_run_naming_it(launcher):
     assert ended < scaled(1.0), f"the run ended {ended:.2f} s after the kill"
 
 
+def test_a_worker_killed_while_it_replies_leaves_the_others_answering():
+    """A worker SIGKILLed while its reply queue's feeder thread writes holds that queue's write lock
+    (a process-shared semaphore) forever. The other workers must still answer: a restart asks the
+    learners where they stopped (``trainer.restarts``), and with one reply queue for all the
+    workers their answers waited on the dead one's lock until the driver's deadline. The driver
+    takes the lock here and keeps it, as the killed worker would have."""
+    rt = _toy_runtime("processes", Source(), Sink())
+    try:
+        rt.replies["gen/0"]._wlock.acquire()
+        os.kill(rt.info["gen/0"]["pid"], signal.SIGKILL)
+        t0 = time.monotonic()
+        assert rt.call("sink", "ping") == "pong"
+        answered = time.monotonic() - t0
+    finally:
+        rt.shutdown()
+    assert answered < scaled(ABORT_GRACE_S), f"answered after {answered:.1f} s"
+
+
 def _training_fit(assets, tmp_path, *overrides: str):
     """A long `rlinf fit` (disaggregated unless overridden) on the processes launcher, returned
     once it trains, with the processes it spawned (its workers)."""

@@ -26,6 +26,7 @@ import os
 import queue
 import time
 import traceback
+from multiprocessing.connection import wait
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -133,7 +134,11 @@ class ProcessRuntime(Runtime):
             n: SharedMemoryChannel(n, timeout_s, self.abort, self.mp, copy=sync)
             for n, sync in self.queue_names().items()
         }
-        self.replies = self.mp.Queue()
+        # a reply queue per worker: a worker killed while its queue's feeder thread held the
+        # queue's write lock (a process-shared semaphore, never released by a dead holder) would
+        # otherwise silence every other worker's replies, and a restart could not ask the
+        # learners where they stopped
+        self.replies = {w: self.mp.Queue() for w in self.workers}
         self._backlog: dict[tuple[str, int], tuple[str, str, Any]] = {}  # (worker, command) -> reply
         self._seq = 0  # the number of the last command sent
         self.commands = {w: self.mp.Queue() for w in self.workers}
@@ -170,7 +175,7 @@ class ProcessRuntime(Runtime):
             }
             p = self.mp.Process(
                 target=_worker_main,
-                args=(name, build, self.commands[name], self.replies, os.getpid()),
+                args=(name, build, self.commands[name], self.replies[name], os.getpid()),
                 name=f"rlinf-{name}",
             )
             p.start()
@@ -190,11 +195,16 @@ class ProcessRuntime(Runtime):
         for name in pending:
             if (name, seq) in self._backlog:
                 return self._backlog.pop((name, seq))
+        readers = {self.replies[n]._reader: n for n in pending}  # what a Queue's get waits on
         while True:
-            name, s, status, value = self.replies.get(timeout=LIVENESS_POLL_S)
-            if s == seq and name in pending:
-                return name, status, value
-            self._backlog[(name, s)] = (name, status, value)
+            ready = wait(list(readers), timeout=LIVENESS_POLL_S)
+            if not ready:
+                raise queue.Empty
+            for r in ready:
+                name, s, status, value = self.replies[readers[r]].get()
+                if s == seq:
+                    return name, status, value
+                self._backlog[(name, s)] = (name, status, value)
 
     def _collect(self, handle: tuple[int, list[str]], deadline_s: float | None = None) -> dict[str, Any]:
         """One reply from each worker; a failure (an error or a dead process) releases the others

@@ -33,9 +33,16 @@ def batch(assets) -> TensorDict:
     return td
 
 
-def _gradient(assets, chunks: list[TensorDict]) -> tuple[torch.Tensor, dict]:
+def _gradient(
+    assets, chunks: list[TensorDict], widths: list | None = None, **policy
+) -> tuple[torch.Tensor, dict]:
+    """The mean gradient and loss over ``chunks``; ``widths`` collects the width of each forward."""
     engine = SingleTrainEngine()
-    engine.setup(LMPolicy(str(assets["sft"]), lr=1e-3), StageContext(), "32-true")
+    engine.setup(LMPolicy(str(assets["sft"]), lr=1e-3, **policy), StageContext(), "32-true")
+    if widths is not None:
+        engine.policy.model.register_forward_pre_hook(
+            lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[-1]), with_kwargs=True
+        )
     for chunk in chunks:
         engine.accumulate(chunk, PolicyLoss(GRPO(), 1.0))
     grad = torch.cat([p.grad.reshape(-1) / engine._count for p in engine.policy.parameters()])
@@ -89,3 +96,17 @@ def test_a_fit_with_a_token_budget_equals_one_by_samples(assets, tmp_path):
     for a, b in zip(by_samples, by_tokens, strict=True):
         assert b["actor/loss"] == pytest.approx(a["actor/loss"], abs=1e-5)
         assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
+
+
+def test_forwards_run_at_a_multiple_of_their_width_with_the_same_update(assets, batch):
+    """``policy.pad_to_multiple_of``: the model sees widths that are multiples of 8 (a few shapes,
+    each of which a CPU bf16 matmul keeps compiled kernels for), and the loss and gradient equal
+    those of forwards at each micro-batch's own width."""
+    chunks = micro_batches(batch, 4, None)
+    assert any(c["input_ids"].shape[-1] % 8 for c in chunks)  # some need masked columns added
+    exact_grad, exact = _gradient(assets, chunks, pad_to_multiple_of=None)
+    widths: list[int] = []
+    grad, got = _gradient(assets, chunks, widths, pad_to_multiple_of=8)
+    assert len(widths) == len(chunks) and all(w % 8 == 0 for w in widths), widths
+    assert got["loss"] == pytest.approx(exact["loss"], abs=1e-6)
+    torch.testing.assert_close(grad, exact_grad, rtol=1e-4, atol=1e-6)

@@ -29,6 +29,7 @@ from rlinf_lightning.engines.sampling import (
     stop_token_ids,
 )
 from rlinf_lightning.engines.static_decode import StaticDecoder
+from rlinf_lightning.flow.batch import PAD_TO_MULTIPLE_OF
 from rlinf_lightning.registry import Registry
 from rlinf_lightning.seeds import row_seed
 
@@ -153,12 +154,22 @@ class HFRolloutEngine(RolloutEngine):
 
     Args:
         cuda_graph: on CUDA, capture the decode step as a CUDA graph (``False``: always eager).
+        pad_to_multiple_of: the prompts are left-padded to a width that is a multiple of this
+            (``None``: to the longest prompt), so the prefill meets few shapes: on CPU a bf16
+            matmul keeps compiled kernels for each one (``LMPolicy``'s option of the same name).
     """
 
     def __init__(
-        self, model_path: str, *, device: str = "cpu", dtype: str = "float32", cuda_graph: bool = True
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        cuda_graph: bool = True,
+        pad_to_multiple_of: int | None = PAD_TO_MULTIPLE_OF,
     ) -> None:
         super().__init__(model_path, device=device, dtype=dtype)
+        self.pad_to_multiple_of = pad_to_multiple_of
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
@@ -190,6 +201,8 @@ class HFRolloutEngine(RolloutEngine):
         pad = pad if pad is not None else (stops[0] if stops else 0)
         rows = [(p, g, j) for p, g in zip(prompt_ids, groups) for j in range(n)]
         width = max(len(p) for p, _, _ in rows)
+        if self.pad_to_multiple_of:
+            width += -width % self.pad_to_multiple_of
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, (p, _, _) in enumerate(rows):

@@ -30,6 +30,30 @@ import torch
 LOSS_MASK = "response_mask"
 
 
+#: the widths (tokens per row) a model's forwards run at are multiples of this (the default of
+#: ``LMPolicy.pad_to_multiple_of`` and of the hf rollout engine's option of that name): on CPU a
+#: bf16 matmul keeps compiled kernels for every shape it meets, for the process's life, so a run
+#: whose micro-batches take every width up to its longest would grow in memory for as long as it
+#: meets new ones (docs/benchmarks.md has the figures); at most ``multiple - 1`` masked columns per
+#: forward keep that to a few shapes.
+PAD_TO_MULTIPLE_OF = 8
+
+
+def left_padded_to_multiple(
+    ids: torch.Tensor, mask: torch.Tensor, multiple: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids`` and ``mask`` ``[B, T]`` with masked columns added on the left up to a multiple of
+    ``multiple`` columns (the prompts' side, already left-padded: the response stays last, and
+    positions come from the mask, so every real token's output is unchanged)."""
+    extra = -ids.shape[-1] % multiple if multiple else 0
+    if not extra:
+        return ids, mask
+    return (
+        torch.nn.functional.pad(ids, (extra, 0), value=0),  # any id: a masked key, an unread query
+        torch.nn.functional.pad(mask, (extra, 0), value=0),
+    )
+
+
 def span_lengths(attention_mask: torch.Tensor, response_width: int) -> torch.Tensor:
     """Tokens of each row's response span (generated tokens and tool replies): ``[B]``."""
     return attention_mask[:, attention_mask.shape[-1] - response_width :].sum(-1)

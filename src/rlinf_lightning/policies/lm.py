@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.flow.batch import LOSS_MASK
+from rlinf_lightning.flow.batch import LOSS_MASK, PAD_TO_MULTIPLE_OF, left_padded_to_multiple
 from rlinf_lightning.kernels.chunked_head import (
     LOGIT_CHUNK_TOKENS,
     LogitMap,
@@ -91,6 +91,10 @@ class LMPolicy(RLModule):
             checks that the chunks compute the model's own logits (with the scale or soft cap its
             config gives them), and refuses a model whose logits they would not. An lm head with
             LoRA adapters takes the whole logits.
+        pad_to_multiple_of: each forward over a micro-batch runs at a width (tokens per row)
+            rounded up to a multiple of this, with masked columns on the prompts' side; ``None``:
+            at its own width, so that forwards meet few shapes (``flow.batch.PAD_TO_MULTIPLE_OF``
+            says why).
     """
 
     def __init__(
@@ -105,6 +109,7 @@ class LMPolicy(RLModule):
         lora: LoRA | None = None,
         gradient_checkpointing: bool | None = None,
         logit_chunk_tokens: int | None = LOGIT_CHUNK_TOKENS,
+        pad_to_multiple_of: int | None = PAD_TO_MULTIPLE_OF,
     ) -> None:
         super().__init__()
         self.model_path = str(model_path)
@@ -117,6 +122,7 @@ class LMPolicy(RLModule):
         self.lora = lora
         self.gradient_checkpointing = gradient_checkpointing
         self.logit_chunk_tokens = logit_chunk_tokens
+        self.pad_to_multiple_of = pad_to_multiple_of
         self.model: torch.nn.Module | None = None
         self.compiled_head = False  # set by compile_model
 
@@ -188,7 +194,10 @@ class LMPolicy(RLModule):
         collapse. ``with_entropy``: also return the per-token entropy with its gradient (for an
         entropy bonus). No key/value cache: nothing decodes after this forward, and without one
         a no-grad forward frees each layer's keys and values as it goes."""
-        ids, mask, response = batch["input_ids"], batch["attention_mask"], batch[LOSS_MASK]
+        response = batch[LOSS_MASK]
+        ids, mask = left_padded_to_multiple(
+            batch["input_ids"], batch["attention_mask"], self.pad_to_multiple_of
+        )
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         want = "grad" if with_entropy else "value" if torch.is_grad_enabled() else None
         head = self.model.get_output_embeddings()
@@ -270,6 +279,8 @@ class LMPolicy(RLModule):
         problems += lora_problems(self)
         if self.logit_chunk_tokens is not None and self.logit_chunk_tokens < 1:
             problems.append(("logit_chunk_tokens", f"must be >= 1 or null, got {self.logit_chunk_tokens}"))
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            problems.append(("pad_to_multiple_of", f"must be >= 1 or null, got {self.pad_to_multiple_of}"))
         return problems
 
 

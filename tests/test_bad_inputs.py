@@ -130,6 +130,16 @@ CASES: list[tuple[str, object, str]] = [
         ["--task.rollout_engine_options={gpu_memory_utilization: 0.5}"],
         "task.rollout_engine_options.gpu_memory_utilization: not an option of rollout engine 'hf'",
     ),
+    (
+        "a rollout engine option out of range",
+        ["--task.rollout_engine_options={pad_to_multiple_of: 0}"],
+        "task.rollout_engine_options.pad_to_multiple_of: must be an integer >= 1 or null, got 0",
+    ),
+    (
+        "a policy width multiple out of range",
+        ["--policy.pad_to_multiple_of=0"],
+        "policy.pad_to_multiple_of: must be >= 1",
+    ),
     ("a key that moved", ["--trainer.group_size=4"], "--trainer.group_size is now --task.group_size"),
     ("a key renamed", ["--trainer.train_strategy=ddp"], "is now --trainer.train_engine"),
     (

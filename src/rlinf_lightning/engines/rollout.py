@@ -115,6 +115,12 @@ class RolloutEngine(ABC):
     def offload(self) -> None:
         """Release device memory while other stages use the device."""
 
+    @classmethod
+    def option_problems(cls, options: dict[str, Any]) -> list[tuple[str, str]]:
+        """``(option, problem)`` for each value of ``options`` this engine would refuse, found
+        before any engine is built (the names are checked against the constructor already)."""
+        return []
+
 
 ROLLOUT_ENGINES: Registry[type[RolloutEngine]] = Registry("rollout engine")
 
@@ -127,11 +133,12 @@ def engine_option_problems(name: str, options: dict[str, Any]) -> list[tuple[str
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return []
     taken = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY and n not in ("device", "dtype")]
-    return [
+    unknown = [
         (key, f"not an option of rollout engine {name!r}; it takes: {', '.join(taken) or 'none'}")
         for key in options
         if key not in taken
     ]
+    return unknown or ROLLOUT_ENGINES.get(name).option_problems(options)
 
 
 def after_stop(tokens: torch.Tensor, logps: torch.Tensor, stop: torch.Tensor, pad: int):
@@ -169,7 +176,6 @@ class HFRolloutEngine(RolloutEngine):
         pad_to_multiple_of: int | None = PAD_TO_MULTIPLE_OF,
     ) -> None:
         super().__init__(model_path, device=device, dtype=dtype)
-        self.pad_to_multiple_of = pad_to_multiple_of
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
@@ -178,6 +184,14 @@ class HFRolloutEngine(RolloutEngine):
         self._offloader = Offloader(device)
         on_cuda = torch.device(device).type == "cuda"
         self.graphs = StaticDecoder(self.model) if cuda_graph and on_cuda else None
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    @classmethod
+    def option_problems(cls, options: dict[str, Any]) -> list[tuple[str, str]]:
+        multiple = options.get("pad_to_multiple_of")
+        if multiple is not None and not (isinstance(multiple, int) and multiple >= 1):
+            return [("pad_to_multiple_of", f"must be an integer >= 1 or null, got {multiple!r}")]
+        return []
 
     def onload(self) -> None:
         self._offloader.onload(self.model)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.flow.batch import LOSS_MASK
+from rlinf_lightning.flow.batch import LOSS_MASK, PAD_TO_MULTIPLE_OF, left_padded_to_multiple
 from rlinf_lightning.kernels.fused_decoder import adapt_for_training
 from rlinf_lightning.policies.lm import enable_gradient_checkpointing
 from rlinf_lightning.policies.module import DTYPES, RLModule, compile_blocks
@@ -55,6 +55,8 @@ class ValueModel(RLModule):
         gradient_checkpointing: recompute each decoder layer's activations in the backward instead
             of keeping them; ``None``: the critic stage decides from its token budget
             (``flow.budget``), off where no budget is computed.
+        pad_to_multiple_of: each forward runs at a width rounded up to a multiple of this, with
+            masked columns on the prompts' side (``None``: its own width); as the policy's.
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class ValueModel(RLModule):
         dtype: str = "float32",
         train_micro_batch_size: int | None = None,
         gradient_checkpointing: bool | None = None,
+        pad_to_multiple_of: int | None = PAD_TO_MULTIPLE_OF,
     ) -> None:
         super().__init__()
         self.model_path = None if model_path is None else str(model_path)
@@ -74,6 +77,7 @@ class ValueModel(RLModule):
         self.max_grad_norm, self.dtype = max_grad_norm, dtype
         self.train_micro_batch_size = train_micro_batch_size
         self.gradient_checkpointing = gradient_checkpointing
+        self.pad_to_multiple_of = pad_to_multiple_of
         self.model: ValueNetwork | None = None
 
     def for_policy(self, model_path: str) -> ValueModel:
@@ -88,6 +92,7 @@ class ValueModel(RLModule):
             "dtype",
             "train_micro_batch_size",
             "gradient_checkpointing",
+            "pad_to_multiple_of",
         )
         return type(self)(model_path, **{k: getattr(self, k) for k in options})
 
@@ -130,7 +135,10 @@ class ValueModel(RLModule):
     def forward_values(self, batch: TensorDict) -> torch.Tensor:
         """``[B, R]`` float32: the value of each response token's state, read from the hidden state
         of the position before it (where the policy's logits for that token come from)."""
-        ids, mask, response = batch["input_ids"], batch["attention_mask"], batch[LOSS_MASK]
+        response = batch[LOSS_MASK]
+        ids, mask = left_padded_to_multiple(
+            batch["input_ids"], batch["attention_mask"], self.pad_to_multiple_of
+        )
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         return self.model(ids, mask, pos, response.shape[-1]).squeeze(-1).float()
 
@@ -153,4 +161,6 @@ class ValueModel(RLModule):
             problems.append(("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}"))
         if self.train_micro_batch_size is not None and self.train_micro_batch_size < 1:
             problems.append(("train_micro_batch_size", f"must be >= 1, got {self.train_micro_batch_size}"))
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            problems.append(("pad_to_multiple_of", f"must be >= 1 or null, got {self.pad_to_multiple_of}"))
         return problems

@@ -23,8 +23,8 @@ python scripts/advisories.py
 # the documentation site: any warning (a broken link, a missing page) fails; the configuration
 # reference is generated from the code while it builds (docs/hooks/config_reference.py)
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir site
-# The suites run one after another, side by side they oversubscribe the cores; the core suite runs
-# on two pytest-xdist workers, a test file on each (docs/index.md says why). `-n 0`: one process.
+# The core suite first, alone, on two pytest-xdist workers (`-n 0`: one process); then the plugins'
+# suites, two at a time, each printed whole once all end (docs/index.md says why and what it saves).
 run_suite() {  # run_suite DIR: pytest on one suite; 5 (no tests collected, e.g. -m slow) is a pass
   local rc=0 workers=()
   echo "== $1"
@@ -34,10 +34,22 @@ run_suite() {  # run_suite DIR: pytest on one suite; 5 (no tests collected, e.g.
   return "$rc"
 }
 status=0
-for suite in tests plugins/*/tests; do
+failed() { if [ "$1" != 0 ] && [ "$status" = 0 ]; then status=$1; fi; }
+rc=0
+run_suite tests || rc=$?
+failed "$rc"
+out=$(mktemp -d)
+n=0
+for suite in plugins/*/tests; do
   [ -d "$suite" ] || continue
-  rc=0
-  run_suite "$suite" || rc=$?
-  if [ "$rc" != 0 ] && [ "$status" = 0 ]; then status=$rc; fi
+  while [ "$(jobs -rp | wc -l)" -ge 2 ]; do wait -n || true; done
+  (rc=0; run_suite "$suite" > "$out/$n.log" 2>&1 || rc=$?; echo "$rc" > "$out/$n.rc") &
+  n=$((n + 1))
 done
+wait
+for ((i = 0; i < n; i++)); do
+  cat "$out/$i.log"
+  failed "$(cat "$out/$i.rc")"
+done
+rm -rf "$out"
 exit "$status"

@@ -92,9 +92,9 @@ class LMPolicy(RLModule):
             config gives them), and refuses a model whose logits they would not. An lm head with
             LoRA adapters takes the whole logits.
         pad_to_multiple_of: each forward over a micro-batch runs at a width (tokens per row)
-            rounded up to a multiple of this, with masked columns on the prompts' side; ``None``:
-            at its own width, so that forwards meet few shapes (``flow.batch.PAD_TO_MULTIPLE_OF``
-            says why).
+            rounded up to a multiple of this, with masked columns on the prompts' side, so that
+            forwards meet few shapes (``flow.batch.PAD_TO_MULTIPLE_OF`` says why); ``None``: at
+            the micro-batch's own width.
     """
 
     def __init__(

@@ -138,7 +138,7 @@ CASES: list[tuple[str, object, str]] = [
     (
         "a policy width multiple out of range",
         ["--policy.pad_to_multiple_of=0"],
-        "policy.pad_to_multiple_of: must be >= 1",
+        "policy.pad_to_multiple_of: must be an integer >= 1 or null, got 0",
     ),
     ("a key that moved", ["--trainer.group_size=4"], "--trainer.group_size is now --task.group_size"),
     ("a key renamed", ["--trainer.train_strategy=ddp"], "is now --trainer.train_engine"),

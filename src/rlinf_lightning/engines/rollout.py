@@ -29,7 +29,7 @@ from rlinf_lightning.engines.sampling import (
     stop_token_ids,
 )
 from rlinf_lightning.engines.static_decode import StaticDecoder
-from rlinf_lightning.flow.batch import PAD_TO_MULTIPLE_OF
+from rlinf_lightning.flow.batch import PAD_TO_MULTIPLE_OF, multiple_problems, padded_width
 from rlinf_lightning.registry import Registry
 from rlinf_lightning.seeds import row_seed
 
@@ -188,10 +188,7 @@ class HFRolloutEngine(RolloutEngine):
 
     @classmethod
     def option_problems(cls, options: dict[str, Any]) -> list[tuple[str, str]]:
-        multiple = options.get("pad_to_multiple_of")
-        if multiple is not None and not (isinstance(multiple, int) and multiple >= 1):
-            return [("pad_to_multiple_of", f"must be an integer >= 1 or null, got {multiple!r}")]
-        return []
+        return multiple_problems(options.get("pad_to_multiple_of"))
 
     def onload(self) -> None:
         self._offloader.onload(self.model)
@@ -214,9 +211,7 @@ class HFRolloutEngine(RolloutEngine):
         pad = self.model.config.pad_token_id
         pad = pad if pad is not None else (stops[0] if stops else 0)
         rows = [(p, g, j) for p, g in zip(prompt_ids, groups) for j in range(n)]
-        width = max(len(p) for p, _, _ in rows)
-        if self.pad_to_multiple_of:
-            width += -width % self.pad_to_multiple_of
+        width = padded_width(max(len(p) for p, _, _ in rows), self.pad_to_multiple_of)
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, (p, _, _) in enumerate(rows):

@@ -39,13 +39,25 @@ LOSS_MASK = "response_mask"
 PAD_TO_MULTIPLE_OF = 8
 
 
+def padded_width(width: int, multiple: int | None) -> int:
+    """``width`` rounded up to a multiple of ``multiple`` (unchanged for ``None``)."""
+    return width + (-width % multiple if multiple else 0)
+
+
+def multiple_problems(multiple: object) -> list[tuple[str, str]]:
+    """The one check of a ``pad_to_multiple_of`` option, as ``(key, problem)`` pairs."""
+    if multiple is None or (isinstance(multiple, int) and not isinstance(multiple, bool) and multiple >= 1):
+        return []
+    return [("pad_to_multiple_of", f"must be an integer >= 1 or null, got {multiple!r}")]
+
+
 def left_padded_to_multiple(
     ids: torch.Tensor, mask: torch.Tensor, multiple: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``ids`` and ``mask`` ``[B, T]`` with masked columns added on the left up to a multiple of
     ``multiple`` columns (the prompts' side, already left-padded: the response stays last, and
     positions come from the mask, so every real token's output is unchanged)."""
-    extra = -ids.shape[-1] % multiple if multiple else 0
+    extra = padded_width(ids.shape[-1], multiple) - ids.shape[-1]
     if not extra:
         return ids, mask
     return (

@@ -9,7 +9,12 @@ from typing import TYPE_CHECKING
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.flow.batch import LOSS_MASK, PAD_TO_MULTIPLE_OF, left_padded_to_multiple
+from rlinf_lightning.flow.batch import (
+    LOSS_MASK,
+    PAD_TO_MULTIPLE_OF,
+    left_padded_to_multiple,
+    multiple_problems,
+)
 from rlinf_lightning.kernels.chunked_head import (
     LOGIT_CHUNK_TOKENS,
     LogitMap,
@@ -279,8 +284,7 @@ class LMPolicy(RLModule):
         problems += lora_problems(self)
         if self.logit_chunk_tokens is not None and self.logit_chunk_tokens < 1:
             problems.append(("logit_chunk_tokens", f"must be >= 1 or null, got {self.logit_chunk_tokens}"))
-        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
-            problems.append(("pad_to_multiple_of", f"must be >= 1 or null, got {self.pad_to_multiple_of}"))
+        problems += multiple_problems(self.pad_to_multiple_of)
         return problems
 
 

@@ -12,7 +12,12 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from rlinf_lightning.flow.batch import LOSS_MASK, PAD_TO_MULTIPLE_OF, left_padded_to_multiple
+from rlinf_lightning.flow.batch import (
+    LOSS_MASK,
+    PAD_TO_MULTIPLE_OF,
+    left_padded_to_multiple,
+    multiple_problems,
+)
 from rlinf_lightning.kernels.fused_decoder import adapt_for_training
 from rlinf_lightning.policies.lm import enable_gradient_checkpointing
 from rlinf_lightning.policies.module import DTYPES, RLModule, compile_blocks
@@ -161,6 +166,5 @@ class ValueModel(RLModule):
             problems.append(("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}"))
         if self.train_micro_batch_size is not None and self.train_micro_batch_size < 1:
             problems.append(("train_micro_batch_size", f"must be >= 1, got {self.train_micro_batch_size}"))
-        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
-            problems.append(("pad_to_multiple_of", f"must be >= 1 or null, got {self.pad_to_multiple_of}"))
+        problems += multiple_problems(self.pad_to_multiple_of)
         return problems

@@ -1,7 +1,7 @@
 """The decode loop's counter-based sampling: it samples the softmax (chi-square), a row's tokens
-and log-probs do not depend on the rows beside it (up to the model's own rounding), stop ids end a
-completion, and the static-cache step (captured as a CUDA graph on a GPU) decodes what the dynamic
-cache does."""
+and log-probs do not depend on the rows beside it (up to the model's own rounding) nor on the
+masked columns a prefill is padded with, stop ids end a completion, and the static-cache step
+(captured as a CUDA graph on a GPU) decodes what the dynamic cache does."""
 
 from __future__ import annotations
 
@@ -73,6 +73,22 @@ def test_a_rows_tokens_and_logprobs_do_not_depend_on_the_rows_beside_it(engine):
     # the noise is bit-identical; the model's matmuls over 2 or 256 rows may round differently
     # (measured here: up to 5e-7), which the log-probs inherit
     torch.testing.assert_close(torch.tensor(pair.logprobs), torch.tensor(crowd.logprobs), atol=1e-5, rtol=0)
+
+
+def test_a_prefill_padded_to_a_multiple_of_8_generates_what_the_unpadded_one_does(engine):
+    """``pad_to_multiple_of`` (8 by default) adds masked columns before the prompts (widths 5 and 3
+    become 8): the same tokens, and the same log-probs up to rounding, as at the longest prompt's
+    width."""
+    assert engine.pad_to_multiple_of == 8
+    unpadded = HFRolloutEngine(engine.model_path, pad_to_multiple_of=None)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12)
+    prompts, groups = [[5, 6, 7, 8, 9], [20, 21, 22]], [0, 1]
+    got = engine.generate(prompts, groups, 2, params, 0, -1)
+    want = unpadded.generate(prompts, groups, 2, params, 0, -1)
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g, w, strict=True):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
 def test_generation_stops_at_any_of_several_stop_ids(engine):

@@ -11,7 +11,7 @@ from rlinf_lightning.algorithms import GRPO
 from rlinf_lightning.engines.rollout import HFRolloutEngine, SamplingParams
 from rlinf_lightning.engines.train import SingleTrainEngine
 from rlinf_lightning.flow.stage import StageContext
-from rlinf_lightning.policies import LMPolicy
+from rlinf_lightning.policies import LMPolicy, ValueModel
 from rlinf_lightning.workflows.padding import micro_batches, trim_padding
 from rlinf_lightning.workflows.reasoning.actor import PolicyLoss
 from rlinf_lightning.workflows.reasoning.rollout import pack_samples
@@ -110,3 +110,24 @@ def test_forwards_run_at_a_multiple_of_their_width_with_the_same_update(assets, 
     assert len(widths) == len(chunks) and all(w % 8 == 0 for w in widths), widths
     assert got["loss"] == pytest.approx(exact["loss"], abs=1e-6)
     torch.testing.assert_close(grad, exact_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_critic_values_a_batch_padded_to_a_multiple_of_8_as_at_its_own_width(assets, batch):
+    """``task.critic.pad_to_multiple_of``: the value model's forward adds masked columns on the
+    prompts' side, and every response token's value is what it is without them."""
+    critic = ValueModel(str(assets["sft"]))
+    critic.configure_model()
+    torch.manual_seed(0)
+    torch.nn.init.normal_(critic.model.head.weight)  # its zero start values every state 0
+    chunks = micro_batches(batch, 4, None)
+    assert any(c["input_ids"].shape[-1] % 8 for c in chunks)  # some need masked columns added
+    widths: list[int] = []
+    critic.model.register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[-1]))
+    with torch.no_grad():
+        for chunk in chunks:
+            critic.pad_to_multiple_of = 8
+            padded = critic.forward_values(chunk)
+            critic.pad_to_multiple_of = None
+            exact = critic.forward_values(chunk)
+            torch.testing.assert_close(padded, exact, rtol=1e-4, atol=1e-5)
+    assert all(w % 8 == 0 for w in widths[::2]) and widths[1::2] == [c["input_ids"].shape[-1] for c in chunks]
